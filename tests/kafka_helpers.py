@@ -1,0 +1,108 @@
+"""Small clients for tests: produce records, collect records, read committed offsets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+
+from schemas import Completed, Failed, Job, decode_result, encode
+
+Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
+
+
+def job_record(job: Job, key: bytes | None = b"") -> Record:
+    return (job.job_id.encode() if key == b"" else key, encode(job), [])
+
+
+async def produce(
+    bootstrap: str, topic: str, records: Iterable[Record], partition: int | None = None
+) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=32 * 1024 * 1024)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, value=value, key=key, headers=headers, partition=partition)
+            for key, value, headers in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def collect(
+    bootstrap: str, topic: str, count: int, timeout_s: float = 30.0
+) -> list[ConsumerRecord[Any, Any]]:
+    """Read `count` records from the beginning of `topic` (fail on timeout with what arrived)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_partition_fetch_bytes=64 * 1024 * 1024,
+        fetch_max_bytes=128 * 1024 * 1024,
+    )
+    await consumer.start()
+    try:
+        partitions = await _partitions(consumer, topic)
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        out: list[ConsumerRecord[Any, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while len(out) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"only {len(out)} of {count} records arrived on {topic}")
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                out.extend(records)
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def results(
+    bootstrap: str, topic: str, count: int, timeout_s: float = 30.0
+) -> dict[str, Completed | Failed]:
+    """Results by job_id (the latest one wins when a job was answered twice)."""
+    out: dict[str, Completed | Failed] = {}
+    for record in await collect(bootstrap, topic, count, timeout_s):
+        result = decode_result(record.value)
+        assert result.job_id is not None
+        assert record.key == result.job_id.encode()
+        out[result.job_id] = result
+    return out
+
+
+async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        partitions = await _partitions(consumer, topic)
+        return {tp.partition: await consumer.committed(tp) for tp in partitions}
+    finally:
+        await consumer.stop()
+
+
+async def wait_for(predicate: Any, timeout_s: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await _maybe_await(predicate()):  # a plain or an async predicate
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if asyncio.iscoroutine(value) else value
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> Sequence[TopicPartition]:
+    for _ in range(50):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return [TopicPartition(topic, p) for p in sorted(parts)]
+        await consumer._client.force_metadata_update()
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"topic {topic} has no partitions")

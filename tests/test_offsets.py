@@ -1,0 +1,76 @@
+"""The commit rule: highest contiguous answered offset + 1, per partition."""
+
+import pytest
+from aiokafka import TopicPartition
+
+from worker.offsets import OffsetTracker, PartitionOffsets
+
+TP0 = TopicPartition("jobs", 0)
+TP1 = TopicPartition("jobs", 1)
+
+
+def test_out_of_order_completion_commits_only_contiguous_prefix():
+    p = PartitionOffsets()
+    for offset in range(10, 15):
+        p.start(offset)
+    assert p.commit_position() == 10
+    p.finish(12)
+    p.finish(14)
+    assert p.commit_position() == 10  # 10 and 11 are still running: a hole blocks the rest
+    p.finish(10)
+    assert p.commit_position() == 11
+    p.finish(11)
+    assert p.commit_position() == 13  # 12 finished earlier, 13 is the next hole
+    p.finish(13)
+    assert p.commit_position() == 15
+    assert p.pending == 0
+
+
+def test_skipped_offsets_from_compaction_do_not_block_commit():
+    p = PartitionOffsets()
+    for offset in (3, 7, 8):
+        p.start(offset)
+    p.finish(8)
+    p.finish(3)
+    assert p.commit_position() == 7
+    p.finish(7)
+    assert p.commit_position() == 9
+
+
+def test_nothing_started_means_nothing_to_commit():
+    assert PartitionOffsets().commit_position() is None
+    assert OffsetTracker().to_commit() == {}
+
+
+def test_records_out_of_order_are_refused():
+    p = PartitionOffsets()
+    p.start(5)
+    with pytest.raises(ValueError, match="in order"):
+        p.start(5)
+
+
+def test_tracker_reports_only_moved_positions_and_forgets_revoked_partitions():
+    t = OffsetTracker()
+    t.start(TP0, 0)
+    t.start(TP0, 1)
+    t.start(TP1, 100)
+    t.finish(TP0, 1)
+    assert t.to_commit() == {TP0: 0, TP1: 100}
+    t.committed({TP0: 0, TP1: 100})
+    assert t.to_commit() == {}
+    t.finish(TP0, 0)
+    t.finish(TP1, 100)
+    assert t.to_commit() == {TP0: 2, TP1: 101}
+    assert t.to_commit({TP1}) == {TP1: 101}
+    t.forget({TP1})
+    t.finish(TP1, 101)  # a job of a revoked partition finishing late changes nothing
+    assert t.to_commit() == {TP0: 2}
+
+
+def test_memory_holds_only_the_unfinished_window():
+    p = PartitionOffsets()
+    for offset in range(10_000):
+        p.start(offset)
+        p.finish(offset)
+    assert p.pending == 0
+    assert p.commit_position() == 10_000

@@ -1,0 +1,460 @@
+"""The service against a real broker: commit rule, bad input, sizes, shutdown, rebalance, backlog."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+from aiokafka import TopicPartition
+
+from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, encode
+from tests.fakes import ScriptedEngine
+from tests.kafka_helpers import collect, committed, job_record, produce, results, wait_for
+from worker.config import Settings, settings_from
+from worker.kafka import make_consumer, make_producer
+from worker.mock_engine import MockEngineSettings
+from worker.service import DLQ_HEADERS, Worker
+
+pytestmark = pytest.mark.broker
+
+
+@dataclass
+class Topics:
+    jobs: str
+    results: str
+    dlq: str
+    group: str = field(default_factory=lambda: f"group-{uuid.uuid4().hex[:8]}")
+
+
+@dataclass
+class Running:
+    worker: Worker
+    engine: ScriptedEngine
+    task: asyncio.Task[int]
+    settings: Settings
+
+    async def stop(self) -> int:
+        self.worker.request_stop()
+        return await asyncio.wait_for(self.task, 60)
+
+
+@pytest.fixture
+async def topics(new_topic: Any) -> Topics:
+    return Topics(jobs=await new_topic(1), results=await new_topic(1), dlq=await new_topic(1))
+
+
+@pytest.fixture
+async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
+    running: list[Running] = []
+
+    async def start(
+        topics: Topics, engine: ScriptedEngine | None = None, **overrides: Any
+    ) -> Running:
+        values = {
+            "bootstrap_servers": kafka_bootstrap_servers,
+            "jobs_topic": topics.jobs,
+            "results_topic": topics.results,
+            "dead_letter_topic": topics.dlq,
+            "group_id": topics.group,
+            "engine": "mock",
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+            "shutdown_grace_s": 5,
+            "revoke_grace_s": 2,
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 500,
+        }
+        values.update(overrides)
+        settings = settings_from(values, {})
+        engine = engine or ScriptedEngine()
+        worker = Worker(
+            settings,
+            consumer=make_consumer(settings),
+            producer=make_producer(settings),
+            engine=engine,
+        )
+        task = asyncio.create_task(worker.run())
+        handle = Running(worker, engine, task, settings)
+        running.append(handle)
+        return handle
+
+    yield start
+    for handle in running:
+        if not handle.task.done():
+            handle.worker.request_stop()
+            await asyncio.wait_for(handle.task, 60)
+
+
+def job(job_id: str, **kwargs: Any) -> Job:
+    sampling = kwargs.pop("sampling", SamplingSpec(max_tokens=4))
+    return Job(job_id=job_id, prompt="hello world", sampling=sampling, **kwargs)
+
+
+async def test_out_of_order_completion_commits_only_contiguous_prefix(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    jobs = [job("slow", metadata={"gate": "slow"})] + [job(f"fast-{i}") for i in range(4)]
+    await produce(bs, topics.jobs, [job_record(j) for j in jobs])
+    run = await start_worker(topics)
+    answered = await results(bs, topics.results, 4)
+    assert set(answered) == {f"fast-{i}" for i in range(4)}
+    await asyncio.sleep(0.3)  # several commit rounds pass
+    # Offset 0 is a hole: nothing past it may be committed.
+    assert (await committed(bs, topics.group, topics.jobs))[0] in (None, 0)
+    run.engine.release("slow")
+    await wait_for(lambda: _committed_is(bs, topics, {0: 5}), what="commit past the released job")
+    assert await run.stop() == 0
+
+
+async def _committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:
+    return await committed(bs, topics.group, topics.jobs) == expected
+
+
+async def test_bad_records_are_answered_and_valid_jobs_around_them_complete(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    past = time.time() - 60
+    records = [
+        job_record(job("ok-1")),
+        (b"k-garbage", b"\x00\x01 not json", [("trace", b"t1")]),
+        (b"k-trunc", b'{"job_id": "trunc", "prompt": "hel', []),
+        (b"k-types", b'{"job_id": "types", "prompt": 5}', []),
+        (b"k-nofield", b'{"job_id": "nofield"}', []),
+        (b"k-noid", b'{"prompt": "hello"}', []),
+        (b"k-utf8", b'{"job_id": "\xff\xfe", "prompt": "x"}', []),
+        (b"k-tomb", None, []),
+        (b"k-limit", encode({"job_id": "limit", "prompt": "x", "sampling": {"n": 100000}}), []),
+        job_record(job("expired", deadline=past)),
+        job_record(job("eng", metadata={"fail": "engine_error"})),
+        job_record(job("eng-final", metadata={"fail": "engine_error_final"})),
+        job_record(job("invalid", metadata={"fail": "invalid"})),
+        job_record(job("bug", metadata={"fail": "bug"})),
+        job_record(job("ok-2", return_routed_experts=True)),
+        (None, encode(job("ok-nokey")), [("h", b"x" * 10_000)]),
+    ]
+    await produce(bs, topics.jobs, records)
+    run = await start_worker(topics)
+    # Answered by a result: every record whose job_id can be read.
+    answered = await results(bs, topics.results, 11)
+    codes = {
+        k: (v.error.code, v.error.retryable) if isinstance(v, Failed) else "completed"
+        for k, v in answered.items()
+    }
+    assert codes == {
+        "ok-1": "completed",
+        "ok-2": "completed",
+        "ok-nokey": "completed",
+        "types": (ErrorCode.INVALID_JOB, False),
+        "nofield": (ErrorCode.INVALID_JOB, False),
+        "limit": (ErrorCode.INVALID_JOB, False),
+        "expired": (ErrorCode.EXPIRED, False),
+        "eng": (ErrorCode.ENGINE_ERROR, True),
+        "eng-final": (ErrorCode.ENGINE_ERROR, False),
+        "invalid": (ErrorCode.INVALID_JOB, False),
+        "bug": (ErrorCode.INTERNAL_ERROR, False),
+    }
+    types_failure = answered["types"]
+    assert isinstance(types_failure, Failed)
+    assert "$.prompt" in types_failure.error.detail
+    limit_failure = answered["limit"]
+    assert isinstance(limit_failure, Failed)
+    assert "$.sampling.n" in limit_failure.error.detail
+    assert "expired" not in run.engine.started  # expired jobs never reach the engine
+    # Every schema-invalid record is copied to the dead-letter topic with its origin.
+    dead = await collect(bs, topics.dlq, 8)
+    by_key = {r.key: r for r in dead}
+    assert set(by_key) == {
+        b"k-garbage",
+        b"k-trunc",
+        b"k-types",
+        b"k-nofield",
+        b"k-noid",
+        b"k-utf8",
+        b"k-tomb",
+        b"k-limit",
+    }
+    garbage = by_key[b"k-garbage"]
+    assert garbage.value == b"\x00\x01 not json"
+    headers = dict(garbage.headers)
+    assert headers["trace"] == b"t1"  # the original headers are kept
+    assert set(DLQ_HEADERS) <= set(headers)
+    assert headers["vkw.error.code"] == b"invalid_job"
+    assert headers["vkw.source.topic"] == topics.jobs.encode()
+    assert headers["vkw.source.offset"] == b"1"
+    assert by_key[b"k-tomb"].value is None
+    await wait_for(
+        lambda: _committed_is(bs, topics, {0: len(records)}), what="commit of all records"
+    )
+    assert await run.stop() == 0
+
+
+async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=4000))
+    small = job("small", return_routed_experts=True)
+    await produce(bs, topics.jobs, [job_record(big), job_record(small)])
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    run = await start_worker(topics, engine, max_result_bytes=256 * 1024)
+    answered = await results(bs, topics.results, 2)
+    failure = answered["big"]
+    assert isinstance(failure, Failed)
+    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "the limit is 262144 (max_result_bytes)" in failure.error.detail
+    size = int(failure.error.detail.split("result is ")[1].split(" bytes")[0])
+    assert size > 4000 * 48 * 8  # the routed experts alone
+    assert isinstance(answered["small"], Completed)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit")
+    assert await run.stop() == 0
+
+
+async def test_result_the_broker_refuses_is_answered_result_too_large(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    bs = kafka_bootstrap_servers
+    topics = Topics(
+        jobs=await new_topic(1),
+        results=await new_topic(1, configs={"max.message.bytes": "200000"}),
+        dlq=await new_topic(1),
+    )
+    big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
+    await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    run = await start_worker(topics, engine, compression_type="none")
+    answered = await results(bs, topics.results, 2)
+    failure = answered["big"]
+    assert isinstance(failure, Failed)
+    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "max.message.bytes (200000)" in failure.error.detail
+    assert isinstance(answered["after"], Completed)
+    assert await run.stop() == 0
+
+
+async def test_engine_death_exits_nonzero_without_committing_unfinished_jobs(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    records = [
+        job_record(job("done-0")),
+        job_record(job("done-1")),
+        job_record(job("running", metadata={"gate": "never"})),
+        job_record(job("dies", metadata={"delay_s": "0.5", "fail": "dead"})),
+        job_record(job("later")),
+    ]
+    await produce(bs, topics.jobs, records)
+    run = await start_worker(topics)
+    status = await asyncio.wait_for(run.task, 30)
+    assert status == 1
+    assert "running" in run.engine.cancelled
+    assert await committed(bs, topics.group, topics.jobs) == {0: 2}
+    assert run.engine.closed
+
+
+async def test_shutdown_waits_for_in_flight_jobs_within_grace(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce(
+        bs, topics.jobs, [job_record(job(f"j{i}", metadata={"delay_s": "1.0"})) for i in range(3)]
+    )
+    run = await start_worker(topics, shutdown_grace_s=10)
+    await wait_for(lambda: len(run.engine.started) == 3, what="jobs to start")
+    assert await run.stop() == 0
+    assert run.engine.cancelled == []
+    assert set(await results(bs, topics.results, 3)) == {"j0", "j1", "j2"}
+    assert await committed(bs, topics.group, topics.jobs) == {0: 3}
+
+
+async def test_shutdown_past_grace_aborts_and_leaves_jobs_for_redelivery(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce(
+        bs,
+        topics.jobs,
+        [job_record(job("quick"))]
+        + [job_record(job(f"stuck{i}", metadata={"gate": "g"})) for i in range(2)],
+    )
+    run = await start_worker(topics, shutdown_grace_s=0.3)
+    await wait_for(lambda: len(run.engine.started) == 3, what="jobs to start")
+    await results(bs, topics.results, 1)
+    assert await run.stop() == 0
+    assert sorted(run.engine.cancelled) == ["stuck0", "stuck1"]
+    assert await committed(bs, topics.group, topics.jobs) == {0: 1}
+    # The next worker of the group gets exactly the unfinished jobs again.
+    engine = ScriptedEngine()
+    engine.release("g")
+    rerun = await start_worker(topics, engine)
+    answered = await results(bs, topics.results, 3)
+    assert set(answered) == {"quick", "stuck0", "stuck1"}
+    assert sorted(engine.started) == ["stuck0", "stuck1"]
+    assert await rerun.stop() == 0
+
+
+async def test_restart_resumes_from_committed_offset_without_loss(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce(bs, topics.jobs, [job_record(job(f"a{i}")) for i in range(10)])
+    first = await start_worker(topics)
+    await results(bs, topics.results, 10)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 10}), what="commit")
+    assert await first.stop() == 0
+    await produce(bs, topics.jobs, [job_record(job(f"b{i}")) for i in range(10)])
+    second = await start_worker(topics)
+    answered = await results(bs, topics.results, 20)
+    assert set(answered) == {f"a{i}" for i in range(10)} | {f"b{i}" for i in range(10)}
+    assert sorted(second.engine.started) == sorted(f"b{i}" for i in range(10))
+    assert await second.stop() == 0
+
+
+async def test_two_workers_split_partitions_and_one_leaving_loses_nothing(
+    tansu_broker, new_topic, start_worker
+):
+    # On tansu: the local noida-db broker does not hand a departed group leader's partitions on.
+    bs = tansu_broker.bootstrap_servers
+    topics = Topics(
+        jobs=await new_topic(4, bootstrap_servers=bs),
+        results=await new_topic(1, bootstrap_servers=bs),
+        dlq=await new_topic(1, bootstrap_servers=bs),
+    )
+    common = {"bootstrap_servers": bs, "enable_idempotence": False}
+    one = await start_worker(topics, **common)
+    two = await start_worker(topics, **common)
+    await wait_for(
+        lambda: (
+            one.worker.ready
+            and two.worker.ready
+            and len(one.worker._consumer.assignment()) + len(two.worker._consumer.assignment()) == 4
+        ),
+        timeout_s=60,
+        what="both workers to hold partitions",
+    )
+    records = [job_record(job(f"j{i}", metadata={"delay_s": "0.05"})) for i in range(80)]
+    await produce(bs, topics.jobs, records[:40])
+    await wait_for(
+        lambda: len(one.engine.started) > 3 and len(two.engine.started) > 3, what="both to work"
+    )
+    assert await one.stop() == 0
+    await produce(bs, topics.jobs, records[40:])
+    answered = await results(bs, topics.results, 80, timeout_s=90)
+    assert set(answered) == {f"j{i}" for i in range(80)}
+    assert all(isinstance(r, Completed) for r in answered.values())
+    await wait_for(
+        lambda: _committed_total(bs, topics, 80),
+        timeout_s=30,
+        what="all offsets committed by the survivor",
+    )
+    assert await two.stop() == 0
+
+
+async def _committed_total(bs: str, topics: Topics, total: int) -> bool:
+    offsets = await committed(bs, topics.group, topics.jobs)
+    return sum(o or 0 for o in offsets.values()) == total
+
+
+async def test_backlog_keeps_in_flight_under_the_cap_and_memory_bounded(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    count = 10_000
+    payload = encode(job("x"))
+    await produce(
+        bs,
+        topics.jobs,
+        [(f"j{i}".encode(), payload.replace(b'"x"', f'"j{i}"'.encode()), []) for i in range(count)],
+    )
+    engine = ScriptedEngine(max_concurrency=8)  # cap = 2 x 8
+    rss_before = psutil.Process(os.getpid()).memory_info().rss
+    run = await start_worker(topics, engine)
+    assert run.worker.max_in_flight == 16
+    await results(bs, topics.results, count, timeout_s=240)
+    rss_after = psutil.Process(os.getpid()).memory_info().rss
+    assert engine.peak_running <= 16
+    assert len(engine.started) == count
+    assert rss_after - rss_before < 150 * 1024 * 1024
+    await wait_for(lambda: _committed_is(bs, topics, {0: count}), what="commit")
+    assert await run.stop() == 0
+
+
+async def test_broker_gone_longer_than_publish_timeout_stops_the_worker_uncommitted(
+    restartable_broker, new_topic, start_worker
+):
+    bs = restartable_broker.bootstrap_servers
+    topics = Topics(
+        jobs=await new_topic(1, bootstrap_servers=bs),
+        results=await new_topic(1, bootstrap_servers=bs),
+        dlq=await new_topic(1, bootstrap_servers=bs),
+    )
+    await produce(
+        bs,
+        topics.jobs,
+        [job_record(job("first")), job_record(job("orphan", metadata={"gate": "g"}))],
+    )
+    run = await start_worker(
+        topics, bootstrap_servers=bs, publish_timeout_s=2, close_timeout_s=3, commit_timeout_s=1
+    )
+    await results(bs, topics.results, 1)
+    await wait_for(lambda: "orphan" in run.engine.started, what="the second job to start")
+    await asyncio.to_thread(restartable_broker.stop)  # a clean stop keeps the committed offsets
+    run.engine.release("g")
+    started = time.monotonic()
+    assert await asyncio.wait_for(run.task, 120) == 1
+    assert time.monotonic() - started < 90
+    # The orphan's answer never reached the broker: no commit the worker made covers it.
+    tp = TopicPartition(topics.jobs, 0)
+    assert run.worker._tracker.committed_position(tp) in (None, 0, 1)
+
+
+async def test_metrics_health_and_readiness_endpoints(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce(
+        bs, topics.jobs, [job_record(job(f"m{i}", return_routed_experts=True)) for i in range(3)]
+    )
+    await produce(bs, topics.jobs, [(b"bad", b"nope", [])])
+    run = await start_worker(topics, metrics_port=0)
+    await results(bs, topics.results, 3)
+    await wait_for(lambda: run.worker.ready, what="readiness")
+    port = run.worker.metrics_server.bound_port
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
+            assert r.status == 200
+        async with http.get(f"http://127.0.0.1:{port}/readyz") as r:
+            assert r.status == 200
+        dead_lettered = 'vkw_jobs_total{code="invalid_job",outcome="dead_lettered"}'
+
+        async def dead_letter_counted() -> bool:
+            return await _metric(http, port, dead_lettered) == 1.0
+
+        await wait_for(dead_letter_counted, what="dead-letter metric")
+        assert await _metric(http, port, 'vkw_jobs_total{code="",outcome="completed"}') == 3.0
+        assert await _metric(http, port, "vkw_generated_tokens_total") == 12.0
+        assert (await _metric(http, port, "vkw_routed_experts_bytes_total") or 0) > 0
+        lag = f'vkw_consumer_lag{{partition="0",topic="{topics.jobs}"}}'
+
+        async def caught_up() -> bool:
+            return await _metric(http, port, lag) == 0.0
+
+        await wait_for(caught_up, what="lag 0 once every record is committed")
+    assert await run.stop() == 0
+
+
+async def _metric(http: aiohttp.ClientSession, port: int, name: str) -> float | None:
+    async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+        for line in (await r.text()).splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[-1])
+    return None

@@ -1,0 +1,315 @@
+"""Command line: `serve` the worker, `submit` jobs, read `results`, build a `tiny-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any, Final
+
+import msgspec
+
+from schemas import Completed, Failed, SchemaError, decode_job, decode_result, encode
+from worker import __version__
+from worker.config import Settings, add_settings_arguments, settings_from
+from worker.errors import BrokerError, ConfigError, WorkerError
+
+__all__ = ["main"]
+
+logger = logging.getLogger("worker")
+
+CONNECTION_SETTINGS: Final = (
+    "bootstrap_servers",
+    "security_protocol",
+    "sasl_mechanism",
+    "sasl_username",
+    "sasl_password",
+    "ssl_cafile",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_key_password",
+)
+
+EXIT_OK: Final = 0
+EXIT_FATAL: Final = 1
+EXIT_USAGE: Final = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-kafka-worker",
+        description="Kafka generation jobs in, vLLM completions with MoE routed experts out.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the worker",
+        description=(
+            "Consume jobs, generate, publish results, commit answered offsets. Every flag also "
+            "reads an env var (VKW_<FLAG>). vLLM engine arguments go after `--`, exactly as for "
+            "`vllm serve` (e.g. `-- --model DIR --enforce-eager`); `serve --engine vllm -- --help` "
+            "lists them."
+        ),
+    )
+    add_settings_arguments(serve)
+
+    submit = commands.add_parser(
+        "submit",
+        help="produce jobs from a JSON-lines file",
+        description=(
+            "Validate every line as a job (filling a missing job_id), "
+            "then produce them, keyed by job_id."
+        ),
+    )
+    submit.add_argument("file", type=Path, help="JSON lines, one job per line ('-' for stdin)")
+    submit.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_settings_arguments(submit, (*CONNECTION_SETTINGS, "jobs_topic", "max_result_bytes"))
+
+    results = commands.add_parser(
+        "results",
+        help="read and summarise results",
+        description="Read results from the beginning of the results topic and summarise each one.",
+    )
+    results.add_argument("--follow", action="store_true", help="keep reading new results")
+    results.add_argument("--out", type=Path, help="also write every result as a JSON line here")
+    results.add_argument("--max", type=int, default=None, help="stop after this many results")
+    results.add_argument("--quiet", action="store_true", help="no per-result lines, only the total")
+    add_settings_arguments(results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes"))
+
+    tiny = commands.add_parser(
+        "tiny-model",
+        help="write a tiny random-weight MoE model for tests and the demo",
+        description=(
+            "Write a random-weight Qwen3-MoE (3 layers, one dense, 8 experts, top-2) "
+            "and a byte-level BPE tokenizer; nothing is downloaded."
+        ),
+    )
+    tiny.add_argument("dir", type=Path, help="output directory")
+    tiny.add_argument(
+        "--seed", type=int, default=0, help="weights and tokenizer are a function of it"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `vllm-kafka-worker` and `python -m worker`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, engine_args = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "tiny-model":
+            return _tiny_model(args.dir, args.seed)
+        settings = settings_from(args)
+        logging.basicConfig(
+            level=settings.log_level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        if args.command == "serve":
+            return asyncio.run(_serve(settings, engine_args))
+        if args.command == "submit":
+            return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
+        return asyncio.run(
+            _results(settings, follow=args.follow, out=args.out, limit=args.max, quiet=args.quiet)
+        )
+    except ConfigError as exc:
+        print(f"vllm-kafka-worker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (WorkerError, OSError) as exc:
+        print(f"vllm-kafka-worker: error: {exc}", file=sys.stderr)
+        return EXIT_FATAL
+    except KeyboardInterrupt:
+        return 130
+
+
+def _tiny_model(out_dir: Path, seed: int) -> int:
+    from worker.tiny_model import build_tiny_model  # noqa: PLC0415 - needs torch; keep --help fast
+
+    path = build_tiny_model(out_dir, seed=seed)
+    print(path)
+    return EXIT_OK
+
+
+async def _serve(settings: Settings, engine_args: list[str]) -> int:
+    from aiokafka.errors import KafkaError  # noqa: PLC0415
+
+    from worker.kafka import create_topics, make_consumer, make_producer  # noqa: PLC0415
+    from worker.service import Worker  # noqa: PLC0415
+
+    engine = build_engine(settings, engine_args)
+    if settings.create_topics:
+        await create_topics(settings)
+    worker = Worker(
+        settings,
+        consumer=make_consumer(settings),
+        producer=make_producer(settings),
+        engine=engine,
+    )
+    worker.install_signal_handlers()
+    try:
+        return await worker.run()
+    except KafkaError as exc:
+        raise BrokerError(f"Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
+
+
+def build_engine(settings: Settings, engine_args: list[str]) -> Any:
+    """The engine named by the settings; vLLM is imported only when asked for."""
+    if settings.engine == "mock":
+        if engine_args:
+            raise ConfigError(f"the mock engine takes no engine arguments, got {engine_args}")
+        from worker.mock_engine import MockEngine, MockEngineSettings  # noqa: PLC0415
+
+        return MockEngine(
+            MockEngineSettings(
+                per_token_latency_ms=settings.mock_per_token_latency_ms,
+                num_layers=settings.mock_num_layers,
+                top_k=settings.mock_top_k,
+                num_experts=settings.mock_num_experts,
+                max_num_seqs=settings.mock_max_num_seqs,
+                max_model_len=settings.mock_max_model_len,
+            )
+        )
+    try:
+        from worker.vllm_engine import build_vllm_engine  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigError(
+            f"--engine vllm needs vLLM installed (extras `cpu` or `gpu`): {exc}; "
+            "or use --engine mock"
+        ) from None
+    return build_vllm_engine(engine_args)
+
+
+def _read_jobs(path: Path) -> list[tuple[str, bytes]]:
+    """Validate every line first, so a bad file produces nothing and names its bad line."""
+    stream: IO[str]
+    with contextlib.ExitStack() as stack:
+        stream = sys.stdin if str(path) == "-" else stack.enter_context(path.open(encoding="utf-8"))
+        jobs: list[tuple[str, bytes]] = []
+        for number, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = msgspec.json.decode(line)
+                if isinstance(raw, dict) and not raw.get("job_id"):
+                    raw["job_id"] = str(uuid.uuid4())
+                job = decode_job(encode(raw))
+            except (msgspec.DecodeError, SchemaError) as exc:
+                raise ConfigError(f"{path}:{number}: {exc}") from None
+            jobs.append((job.job_id, encode(job)))
+    return jobs
+
+
+async def _submit(settings: Settings, path: Path, *, progress: bool) -> int:
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from worker.kafka import make_producer  # noqa: PLC0415
+
+    try:
+        jobs = _read_jobs(path)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
+    producer = make_producer(settings, linger_ms=20)
+    await producer.start()
+    try:
+        bar = tqdm(total=len(jobs), unit="job", disable=not progress, file=sys.stderr)
+        deliveries = []
+        for job_id, value in jobs:
+            delivery = await producer.send(settings.jobs_topic, value=value, key=job_id.encode())
+            delivery.add_done_callback(lambda _: bar.update())
+            deliveries.append(delivery)
+        await asyncio.gather(*deliveries)
+        bar.close()
+    finally:
+        await producer.stop()
+    for job_id, _ in jobs:
+        print(job_id)
+    print(f"submitted {len(jobs)} jobs to {settings.jobs_topic}", file=sys.stderr)
+    return EXIT_OK
+
+
+def summarize(result: Completed | Failed) -> str:
+    """One line per result, with a routed-experts summary per completion."""
+    if isinstance(result, Failed):
+        return f"{result.job_id} failed {result.error.code}: {result.error.detail}"
+    parts = [f"{result.job_id} completed prompt={result.prompt_token_count}"]
+    for c in result.completions:
+        text = f"[{c.index}] tokens={len(c.token_ids)} finish={c.finish_reason}"
+        if c.routed_experts is not None:
+            re_ = c.routed_experts
+            rows, layers, top_k = re_.shape
+            text += (
+                f" routed_experts={rows}x{layers}x{top_k} {re_.dtype} start={re_.start}"
+                f" positions=[{re_.start},{re_.end})"
+            )
+        parts.append(text)
+    return " ".join(parts)
+
+
+async def _results(
+    settings: Settings, *, follow: bool, out: Path | None, limit: int | None, quiet: bool
+) -> int:
+    from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: PLC0415
+
+    from worker.kafka import client_kwargs, record_size_limit  # noqa: PLC0415
+
+    consumer = AIOKafkaConsumer(
+        **client_kwargs(settings),
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=record_size_limit(settings),
+        fetch_max_bytes=max(50 * 1024 * 1024, 2 * record_size_limit(settings)),
+    )
+    await consumer.start()
+    counts = {"completed": 0, "failed": 0, "undecodable": 0}
+    sink = out.open("wb") if out is not None else None
+    try:
+        partitions = consumer.partitions_for_topic(settings.results_topic) or set()
+        if not partitions:
+            raise BrokerError(f"topic {settings.results_topic} does not exist")
+        tps = [TopicPartition(settings.results_topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        seen = 0
+        while limit is None or seen < limit:
+            batch = await consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                for record in records:
+                    seen += 1
+                    try:
+                        result = decode_result(record.value or b"")
+                    except SchemaError as exc:
+                        counts["undecodable"] += 1
+                        print(
+                            f"undecodable result at offset {record.offset}: {exc}", file=sys.stderr
+                        )
+                        continue
+                    counts["completed" if isinstance(result, Completed) else "failed"] += 1
+                    if not quiet:
+                        print(summarize(result))
+                    if sink is not None:
+                        sink.write((record.value or b"") + b"\n")
+            if not follow:
+                positions = {tp: await consumer.position(tp) for tp in tps}
+                if all(positions[tp] >= end[tp] for tp in tps):
+                    break
+    finally:
+        if sink is not None:
+            sink.close()
+        await consumer.stop()
+    print(
+        f"{counts['completed']} completed, {counts['failed']} failed, "
+        f"{counts['undecodable']} undecodable",
+        file=sys.stderr,
+    )
+    return EXIT_OK

@@ -1,0 +1,152 @@
+"""A model-free engine for load tests and for checking Kafka plumbing without a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+
+import msgspec
+import numpy as np
+
+from schemas import Completion, Job, RoutedExperts
+from worker.engine import EngineOutput
+from worker.errors import EngineDeadError, InvalidJobError
+
+__all__ = ["MockEngine", "MockEngineSettings"]
+
+logger = logging.getLogger(__name__)
+
+
+class MockEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Shape and speed of the simulated model (defaults look like Qwen3-30B-A3B)."""
+
+    per_token_latency_ms: float = 0.0
+    num_layers: int = 48
+    top_k: int = 8
+    num_experts: int = 128
+    vocab_size: int = 32_000
+    max_model_len: int = 32_768
+    max_num_seqs: int = 256
+
+
+class MockEngine:
+    """Deterministic tokens from the job's seed (or its id), synthetic routed experts.
+
+    The routed experts follow vLLM's row rule (rows = prompt_len + len(token_ids) - 1 - start)
+    and hold `top_k` distinct ids per row, so every consumer-side check a real model would pass
+    also passes here. Latency is simulated per token, so concurrent jobs overlap as in a batch.
+    """
+
+    def __init__(self, settings: MockEngineSettings | None = None) -> None:
+        self._settings = settings or MockEngineSettings()
+        self._running: dict[str, asyncio.Task[EngineOutput]] = {}
+        self._dead = False
+
+    @property
+    def model_name(self) -> str:
+        s = self._settings
+        return f"mock-{s.num_layers}L-{s.num_experts}E-top{s.top_k}"
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._settings.max_num_seqs
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        return True
+
+    async def start(self) -> None:
+        logger.info("mock engine ready: %s", self.model_name)
+
+    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+        if self._dead:
+            raise EngineDeadError("mock engine was closed")
+        s = self._settings
+        prompt_ids = (
+            list(job.prompt_token_ids)
+            if job.prompt_token_ids is not None
+            else list((job.prompt or "").encode("utf-8"))
+        )
+        prompt_len = len(prompt_ids)
+        if prompt_len == 0:
+            raise InvalidJobError("the prompt is empty")
+        if prompt_len >= s.max_model_len:
+            raise InvalidJobError(
+                f"prompt is {prompt_len} tokens; the model's context is {s.max_model_len}"
+            )
+        start = job.routed_experts_prompt_start
+        if start > prompt_len:
+            raise InvalidJobError(
+                f"routed_experts_prompt_start={start} is beyond the prompt ({prompt_len} tokens)"
+            )
+        sampling = job.sampling
+        max_tokens = sampling.max_tokens or s.max_model_len - prompt_len
+        max_tokens = min(max_tokens, s.max_model_len - prompt_len)
+        if s.per_token_latency_ms > 0:
+            await asyncio.sleep(max_tokens * s.per_token_latency_ms / 1000)
+        else:
+            await asyncio.sleep(0)
+        seed = sampling.seed if sampling.seed is not None else _stable_seed(job.job_id)
+        completions = [
+            self._completion(job, index, seed, prompt_len, max_tokens)
+            for index in range(sampling.n)
+        ]
+        return EngineOutput(prompt_token_ids=prompt_ids, completions=completions)
+
+    def _completion(
+        self, job: Job, index: int, seed: int, prompt_len: int, max_tokens: int
+    ) -> Completion:
+        s = self._settings
+        rng = np.random.default_rng([seed % 2**63, index])
+        token_ids = rng.integers(0, s.vocab_size, size=max_tokens).tolist()
+        finish_reason = "length"
+        stop_ids = set(job.sampling.stop_token_ids or ())
+        for position, token in enumerate(token_ids):
+            if token in stop_ids:
+                token_ids = token_ids[: position + 1]
+                finish_reason = "stop"
+                break
+        logprobs: list[float | None] | None = None
+        cumulative: float | None = None
+        if job.sampling.logprobs is not None:
+            values = (-rng.exponential(1.0, size=len(token_ids))).tolist()
+            logprobs = list(values)
+            cumulative = float(sum(values))
+        routed = None
+        if job.return_routed_experts:
+            start = job.routed_experts_prompt_start
+            rows = prompt_len + len(token_ids) - 1 - start
+            routed = RoutedExperts.from_array(self._synthetic_routing(rng, rows), start=start)
+        return Completion(
+            index=index,
+            token_ids=token_ids,
+            text="".join(chr(ord("a") + t % 26) for t in token_ids),
+            finish_reason=finish_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+            routed_experts=routed,
+        )
+
+    def _synthetic_routing(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        s = self._settings
+        # Distinct ids per (row, layer): a random first choice, the rest at fixed strides.
+        first = rng.integers(0, s.num_experts, size=(rows, s.num_layers, 1), dtype=np.int64)
+        stride = max(s.num_experts // s.top_k, 1)
+        offsets = np.arange(s.top_k, dtype=np.int64) * stride
+        return (first + offsets) % s.num_experts
+
+    async def abort(self, request_id: str) -> None:
+        # Cancelling the generate task is the abort: nothing else holds resources.
+        return
+
+    async def check_health(self) -> None:
+        if self._dead:
+            raise EngineDeadError("mock engine was closed")
+
+    async def close(self) -> None:
+        self._dead = True
+
+
+def _stable_seed(job_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little")

@@ -1,0 +1,607 @@
+"""The consume loop: fetch jobs, run them concurrently, publish answers, commit what is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Sequence
+from contextlib import AsyncExitStack
+from typing import Final
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaError,
+    MessageSizeTooLargeError,
+)
+
+from schemas import (
+    Completed,
+    ErrorCode,
+    ErrorInfo,
+    Failed,
+    Job,
+    SchemaError,
+    Timings,
+    decode_job,
+    encode,
+    peek_job_id,
+)
+from worker.config import Settings
+from worker.engine import Engine
+from worker.errors import (
+    BrokerError,
+    FatalError,
+    JobError,
+    ResultTooLargeError,
+)
+from worker.kafka import topic_max_message_bytes
+from worker.metrics import Metrics, MetricsServer
+from worker.offsets import OffsetTracker
+
+__all__ = ["DLQ_HEADERS", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+#: Headers added to a dead-letter copy; the original key, value and headers are kept as they were.
+DLQ_HEADERS: Final = (
+    "vkw.error.code",
+    "vkw.error.detail",
+    "vkw.source.topic",
+    "vkw.source.partition",
+    "vkw.source.offset",
+)
+
+Headers = list[tuple[str, bytes]]
+
+# Key, headers and record-batch framing around a result, as the broker counts them.
+_RECORD_FRAMING_BYTES: Final = 16 * 1024
+
+
+class _Answer:
+    """What one job record turns into: zero or one result plus zero or one dead-letter copy."""
+
+    __slots__ = ("dead_letter", "job_id", "result", "result_bytes")
+
+    def __init__(
+        self,
+        job_id: str | None,
+        result: Completed | Failed | None,
+        dead_letter: tuple[bytes | None, bytes | None, Headers] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.result = result
+        self.result_bytes = encode(result) if result is not None else None
+        self.dead_letter = dead_letter
+
+
+class Worker:
+    """Consumes jobs, runs them on an engine, publishes results, commits answered offsets.
+
+    The consumer, producer and engine are given, not built here, so tests pass fakes or clients
+    pointed at a test broker. `run()` starts them, serves until `request_stop()` or a fatal
+    error, drains, and returns the process exit status (0 clean, 1 fatal).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+        engine: Engine,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self._settings = settings
+        self._consumer = consumer
+        self._producer = producer
+        self._engine = engine
+        self.metrics = metrics or Metrics()
+        self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
+        self._tracker = OffsetTracker()
+        self._tasks: dict[asyncio.Task[None], tuple[TopicPartition, int]] = {}
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._fatal: FatalError | None = None
+        self._engine_ready = False
+        self._last_commit = 0.0
+        self._signals = 0
+        self.metrics_server: MetricsServer | None = None
+        self._result_limit = settings.max_result_bytes
+        self._result_limit_source = "max_result_bytes"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    @property
+    def ready(self) -> bool:
+        """Engine started and partitions held: what /readyz reports."""
+        return self._engine_ready and bool(self._consumer.assignment())
+
+    def request_stop(self) -> None:
+        """Stop fetching and drain (the first signal); the second one exits at once."""
+        self._stopping.set()
+        self._wake.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            logger.warning(
+                "second signal %s: exiting now; unanswered jobs will be redelivered", signum
+            )
+            os._exit(128 + signum)
+        logger.info("signal %s: draining for up to %.1fs", signum, self._settings.shutdown_grace_s)
+        self.request_stop()
+
+    async def run(self) -> int:
+        """Serve until stopped; return the exit status."""
+        s = self._settings
+        async with AsyncExitStack() as stack:
+            if s.metrics_port is not None:
+                self.metrics_server = MetricsServer(
+                    self.metrics, lambda: self.ready, s.metrics_host, s.metrics_port
+                )
+                await self.metrics_server.start()
+                stack.push_async_callback(self.metrics_server.stop)
+            await self._engine.start()
+            stack.push_async_callback(self._bounded, self._engine.close(), "engine close")
+            self._engine_ready = True
+            await self._producer.start()
+            stack.push_async_callback(self._bounded, self._producer.stop(), "producer stop")
+            await self._learn_result_limit()
+            self._consumer.subscribe([s.jobs_topic], listener=_RebalanceListener(self))
+            await self._consumer.start()
+            stack.push_async_callback(self._bounded, self._consumer.stop(), "consumer stop")
+            logger.info(
+                "worker %s serving %s -> %s (group %s, max_in_flight %d, engine %s)",
+                s.worker_id,
+                s.jobs_topic,
+                s.results_topic,
+                s.group_id,
+                self.max_in_flight,
+                self._engine.model_name,
+            )
+            try:
+                await self._consume_loop()
+            finally:
+                await self._drain()
+        if self._fatal is not None:
+            logger.error("stopped on a fatal error: %s", self._fatal)
+            return 1
+        logger.info("stopped cleanly")
+        return 0
+
+    async def _learn_result_limit(self) -> None:
+        s = self._settings
+        topic_limit = await topic_max_message_bytes(s, s.results_topic)
+        if topic_limit is not None and topic_limit - _RECORD_FRAMING_BYTES < s.max_result_bytes:
+            self._result_limit = max(topic_limit - _RECORD_FRAMING_BYTES, 0)
+            self._result_limit_source = (
+                f"{s.results_topic}'s max.message.bytes ({topic_limit}) less framing"
+            )
+            logger.warning(
+                "results larger than %d bytes will be answered result_too_large: %s",
+                self._result_limit,
+                self._result_limit_source,
+            )
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    async def _consume_loop(self) -> None:
+        s = self._settings
+        while not self._stopping.is_set() and self._fatal is None:
+            free = self.max_in_flight - len(self._tasks)
+            if free <= 0:
+                # At the cap: stop fetching but keep calling getmany, so the group does not evict
+                # us for exceeding max_poll_interval_ms (aiokafka issue #848).
+                self._consumer.pause(*self._consumer.assignment())
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
+                await self._consumer.getmany(timeout_ms=0)
+            else:
+                paused = self._consumer.paused()
+                if paused:
+                    self._consumer.resume(*paused)
+                try:
+                    batch = await self._consumer.getmany(
+                        timeout_ms=s.poll_timeout_ms, max_records=free
+                    )
+                except KafkaError as exc:
+                    if exc.retriable:
+                        logger.warning("fetch failed (%r); retrying", exc)
+                        continue
+                    self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
+                    break
+                self._start_jobs(batch)
+            await self._maybe_commit()
+            self._update_lag()
+
+    def _start_jobs(self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+        assigned = self._consumer.assignment()
+        for tp, records in batch.items():
+            if tp not in assigned:
+                continue  # revoked between the fetch and now: the next owner reads them
+            for record in records:
+                self._tracker.start(tp, record.offset)
+                task = asyncio.create_task(
+                    self._handle(tp, record), name=f"job {tp.topic}-{tp.partition}@{record.offset}"
+                )
+                self._tasks[task] = (tp, record.offset)
+                task.add_done_callback(self._job_done)
+        self.metrics.in_flight.set(len(self._tasks))
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+        self.metrics.in_flight.set(len(self._tasks))
+        self._wake.set()
+
+    async def _maybe_commit(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or (now - self._last_commit) * 1000 >= self._settings.commit_interval_ms:
+            await self._commit()
+            self._last_commit = now
+
+    async def _commit(self, partitions: set[TopicPartition] | None = None) -> None:
+        offsets = self._tracker.to_commit(partitions)
+        if not offsets:
+            return
+        try:
+            # aiokafka waits for a lost coordinator indefinitely; the loop must keep turning.
+            await asyncio.wait_for(self._consumer.commit(offsets), self._settings.commit_timeout_s)
+        except TimeoutError:
+            self.metrics.commits.labels("retry").inc()
+            logger.warning("commit of %s timed out; retrying at the next commit", _fmt(offsets))
+            return
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The group rebalanced under us: these records will be redelivered to the new owner.
+            self.metrics.commits.labels("failed").inc()
+            logger.warning(
+                "commit of %s failed (%s); the records will be redelivered", _fmt(offsets), exc
+            )
+            return
+        except KafkaError as exc:
+            self.metrics.commits.labels("retry").inc()
+            logger.warning(
+                "commit of %s failed (%s); retrying at the next commit", _fmt(offsets), exc
+            )
+            return
+        self._tracker.committed(offsets)
+        self.metrics.commits.labels("ok").inc()
+        logger.debug("committed %s", _fmt(offsets))
+
+    def _update_lag(self) -> None:
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            position = self._tracker.committed_position(tp)
+            if highwater is not None and position is not None:
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
+                    max(highwater - position, 0)
+                )
+
+    # ---- rebalance and shutdown ------------------------------------------------------------
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Let the revoked partitions' jobs finish for a bounded time, abort the rest, commit."""
+        tasks = [t for t, (tp, _) in self._tasks.items() if tp in revoked]
+        if tasks:
+            logger.info(
+                "rebalance: %d jobs of %s get %.1fs",
+                len(tasks),
+                sorted(map(str, revoked)),
+                self._settings.revoke_grace_s,
+            )
+            await self._finish_or_cancel(tasks, self._settings.revoke_grace_s)
+        await self._commit(revoked)
+        self._tracker.forget(revoked)
+        for tp in revoked:
+            with contextlib.suppress(KeyError):
+                self.metrics.consumer_lag.remove(tp.topic, str(tp.partition))
+
+    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self.metrics.assigned_partitions.set(len(self._consumer.assignment()))
+        logger.info("assigned %s", sorted(map(str, assigned)))
+
+    async def _drain(self) -> None:
+        """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
+        tasks = list(self._tasks)
+        grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
+        if tasks:
+            logger.info("draining %d jobs (grace %.1fs)", len(tasks), grace)
+            await self._finish_or_cancel(tasks, grace)
+        await self._bounded(self._producer.flush(), "flush")
+        await self._bounded(self._commit(), "final commit")
+
+    async def _bounded(self, step: Awaitable[object], what: str) -> None:
+        """Run one shutdown step for at most `close_timeout_s`: a dead broker must not hang exit."""
+        try:
+            await asyncio.wait_for(step, self._settings.close_timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "%s did not finish in %.1fs; going on", what, self._settings.close_timeout_s
+            )
+        except KafkaError as exc:
+            logger.warning("%s failed: %r", what, exc)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # aiokafka's fetcher lets its own task's cancellation escape stop() when the broker
+            # is gone; that is a failed step, not a request to cancel us.
+            logger.warning("%s was interrupted; going on", what)
+
+    async def _finish_or_cancel(self, tasks: Sequence[asyncio.Task[None]], grace_s: float) -> None:
+        pending: set[asyncio.Task[None]] = set(tasks)
+        if grace_s > 0:
+            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            logger.info(
+                "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
+                len(pending),
+            )
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    # ---- one job ---------------------------------------------------------------------------
+
+    async def _handle(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
+        """Answer one record and mark its offset answered. Only cancellation and fatal errors
+        leave without an answer; both leave the offset uncommitted, so the record is redelivered.
+        """
+        where = f"{tp.topic}-{tp.partition}@{record.offset}"
+        try:
+            try:
+                answer = await self._answer(tp, record)
+            except (asyncio.CancelledError, FatalError):
+                raise
+            except Exception as exc:  # The one broad catch: one job's bug must not stop the worker.
+                logger.exception("unexpected error answering %s", where)
+                answer = self._internal_error(tp, record, exc)
+            await self._publish(answer)
+        except asyncio.CancelledError:
+            logger.info("job at %s cancelled; left uncommitted for redelivery", where)
+            raise
+        except FatalError as exc:
+            if self._fatal is None:
+                self._fatal = exc
+                logger.exception("fatal error at %s", where)
+            self._wake.set()
+            return
+        self._tracker.finish(tp, record.offset)
+
+    async def _answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> _Answer:
+        started = time.time()
+        raw = record.value
+        if raw is None:
+            return self._invalid_record(
+                tp, record, SchemaError("the record has no value (a tombstone)")
+            )
+        try:
+            job = decode_job(raw)
+        except SchemaError as exc:
+            return self._invalid_record(tp, record, exc)
+        if job.deadline is not None and job.deadline < started:
+            logger.info(
+                "job %s at %s-%s@%s expired before it started",
+                job.job_id,
+                tp.topic,
+                tp.partition,
+                record.offset,
+            )
+            return self._failed(
+                job,
+                ErrorCode.EXPIRED,
+                f"deadline {job.deadline:.3f} passed before the job started ({started:.3f})",
+            )
+        queue_wait = max(started - record.timestamp / 1000, 0.0)
+        self.metrics.queue_wait.observe(queue_wait)
+        request_id = f"{job.job_id}@{tp.topic}-{tp.partition}-{record.offset}"
+        if job.return_routed_experts and not self._engine.supports_routed_experts:
+            return self._failed(
+                job,
+                ErrorCode.INVALID_JOB,
+                f"engine {self._engine.model_name} cannot return routed experts",
+            )
+        t0 = time.perf_counter()
+        try:
+            output = await self._engine.generate(job, request_id)
+        except JobError as exc:
+            logger.info(
+                "job %s at %s-%s@%s failed: %s %s",
+                job.job_id,
+                tp.topic,
+                tp.partition,
+                record.offset,
+                exc.code,
+                exc.detail,
+            )
+            return self._failed(job, exc.code, exc.detail, retryable=exc.retryable)
+        engine_s = time.perf_counter() - t0
+        self.metrics.engine_time.observe(engine_s)
+        result = Completed(
+            job_id=job.job_id,
+            completions=output.completions,
+            prompt_token_count=len(output.prompt_token_ids),
+            prompt_token_ids=output.prompt_token_ids if job.prompt is not None else None,
+            metadata=job.metadata,
+            model=self._engine.model_name,
+            worker=self._settings.worker_id,
+            timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
+        )
+        answer = _Answer(job.job_id, result)
+        size = len(answer.result_bytes or b"")
+        if size > self._result_limit:
+            return self._failed(
+                job,
+                ErrorCode.RESULT_TOO_LARGE,
+                f"result is {size} bytes; the limit is {self._result_limit} ({self._result_limit_source})",
+            )
+        self.metrics.generated_tokens.inc(sum(len(c.token_ids) for c in output.completions))
+        self.metrics.routed_experts_bytes.inc(
+            sum(
+                len(c.routed_experts.data)
+                for c in output.completions
+                if c.routed_experts is not None
+            )
+        )
+        return answer
+
+    def _failed(
+        self, job: Job, code: ErrorCode, detail: str, *, retryable: bool = False
+    ) -> _Answer:
+        error = ErrorInfo(code=code, detail=detail, retryable=retryable)
+        return _Answer(
+            job.job_id,
+            Failed(
+                job_id=job.job_id,
+                error=error,
+                metadata=job.metadata,
+                worker=self._settings.worker_id,
+            ),
+        )
+
+    def _internal_error(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], exc: Exception
+    ) -> _Answer:
+        detail = f"internal error: {type(exc).__name__}: {exc}"
+        job_id = peek_job_id(record.value) if record.value is not None else None
+        if job_id is None:
+            return _Answer(
+                None,
+                None,
+                dead_letter=self._dead_letter(tp, record, ErrorCode.INTERNAL_ERROR, detail),
+            )
+        error = ErrorInfo(code=ErrorCode.INTERNAL_ERROR, detail=detail)
+        return _Answer(job_id, Failed(job_id=job_id, error=error, worker=self._settings.worker_id))
+
+    def _dead_letter(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], code: ErrorCode, detail: str
+    ) -> tuple[bytes | None, bytes | None, Headers]:
+        headers: Headers = [(k, v) for k, v in record.headers or ()]
+        headers += [
+            ("vkw.error.code", code.value.encode()),
+            ("vkw.error.detail", detail.encode()[:4096]),
+            ("vkw.source.topic", tp.topic.encode()),
+            ("vkw.source.partition", str(tp.partition).encode()),
+            ("vkw.source.offset", str(record.offset).encode()),
+        ]
+        return (record.key, record.value, headers)
+
+    def _invalid_record(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], exc: SchemaError
+    ) -> _Answer:
+        job_id = peek_job_id(record.value) if record.value is not None else None
+        detail = (
+            f"invalid job at {exc.path}: {exc.message}"
+            if exc.path
+            else f"invalid job: {exc.message}"
+        )
+        logger.warning(
+            "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
+        )
+        failed = None
+        if job_id is not None:
+            failed = Failed(
+                job_id=job_id,
+                error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail=detail),
+                worker=self._settings.worker_id,
+            )
+        return _Answer(
+            job_id, failed, dead_letter=self._dead_letter(tp, record, ErrorCode.INVALID_JOB, detail)
+        )
+
+    async def _publish(self, answer: _Answer) -> None:
+        """Send the answer and wait until the broker acknowledged every part of it."""
+        s = self._settings
+        t0 = time.perf_counter()
+        if answer.dead_letter is not None:
+            key, value, headers = answer.dead_letter
+            await self._send(s.dead_letter_topic, key, value, headers)
+            self.metrics.jobs.labels("dead_lettered", _header(headers, "vkw.error.code")).inc()
+        if answer.result is not None and answer.result_bytes is not None:
+            key = answer.job_id.encode() if answer.job_id is not None else None
+            try:
+                await self._send(s.results_topic, key, answer.result_bytes, [])
+            except ResultTooLargeError as exc:
+                # The broker or client refused the size: answer that instead, it is small.
+                failed = Failed(
+                    job_id=answer.job_id,
+                    error=ErrorInfo(code=ErrorCode.RESULT_TOO_LARGE, detail=exc.detail),
+                    metadata=answer.result.metadata,
+                    worker=s.worker_id,
+                )
+                answer = _Answer(answer.job_id, failed)
+                await self._send(s.results_topic, key, answer.result_bytes or b"", [])
+            if isinstance(answer.result, Failed):
+                self.metrics.jobs.labels("failed", answer.result.error.code.value).inc()
+            else:
+                self.metrics.jobs.labels("completed", "").inc()
+        self.metrics.publish_time.observe(time.perf_counter() - t0)
+
+    async def _send(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
+    ) -> None:
+        """Produce one record and await its acknowledgement, retrying what the broker says is transient."""
+        deadline = time.monotonic() + self._settings.publish_timeout_s
+        backoff = 0.1
+        while True:
+            try:
+                delivery = await self._producer.send(topic, value=value, key=key, headers=headers)
+                # aiokafka retries an unreachable broker forever; our patience is bounded.
+                done, _ = await asyncio.wait(
+                    {delivery}, timeout=max(deadline - time.monotonic(), 0.1)
+                )
+                if not done:
+                    raise BrokerError(
+                        f"no acknowledgement from {topic} within "
+                        f"publish_timeout_s={self._settings.publish_timeout_s}"
+                    )
+                delivery.result()
+            except MessageSizeTooLargeError as exc:
+                size = len(value or b"")
+                raise ResultTooLargeError(
+                    f"result is {size} bytes; the broker or producer limit "
+                    f"({self._settings.max_result_bytes} + framing) refused it: {exc}"
+                ) from None
+            except KafkaError as exc:
+                if not exc.retriable or time.monotonic() > deadline:
+                    raise BrokerError(f"cannot deliver to {topic}: {exc!r}") from exc
+                logger.warning("delivery to %s failed (%r); retrying in %.1fs", topic, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            else:
+                return
+
+
+class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._worker.on_partitions_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._worker.on_partitions_assigned(set(assigned))
+
+
+def _header(headers: Headers, name: str) -> str:
+    return next((v.decode() for k, v in reversed(headers) if k == name), "")
+
+
+def _fmt(offsets: dict[TopicPartition, int]) -> str:
+    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, o in sorted(offsets.items()))
