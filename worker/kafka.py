@@ -90,6 +90,9 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
         # aiokafka checks this on the uncompressed record, whatever the compression.
         "max_request_size": record_size_limit(settings),
         "linger_ms": 5,
+        # Hundreds of jobs finish together; 16 KiB batches (the default) hold ~5 results and make
+        # every other sender wait for a drain. A larger record still gets a batch of its own.
+        "max_batch_size": 1 * MiB,
         # One delivery attempt never outlasts the worker's own patience.
         "request_timeout_ms": int(min(40.0, settings.publish_timeout_s) * 1000),
     }

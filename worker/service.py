@@ -114,6 +114,7 @@ class Worker:
         self._signals = 0
         self.metrics_server: MetricsServer | None = None
         self._result_limit = settings.max_result_bytes
+        self._send_lock = asyncio.Lock()
         self._result_limit_source = "max_result_bytes"
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -561,7 +562,12 @@ class Worker:
         backoff = 0.1
         while True:
             try:
-                delivery = await self._producer.send(topic, value=value, key=key, headers=headers)
+                # One task at a time appends to the producer's batches: with hundreds of jobs
+                # finishing together, unserialised sends thrash waiting for full batches to drain.
+                async with self._send_lock:
+                    delivery = await self._producer.send(
+                        topic, value=value, key=key, headers=headers
+                    )
                 # aiokafka retries an unreachable broker forever; our patience is bounded.
                 done, _ = await asyncio.wait(
                     {delivery}, timeout=max(deadline - time.monotonic(), 0.1)

@@ -1,0 +1,358 @@
+"""Benchmark: jobs/s through the worker vs a bare aiokafka loop, and RSS while draining a backlog.
+
+Run `python bench/pipeline.py [--jobs N] [--rounds R] [--backlog N]`. Uses $KAFKA_BOOTSTRAP_SERVERS
+when set, else starts a local noida-db broker (worker.dev_broker.LocalBroker).
+
+1. Throughput. The same jobs (one pre-produced topic) are served, in alternating rounds, by
+   - the worker in this process (`Worker` with `make_consumer`/`make_producer`, the mock engine at
+     zero latency), and
+   - a bare loop: `getmany` -> produce the pre-encoded mock result of each job -> await the
+     deliveries -> commit. Same client settings, same result bytes, no engine call.
+   Each run uses its own group and results topic; its rate is measured the same way for both, from
+   the results topic's end offset (from the first result to the last, so group join is excluded).
+   The worker/bare ratio (goal >= 0.8) is of the medians.
+2. Memory. A `python -m worker serve --engine mock` subprocess drains a backlog of `--backlog` jobs;
+   its RSS is sampled with psutil while it drains, and the peak so far is printed at 25/50/75/100%
+   of the drain, so flat-vs-growing is visible.
+
+It prints figures and the ratio next to the goal; it never fails on them (exit code 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Final
+
+import psutil
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from schemas import Completed, Job, SamplingSpec, Timings, encode
+from worker.config import Settings, settings_from
+from worker.dev_broker import LocalBroker
+from worker.kafka import make_consumer, make_producer
+from worker.mock_engine import MockEngine, MockEngineSettings
+from worker.service import Worker
+
+RATIO_GOAL: Final = 0.8
+REPO: Final = Path(__file__).resolve().parent.parent
+MAX_TOKENS: Final = 8
+NUM_LAYERS: Final = 8  # small routed-experts arrays keep the in-memory dev broker small
+
+
+def _jobs(count: int) -> list[Job]:
+    prefix = uuid.uuid4().hex[:8]
+    return [
+        Job(
+            job_id=f"{prefix}-{i}",
+            prompt=f"benchmark prompt {i}",
+            sampling=SamplingSpec(max_tokens=MAX_TOKENS),
+            return_routed_experts=True,
+        )
+        for i in range(count)
+    ]
+
+
+async def _create_topics(bootstrap: str, *names: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(n, num_partitions=1, replication_factor=1) for n in names]
+        )
+    finally:
+        await admin.close()
+
+
+def _topic() -> str:
+    return f"bench-{uuid.uuid4().hex}"
+
+
+async def _produce(bootstrap: str, topic: str, jobs: list[Job]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20)
+    await producer.start()
+    try:
+        futures = [await producer.send(topic, value=encode(j), key=j.job_id.encode()) for j in jobs]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+class EndOffsetProbe:
+    """Watches a topic's end offset (one partition): how many results exist, and when."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self._tp = TopicPartition(topic, 0)
+
+    async def __aenter__(self) -> EndOffsetProbe:
+        await self._consumer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._consumer.stop()
+
+    async def count(self) -> int:
+        offsets = await self._consumer.end_offsets([self._tp])
+        return int(offsets[self._tp])
+
+    async def wait(
+        self,
+        target: int,
+        on_progress: Callable[[int], None] | None = None,
+        interval_s: float = 0.05,
+        timeout_s: float = 600.0,
+    ) -> float:
+        """Seconds from the first result to the `target`-th."""
+        first: float | None = None
+        first_count = 0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            n = await self.count()
+            now = time.monotonic()
+            if on_progress is not None:
+                on_progress(n)
+            if n > 0 and first is None:
+                first, first_count = now, n
+            if n >= target:
+                first = now if first is None else first
+                # Scale to the whole run: the first poll already saw `first_count` results.
+                elapsed = now - first
+                done = target - first_count
+                return elapsed * target / done if done > 0 else elapsed
+            if now > deadline:
+                raise TimeoutError(f"{n} of {target} results after {timeout_s}s")
+            await asyncio.sleep(interval_s)
+
+
+def _settings(bootstrap: str, jobs_topic: str, results_topic: str, dlq: str) -> Settings:
+    return settings_from(
+        {
+            "bootstrap_servers": bootstrap,
+            "jobs_topic": jobs_topic,
+            "results_topic": results_topic,
+            "dead_letter_topic": dlq,
+            "group_id": f"bench-{uuid.uuid4().hex[:8]}",
+            "engine": "mock",
+            "mock_num_layers": NUM_LAYERS,
+            "shutdown_grace_s": 5,
+        },
+        {},
+    )
+
+
+def _engine() -> MockEngine:
+    return MockEngine(MockEngineSettings(per_token_latency_ms=0.0, num_layers=NUM_LAYERS))
+
+
+async def _result_bytes(jobs: list[Job]) -> dict[bytes, bytes]:
+    """The mock engine's result for each job, encoded as the worker would publish it."""
+    engine = _engine()
+    out: dict[bytes, bytes] = {}
+    for job in jobs:
+        output = await engine.generate(job, job.job_id)
+        result = Completed(
+            job_id=job.job_id,
+            completions=output.completions,
+            prompt_token_count=len(output.prompt_token_ids),
+            prompt_token_ids=output.prompt_token_ids,
+            metadata=job.metadata,
+            model=engine.model_name,
+            worker="bench-bare-loop",
+            timings=Timings(queue_wait_s=0.0, engine_s=0.0),
+        )
+        out[job.job_id.encode()] = encode(result)
+    return out
+
+
+async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
+    results, dlq = _topic(), _topic()
+    await _create_topics(bootstrap, results, dlq)
+    settings = _settings(bootstrap, jobs_topic, results, dlq)
+    worker = Worker(
+        settings,
+        consumer=make_consumer(settings),
+        producer=make_producer(settings),
+        engine=_engine(),
+    )
+    async with EndOffsetProbe(bootstrap, results) as probe:
+        task = asyncio.create_task(worker.run())
+        try:
+            seconds = await probe.wait(count)
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(task, 60)
+    return count / seconds
+
+
+async def run_bare(
+    bootstrap: str, jobs_topic: str, count: int, result_bytes: dict[bytes, bytes]
+) -> float:
+    results, dlq = _topic(), _topic()
+    await _create_topics(bootstrap, results, dlq)
+    settings = _settings(bootstrap, jobs_topic, results, dlq)
+    consumer = make_consumer(settings)
+    producer = make_producer(settings)
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        consumer.subscribe([jobs_topic])
+        await consumer.start()
+        await producer.start()
+        try:
+            while not stop.is_set():
+                batch = await consumer.getmany(timeout_ms=settings.poll_timeout_ms)
+                deliveries = []
+                offsets: dict[TopicPartition, int] = {}
+                for tp, records in batch.items():
+                    for record in records:
+                        value = result_bytes[record.key]
+                        deliveries.append(await producer.send(results, value=value, key=record.key))
+                    offsets[tp] = records[-1].offset + 1
+                if deliveries:
+                    await asyncio.gather(*deliveries)
+                    await consumer.commit(offsets)
+        finally:
+            await consumer.stop()
+            await producer.stop()
+
+    async with EndOffsetProbe(bootstrap, results) as probe:
+        task = asyncio.create_task(loop())
+        try:
+            seconds = await probe.wait(count)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 60)
+    return count / seconds
+
+
+async def throughput(bootstrap: str, count: int, rounds: int) -> None:
+    jobs = _jobs(count)
+    jobs_topic = _topic()
+    await _create_topics(bootstrap, jobs_topic)
+    await _produce(bootstrap, jobs_topic, jobs)
+    t0 = time.perf_counter()
+    result_bytes = await _result_bytes(jobs)
+    engine_us = (time.perf_counter() - t0) / count * 1e6
+    mean_size = statistics.fmean(len(v) for v in result_bytes.values())
+    print(
+        f"throughput: {count} jobs, result ~{mean_size:.0f} B, mock engine + encode "
+        f"{engine_us:.0f} us/job (in the worker's path, not the bare loop's)"
+    )
+    worker_rates: list[float] = []
+    bare_rates: list[float] = []
+    runs: list[tuple[str, list[float], Callable[[], Awaitable[float]]]] = [
+        ("bare", bare_rates, lambda: run_bare(bootstrap, jobs_topic, count, result_bytes)),
+        ("worker", worker_rates, lambda: run_worker(bootstrap, jobs_topic, count)),
+    ]
+    for r in range(rounds):
+        for name, rates, run in runs if r % 2 == 0 else runs[::-1]:
+            rate = await run()
+            rates.append(rate)
+            print(f"  round {r + 1} {name:6s} {rate:8.0f} jobs/s")
+    worker_rate, bare_rate = statistics.median(worker_rates), statistics.median(bare_rates)
+    ratio = worker_rate / bare_rate
+    verdict = "meets" if ratio >= RATIO_GOAL else "BELOW"
+    print(
+        f"median: worker {worker_rate:.0f} jobs/s, bare loop {bare_rate:.0f} jobs/s, "
+        f"ratio {ratio:.2f} ({verdict} goal >= {RATIO_GOAL})"
+    )
+
+
+async def backlog_rss(bootstrap: str, count: int) -> None:
+    jobs_topic, results, dlq = _topic(), _topic(), _topic()
+    await _create_topics(bootstrap, jobs_topic, results, dlq)
+    t0 = time.perf_counter()
+    await _produce(bootstrap, jobs_topic, _jobs(count))
+    print(f"backlog: {count} jobs produced in {time.perf_counter() - t0:.1f}s")
+    argv = [
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        "--engine",
+        "mock",
+        "--mock-num-layers",
+        str(NUM_LAYERS),
+        "--bootstrap-servers",
+        bootstrap,
+        "--jobs-topic",
+        jobs_topic,
+        "--results-topic",
+        results,
+        "--dead-letter-topic",
+        dlq,
+        "--group-id",
+        f"bench-{uuid.uuid4().hex[:8]}",
+        "--log-level",
+        "WARNING",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=REPO, env=env)
+    ps = psutil.Process(proc.pid)
+    peak = 0
+    marks = [25, 50, 75, 100]
+    start_rss = ps.memory_info().rss
+
+    def sample(done: int) -> None:
+        nonlocal peak
+        with contextlib.suppress(psutil.Error):
+            peak = max(peak, ps.memory_info().rss)
+        while marks and done * 100 >= marks[0] * count:
+            print(
+                f"  {marks.pop(0):3d}% drained ({done:6d} results): peak RSS {peak / 2**20:6.1f} MiB"
+            )
+
+    try:
+        async with EndOffsetProbe(bootstrap, results) as probe:
+            seconds = await probe.wait(count, on_progress=sample, interval_s=0.1)
+    finally:
+        proc.terminate()
+        rc = await asyncio.wait_for(proc.wait(), 60)
+    print(
+        f"backlog drained at {count / seconds:.0f} jobs/s; RSS at start {start_rss / 2**20:.1f} MiB,"
+        f" peak {peak / 2**20:.1f} MiB; worker exit {rc}"
+    )
+
+
+@contextlib.contextmanager
+def broker() -> Iterator[str]:
+    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if from_env:
+        yield from_env
+        return
+    local = LocalBroker()
+    local.start()
+    try:
+        yield local.bootstrap_servers
+    finally:
+        local.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--jobs", type=int, default=3000, help="jobs per throughput run")
+    parser.add_argument("--rounds", type=int, default=2, help="throughput rounds (alternating)")
+    parser.add_argument("--backlog", type=int, default=20_000, help="backlog for the RSS run")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-backlog", action="store_true")
+    args = parser.parse_args()
+    with broker() as bootstrap:
+        print(f"broker {bootstrap}")
+        if not args.skip_throughput:
+            asyncio.run(throughput(bootstrap, args.jobs, args.rounds))
+        if not args.skip_backlog:
+            asyncio.run(backlog_rss(bootstrap, args.backlog))
+
+
+if __name__ == "__main__":
+    main()
