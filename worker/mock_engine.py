@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from typing import Final
 
 import msgspec
 import numpy as np
@@ -42,6 +43,7 @@ class MockEngine:
         self._settings = settings or MockEngineSettings()
         self._running: dict[str, asyncio.Task[EngineOutput]] = {}
         self._dead = False
+        self._pool: _Pools | None = None
 
     @property
     def model_name(self) -> str:
@@ -97,44 +99,44 @@ class MockEngine:
     def _completion(
         self, job: Job, index: int, seed: int, prompt_len: int, max_tokens: int
     ) -> Completion:
-        s = self._settings
-        rng = np.random.default_rng([seed % 2**63, index])
-        token_ids = rng.integers(0, s.vocab_size, size=max_tokens).tolist()
+        # Outputs are slices of pools drawn once, at an offset derived from (seed, index): as
+        # deterministic as drawing per job, and cheap enough that a load test measures the
+        # worker and the broker rather than the mock.
+        pools = self._pools()
+        offset = _stable_seed(f"{seed}/{index}") % _POOL_VARIETY
+        tokens = pools.tokens[offset : offset + max_tokens]
         finish_reason = "length"
-        stop_ids = set(job.sampling.stop_token_ids or ())
-        for position, token in enumerate(token_ids):
-            if token in stop_ids:
-                token_ids = token_ids[: position + 1]
+        stop_ids = job.sampling.stop_token_ids
+        if stop_ids:
+            hits = np.flatnonzero(np.isin(tokens, stop_ids))
+            if hits.size:
+                tokens = tokens[: hits[0] + 1]
                 finish_reason = "stop"
-                break
         logprobs: list[float | None] | None = None
         cumulative: float | None = None
         if job.sampling.logprobs is not None:
-            values = (-rng.exponential(1.0, size=len(token_ids))).tolist()
-            logprobs = list(values)
-            cumulative = float(sum(values))
+            values = pools.logprobs[offset : offset + len(tokens)]
+            logprobs = values.tolist()
+            cumulative = float(values.sum())
         routed = None
         if job.return_routed_experts:
             start = job.routed_experts_prompt_start
-            rows = prompt_len + len(token_ids) - 1 - start
-            routed = RoutedExperts.from_array(self._synthetic_routing(rng, rows), start=start)
+            rows = prompt_len + len(tokens) - 1 - start
+            routed = RoutedExperts.from_array(pools.routing(offset, rows), start=start)
         return Completion(
             index=index,
-            token_ids=token_ids,
-            text="".join(chr(ord("a") + t % 26) for t in token_ids),
+            token_ids=tokens.tolist(),
+            text=(tokens % 26 + ord("a")).astype(np.uint8).tobytes().decode("ascii"),
             finish_reason=finish_reason,
             logprobs=logprobs,
             cumulative_logprob=cumulative,
             routed_experts=routed,
         )
 
-    def _synthetic_routing(self, rng: np.random.Generator, rows: int) -> np.ndarray:
-        s = self._settings
-        # Distinct ids per (row, layer): a random first choice, the rest at fixed strides.
-        first = rng.integers(0, s.num_experts, size=(rows, s.num_layers, 1), dtype=np.int64)
-        stride = max(s.num_experts // s.top_k, 1)
-        offsets = np.arange(s.top_k, dtype=np.int64) * stride
-        return (first + offsets) % s.num_experts
+    def _pools(self) -> _Pools:
+        if self._pool is None:
+            self._pool = _Pools(self._settings)
+        return self._pool
 
     async def abort(self, request_id: str) -> None:
         # Cancelling the generate task is the abort: nothing else holds resources.
@@ -146,6 +148,35 @@ class MockEngine:
 
     async def close(self) -> None:
         self._dead = True
+
+
+_POOL_VARIETY: Final = 4096
+
+
+class _Pools:
+    """Random tokens, logprobs and routing drawn once; completions are slices of them."""
+
+    def __init__(self, settings: MockEngineSettings) -> None:
+        self._settings = settings
+        rng = np.random.default_rng(0)
+        size = settings.max_model_len + _POOL_VARIETY
+        self.tokens = rng.integers(0, settings.vocab_size, size=size, dtype=np.int64)
+        self.logprobs = -rng.exponential(1.0, size=size)
+        self._routing: np.ndarray | None = None
+
+    def routing(self, offset: int, rows: int) -> np.ndarray:
+        if self._routing is None:
+            s = self._settings
+            rng = np.random.default_rng(1)
+            size = s.max_model_len + _POOL_VARIETY
+            # Distinct ids per (row, layer): a random first choice, the rest at fixed strides.
+            # uint32 arithmetic cannot overflow (ids < 65536, stride * top_k <= num_experts).
+            first = rng.integers(0, s.num_experts, size=(size, s.num_layers, 1), dtype=np.uint32)
+            stride = max(s.num_experts // s.top_k, 1)
+            first = first + np.arange(s.top_k, dtype=np.uint32) * stride
+            first %= s.num_experts
+            self._routing = first.astype(np.uint8 if s.num_experts <= 256 else np.uint16)
+        return self._routing[offset : offset + rows]
 
 
 def _stable_seed(job_id: str) -> int:

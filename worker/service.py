@@ -207,13 +207,15 @@ class Worker:
         while not self._stopping.is_set() and self._fatal is None:
             free = self.max_in_flight - len(self._tasks)
             if free <= 0:
-                # At the cap: stop fetching but keep calling getmany, so the group does not evict
-                # us for exceeding max_poll_interval_ms (aiokafka issue #848).
-                self._consumer.pause(*self._consumer.assignment())
+                # At the cap. Short jobs free a slot soon: wait for one without touching the
+                # fetcher. Long ones: pause the partitions and poll anyway, so the group does not
+                # evict us for exceeding max_poll_interval_ms (aiokafka issue #848).
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
-                await self._consumer.getmany(timeout_ms=0)
+                except TimeoutError:
+                    self._consumer.pause(*self._consumer.assignment())
+                    await self._consumer.getmany(timeout_ms=0)
             else:
                 paused = self._consumer.paused()
                 if paused:
