@@ -34,6 +34,7 @@ class ScriptedEngine:
         self.started: list[str] = []
         self.cancelled: list[str] = []
         self.closed = False
+        self.healthy = True
         self.on_start: Callable[[Job], None] | None = None
 
     @property
@@ -91,7 +92,8 @@ class ScriptedEngine:
         return
 
     async def check_health(self) -> None:
-        return
+        if not self.healthy:
+            raise EngineDeadError("scripted: engine reported unhealthy")
 
     async def close(self) -> None:
         self.closed = True

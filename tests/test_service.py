@@ -261,6 +261,16 @@ async def test_engine_death_exits_nonzero_without_committing_unfinished_jobs(
     assert run.engine.closed
 
 
+async def test_engine_failing_its_health_check_stops_an_idle_worker(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    run = await start_worker(topics, health_check_interval_s=0.2)
+    await wait_for(lambda: run.worker.ready, what="readiness")
+    run.engine.healthy = False
+    assert await asyncio.wait_for(run.task, 30) == 1
+    assert run.engine.closed
+
+
 async def test_shutdown_waits_for_in_flight_jobs_within_grace(
     kafka_bootstrap_servers, topics, start_worker
 ):

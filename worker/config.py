@@ -132,6 +132,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Meta(ge=0),
         _d("time in-flight jobs of revoked partitions get to finish on rebalance"),
     ] = 10.0
+    health_check_interval_s: Annotated[
+        float, Meta(gt=0), _d("how often the engine's health is checked between jobs")
+    ] = 10.0
     commit_timeout_s: Annotated[
         float, Meta(gt=0), _d("longest wait for one offset commit before retrying it later")
     ] = 10.0

@@ -111,6 +111,7 @@ class Worker:
         self._fatal: FatalError | None = None
         self._engine_ready = False
         self._last_commit = 0.0
+        self._last_health_check = time.monotonic()
         self._signals = 0
         self.metrics_server: MetricsServer | None = None
         self._result_limit = settings.max_result_bytes
@@ -233,6 +234,19 @@ class Worker:
                 self._start_jobs(batch)
             await self._maybe_commit()
             self._update_lag()
+            await self._maybe_check_engine()
+
+    async def _maybe_check_engine(self) -> None:
+        """A dead engine must stop the worker even when no job is running to notice it."""
+        now = time.monotonic()
+        if now - self._last_health_check < self._settings.health_check_interval_s:
+            return
+        self._last_health_check = now
+        try:
+            await self._engine.check_health()
+        except FatalError as exc:
+            logger.exception("engine health check failed")
+            self._fatal = exc
 
     def _start_jobs(self, batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
         assigned = self._consumer.assignment()
