@@ -40,6 +40,9 @@ def decode_job(data: bytes | str) -> Job:
         raise _schema_error(exc) from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"not a JSON job: {exc}") from None
+    except RecursionError:
+        # msgspec gives up on deep nesting with RecursionError, not DecodeError.
+        raise SchemaError("not a JSON job: nested too deeply") from None
 
 
 def decode_result(data: bytes | str) -> Result:
@@ -50,13 +53,15 @@ def decode_result(data: bytes | str) -> Result:
         raise _schema_error(exc) from None
     except msgspec.DecodeError as exc:
         raise SchemaError(f"not a JSON result: {exc}") from None
+    except RecursionError:
+        raise SchemaError("not a JSON result: nested too deeply") from None
 
 
 def peek_job_id(data: bytes | str) -> str | None:
     """The `job_id` of a record that failed validation, if one can be read at all."""
     try:
         job_id = _JOB_ID_DECODER.decode(data).job_id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
     # An id the schema would reject is not echoed: it could be megabytes long.
     return job_id if 0 < len(job_id) <= MAX_JOB_ID_CHARS else None

@@ -111,8 +111,8 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _narrowest_dtype(arr: npt.NDArray[np.integer]) -> np.dtype[np.integer]:
-    if arr.size == 0:
-        return np.dtype(np.uint8)
+    if arr.size == 0 or arr.dtype == np.uint8:
+        return np.dtype(np.uint8)  # nothing is narrower: no need to look at the values
     # One pass over the array in the usual case (no negatives) instead of min() then max().
     # Read as unsigned of the same width and byte order, a signed array's negatives are the values
     # above its positive range: if the unsigned maximum stays in that range, there are no

@@ -1057,3 +1057,13 @@ def test_readme_json_examples_decode_as_jobs_and_results() -> None:
         decoded_kinds.append("job" if isinstance(decoded, Job) else "result")
 
     assert decoded_kinds == [kind for kind, _, _ in blocks]
+
+
+def test_deeply_nested_json_is_a_schema_error_not_a_recursion_error():
+    deep = b'{"job_id": "deep", "prompt": "x", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(SchemaError, match="nested too deeply") as info:
+        decode_job(deep)
+    assert info.value.path is None
+    assert peek_job_id(deep) is None
+    with pytest.raises(SchemaError, match="nested too deeply"):
+        decode_result(b'{"type": "failed", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
