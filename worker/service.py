@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
-from typing import Final
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -104,6 +104,8 @@ class Worker:
         self._engine = engine
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
+        # With 2 x max_num_seqs in flight, refilling at 3/4 still keeps the engine's batch full.
+        self._refill_at = max(1, self.max_in_flight // 4)
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], tuple[TopicPartition, int]] = {}
         self._stopping = asyncio.Event()
@@ -116,6 +118,8 @@ class Worker:
         self.metrics_server: MetricsServer | None = None
         self._result_limit = settings.max_result_bytes
         self._send_lock = asyncio.Lock()
+        # Unacknowledged deliveries and when they were sent, oldest first.
+        self._deliveries: dict[asyncio.Future[Any], float] = {}
         self._result_limit_source = "max_result_bytes"
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -207,10 +211,12 @@ class Worker:
         s = self._settings
         while not self._stopping.is_set() and self._fatal is None:
             free = self.max_in_flight - len(self._tasks)
-            if free <= 0:
-                # At the cap. Short jobs free a slot soon: wait for one without touching the
-                # fetcher. Long ones: pause the partitions and poll anyway, so the group does not
-                # evict us for exceeding max_poll_interval_ms (aiokafka issue #848).
+            if free < self._refill_at:
+                # Full, or nearly. Fetch again once a quarter of the slots are free: refilling
+                # one slot per finished job costs a loop turn and a fetch per job, and answers
+                # are acknowledged in batches anyway. Short jobs free slots soon: wait without
+                # touching the fetcher. Long ones: pause the partitions and poll anyway, so the
+                # group does not evict us for exceeding max_poll_interval_ms (aiokafka #848).
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
@@ -235,6 +241,19 @@ class Worker:
             await self._maybe_commit()
             self._update_lag()
             await self._maybe_check_engine()
+            self._check_deliveries()
+
+    def _check_deliveries(self) -> None:
+        """Give up when the broker has not acknowledged an answer for `publish_timeout_s`."""
+        if not self._deliveries:
+            return
+        waited = time.monotonic() - next(iter(self._deliveries.values()))
+        if waited > self._settings.publish_timeout_s:
+            self._fatal = BrokerError(
+                f"no acknowledgement from the broker for {waited:.1f}s "
+                f"(publish_timeout_s={self._settings.publish_timeout_s})"
+            )
+            logger.error("%s; stopping", self._fatal)
 
     async def _maybe_check_engine(self) -> None:
         """A dead engine must stop the worker even when no job is running to notice it."""
@@ -265,7 +284,8 @@ class Worker:
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
         self.metrics.in_flight.set(len(self._tasks))
-        self._wake.set()
+        if self.max_in_flight - len(self._tasks) >= self._refill_at:
+            self._wake.set()
 
     async def _maybe_commit(self, *, force: bool = False) -> None:
         now = time.monotonic()
@@ -584,16 +604,13 @@ class Worker:
                     delivery = await self._producer.send(
                         topic, value=value, key=key, headers=headers
                     )
-                # aiokafka retries an unreachable broker forever; our patience is bounded.
-                done, _ = await asyncio.wait(
-                    {delivery}, timeout=max(deadline - time.monotonic(), 0.1)
-                )
-                if not done:
-                    raise BrokerError(
-                        f"no acknowledgement from {topic} within "
-                        f"publish_timeout_s={self._settings.publish_timeout_s}"
-                    )
-                delivery.result()
+                # aiokafka retries an unreachable broker forever; the loop's watchdog bounds our
+                # patience (one check per loop turn is far cheaper than a timer per record).
+                self._deliveries[delivery] = time.monotonic()
+                try:
+                    await asyncio.shield(delivery)
+                finally:
+                    self._deliveries.pop(delivery, None)
             except MessageSizeTooLargeError as exc:
                 size = len(value or b"")
                 raise ResultTooLargeError(
