@@ -25,8 +25,10 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from schemas import Completed, Job, SamplingSpec, decode_result
-from tests.kafka_helpers import committed, job_record, produce, wait_for
+from schemas import Completed, Failed, Job, SamplingSpec, decode_job, decode_result, encode
+from tests.chaos_helpers import MiB, RssSampler, Scraper, metrics_port, mib, produce_spread
+from tests.kafka_helpers import Record, collect, committed, job_record, produce, wait_for
+from worker.service import DLQ_HEADERS
 
 pytestmark = [pytest.mark.chaos, pytest.mark.broker]
 
@@ -72,7 +74,12 @@ class WorkerProcess:
         args.update({k.replace("_", "-"): v for k, v in flags.items()})
         argv = [sys.executable, "-m", "worker", "serve"]
         for name, value in args.items():
-            argv += [f"--{name}", str(value)]
+            if value is None:  # None leaves a setting at its default (e.g. no instance id)
+                continue
+            if isinstance(value, bool):
+                argv.append(f"--{name}" if value else f"--no-{name}")
+            else:
+                argv += [f"--{name}", str(value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
         self.log = log
         self._log_file = log.open("ab")
@@ -106,9 +113,12 @@ class WorkerProcess:
 def spawn(kafka_bootstrap_servers: str, tmp_path: Path) -> Iterator[Any]:
     started: list[WorkerProcess] = []
 
-    def start(topics: Topics, **flags: Any) -> WorkerProcess:
+    def start(topics: Topics, bootstrap: str | None = None, **flags: Any) -> WorkerProcess:
         worker = WorkerProcess(
-            kafka_bootstrap_servers, topics, tmp_path / f"worker-{len(started)}.log", **flags
+            bootstrap or kafka_bootstrap_servers,
+            topics,
+            tmp_path / f"worker-{len(started)}.log",
+            **flags,
         )
         started.append(worker)
         return worker
@@ -122,7 +132,9 @@ class Watcher:
     """Reads the results topic from the beginning in the background, keeping every record."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self.records: list[Completed | Any] = []
+        self.records: list[Completed | Failed] = []
+        #: When each job_id's first result arrived (monotonic seconds).
+        self.arrived: dict[str, float] = {}
         self._bootstrap = bootstrap
         self._topic = topic
         self._task: asyncio.Task[None] | None = None
@@ -144,7 +156,11 @@ class Watcher:
         try:
             while True:
                 for batch in (await consumer.getmany(timeout_ms=100)).values():
-                    self.records.extend(decode_result(r.value) for r in batch)
+                    now = time.monotonic()
+                    for record in batch:
+                        result = decode_result(record.value)
+                        self.records.append(result)
+                        self.arrived.setdefault(result.job_id or "", now)
         finally:
             await consumer.stop()
 
@@ -157,6 +173,16 @@ class Watcher:
     @property
     def answered(self) -> set[str]:
         return {r.job_id for r in self.records if isinstance(r, Completed)}
+
+    @property
+    def latest(self) -> dict[str, Completed | Failed]:
+        """The latest result of every job_id seen."""
+        return {r.job_id: r for r in self.records if r.job_id is not None}
+
+    def span(self, job_ids: set[str]) -> float:
+        """Seconds from the first to the last first-answer of `job_ids`."""
+        times = [self.arrived[j] for j in job_ids]
+        return max(times) - min(times)
 
     @property
     def duplicates(self) -> int:
@@ -289,3 +315,544 @@ async def test_sigterm_with_short_grace_leaves_the_rest_to_the_next_worker(
         )
         assert lost == 0
         assert watch.duplicates == 0
+
+
+# ---- broker restart, poison, scale-out, backlog ----------------------------------------------
+#
+# Sizes, chosen so the whole file runs in about 3 minutes on a 2-core CI runner (the issue's
+# figures in brackets): restart 400 jobs before + 100 after; poison 300 bad + 300 good + 60 odd
+# valid records [1000 + 1000]; scale-out 120 jobs per throughput phase and 120 around the kill;
+# backlog 20k queued jobs [100k].
+
+
+async def _private_topics(new_topic: Any, bootstrap: str, jobs_partitions: int = 1) -> Topics:
+    return Topics(
+        jobs=await new_topic(jobs_partitions, bootstrap_servers=bootstrap),
+        results=await new_topic(1, bootstrap_servers=bootstrap),
+        dlq=await new_topic(1, bootstrap_servers=bootstrap),
+    )
+
+
+def _figures(name: str, jobs: int, watch: Watcher, job_ids: set[str], t0: float, **extra: Any):
+    answered = len(set(watch.latest) & job_ids)
+    lost = len(job_ids - set(watch.latest))
+    more = "".join(f" {k}={v}" for k, v in extra.items())
+    print(
+        f"\n{name}: jobs={jobs} answered={answered} lost={lost} duplicates={watch.duplicates} "
+        f"seconds={time.monotonic() - t0:.1f}{more}"
+    )
+    return lost
+
+
+async def test_broker_restart_mid_run_worker_recovers_by_itself(
+    restartable_broker, new_topic, spawn
+):
+    broker = restartable_broker
+    bs = broker.bootstrap_servers
+    topics = await _private_topics(new_topic, bs)
+    t0 = time.monotonic()
+    # 4 tokens x 50 ms per job, 32 at once: ~160 jobs/s, so ~32 are in flight at the restart.
+    before = await _produce_jobs(bs, topics.jobs, 400, max_tokens=4)
+    async with watching(bs, topics.results) as watch:
+        worker = spawn(topics, bootstrap=bs)
+        await wait_for(lambda: len(watch.answered) >= 80, 30, "first results")
+        answered_at_restart = len(watch.answered)
+        r0 = time.monotonic()
+        await asyncio.to_thread(broker.restart)
+        restart_s = time.monotonic() - r0
+        assert answered_at_restart < 400 - MAX_IN_FLIGHT, "the worker was not busy at the restart"
+        # Produced after the restart: the worker must keep serving, not just finish its backlog.
+        after = await _produce_jobs(bs, topics.jobs, 100, max_tokens=4)
+        job_ids = before | after
+        await wait_for(lambda: watch.answered >= job_ids, 90, "every job answered")
+        await wait_for(lambda: _committed_is(bs, topics, len(job_ids)), 30, "commit of every job")
+        assert worker.proc.poll() is None, f"the worker exited; log {worker.log}"
+        worker.signal(signal.SIGTERM)
+        assert await worker.wait(20) == 0
+        lost = _figures(
+            "broker restart",
+            len(job_ids),
+            watch,
+            job_ids,
+            t0,
+            answered_at_restart=answered_at_restart,
+            restart_s=f"{restart_s:.2f}",
+        )
+        assert lost == 0
+        assert all(isinstance(r, Completed) for r in watch.records)
+        # The restart forgets the group generation: at most what was answered but not yet
+        # committed around it comes again.
+        assert watch.duplicates <= 2 * MAX_IN_FLIGHT
+
+
+# Poison records. Each kind: (build(i) -> (key, value, headers), outcome). Outcomes:
+#   "dlq"           schema-invalid, no job_id readable: the dead-letter copy is the only answer;
+#   ("dlq+failed", code, path)   schema-invalid with a readable job_id: both, detail names `path`;
+#   ("failed", code, text)       a valid job the worker refuses: a failed result only;
+#   "completed"     odd but valid: completes normally.
+_MAX_MODEL_LEN = 256
+
+
+def _bad(i: int) -> str:
+    return f"bad-{i}"
+
+
+def _doc(i: int, **fields: Any) -> bytes:
+    return encode({"job_id": _bad(i), **fields})
+
+
+def _sampling(i: int, **sampling: Any) -> bytes:
+    return _doc(i, prompt="hello", sampling=sampling)
+
+
+_Kind = tuple[str, Any, Any]
+_POISON: list[tuple[Any, _Kind | str]] = [
+    # Unreadable: no job_id can be read.
+    (lambda i: os.urandom(64), "dlq"),
+    (lambda i: _doc(i, prompt="hello")[:-9], "dlq"),  # truncated JSON
+    (lambda i: b'{"job_id": "\xff\xfe' + str(i).encode() + b'", "prompt": "x"}', "dlq"),
+    (lambda i: b'{"job_id": "' + str(i).encode() + b'", "prompt": "\\ud800"}', "dlq"),
+    (lambda i: encode({"prompt": "hello"}), "dlq"),  # no job_id
+    (lambda i: encode({"job_id": i, "prompt": "hello"}), "dlq"),  # job_id of the wrong type
+    (lambda i: encode({"job_id": "x" * 257, "prompt": "hello"}), "dlq"),  # job_id over 256
+    (lambda i: encode({"job_id": "", "prompt": "hello"}), "dlq"),
+    (lambda i: b"[1, 2, 3]", "dlq"),
+    (lambda i: b"null", "dlq"),
+    (lambda i: None, "dlq"),  # a tombstone
+    # Readable job_id, invalid job: wrong types.
+    (lambda i: _doc(i, prompt=5), ("dlq+failed", "invalid_job", "$.prompt")),
+    (lambda i: _doc(i, prompt="x", sampling="fast"), ("dlq+failed", "invalid_job", "$.sampling")),
+    (
+        lambda i: _doc(i, prompt_token_ids=["a"]),
+        ("dlq+failed", "invalid_job", "$.prompt_token_ids[0]"),
+    ),
+    (
+        lambda i: _doc(i, prompt="x", return_routed_experts="yes"),
+        ("dlq+failed", "invalid_job", "$.return_routed_experts"),
+    ),
+    (lambda i: _doc(i, prompt="x", metadata={"k": 1}), ("dlq+failed", "invalid_job", "$.metadata")),
+    (lambda i: _doc(i, prompt="x", deadline="soon"), ("dlq+failed", "invalid_job", "$.deadline")),
+    (
+        lambda i: b'{"job_id": "bad-' + str(i).encode() + b'", "prompt": "\xff\xfe"}',
+        ("dlq+failed", "invalid_job", "UTF-8"),
+    ),
+    # Missing or contradictory required fields.
+    (_doc, ("dlq+failed", "invalid_job", "$")),  # no prompt
+    (lambda i: _doc(i, prompt="x", prompt_token_ids=[1]), ("dlq+failed", "invalid_job", "$")),
+    (lambda i: _doc(i, prompt_token_ids=[]), ("dlq+failed", "invalid_job", "$")),
+    # Beyond every limit.
+    (lambda i: _sampling(i, n=129), ("dlq+failed", "invalid_job", "$.sampling.n")),
+    (lambda i: _sampling(i, n=10**30), ("dlq+failed", "invalid_job", "$.sampling.n")),  # huge n
+    (lambda i: _sampling(i, n=0), ("dlq+failed", "invalid_job", "$.sampling.n")),
+    (
+        lambda i: _sampling(i, max_tokens=2**20 + 1),
+        ("dlq+failed", "invalid_job", "$.sampling.max_tokens"),
+    ),
+    (
+        lambda i: _sampling(i, temperature=100.5),
+        ("dlq+failed", "invalid_job", "$.sampling.temperature"),
+    ),
+    (lambda i: _sampling(i, top_p=0.0), ("dlq+failed", "invalid_job", "$.sampling.top_p")),
+    (lambda i: _sampling(i, top_k=-2), ("dlq+failed", "invalid_job", "$.sampling.top_k")),
+    (lambda i: _sampling(i, min_p=1.5), ("dlq+failed", "invalid_job", "$.sampling.min_p")),
+    (lambda i: _sampling(i, logprobs=21), ("dlq+failed", "invalid_job", "$.sampling.logprobs")),
+    (lambda i: _sampling(i, seed=2**63), ("dlq+failed", "invalid_job", "$.sampling.seed")),
+    (
+        lambda i: _sampling(i, presence_penalty=2.5),
+        ("dlq+failed", "invalid_job", "$.sampling.presence_penalty"),
+    ),
+    (
+        lambda i: _sampling(i, repetition_penalty=0),
+        ("dlq+failed", "invalid_job", "$.sampling.repetition_penalty"),
+    ),
+    (
+        lambda i: _sampling(i, stop=[f"s{k}" for k in range(17)]),
+        ("dlq+failed", "invalid_job", "$.sampling.stop"),
+    ),
+    (
+        lambda i: _sampling(i, stop_token_ids=list(range(1025))),
+        ("dlq+failed", "invalid_job", "$.sampling.stop_token_ids"),
+    ),
+    (
+        lambda i: _doc(i, prompt="x", metadata={str(k): "v" for k in range(65)}),
+        ("dlq+failed", "invalid_job", "$.metadata"),
+    ),
+    (
+        lambda i: _doc(i, prompt="x", metadata={"k": "v" * 8193}),
+        ("dlq+failed", "invalid_job", "$.metadata"),
+    ),
+    (
+        lambda i: _doc(i, prompt_token_ids=[2**31]),
+        ("dlq+failed", "invalid_job", "$.prompt_token_ids[0]"),
+    ),
+    (
+        lambda i: _doc(i, prompt="x", routed_experts_prompt_start=-1),
+        ("dlq+failed", "invalid_job", "$.routed_experts_prompt_start"),
+    ),
+    # Valid jobs the worker must refuse without the dead-letter topic.
+    (
+        lambda i: _doc(i, prompt="x" * 8 * _MAX_MODEL_LEN),  # far beyond the model's length
+        ("failed", "invalid_job", f"the model's context is {_MAX_MODEL_LEN}"),
+    ),
+    (lambda i: _doc(i, prompt=""), ("failed", "invalid_job", "the prompt is empty")),
+    (
+        lambda i: _doc(i, prompt="hello", routed_experts_prompt_start=99),
+        ("failed", "invalid_job", "beyond the prompt"),
+    ),
+    (lambda i: _doc(i, prompt="hello", deadline=time.time() - 60), ("failed", "expired", "")),
+]
+
+
+def _odd_valid(i: int) -> Record:
+    """Odd but valid records (all must complete); job_id `odd-{i}`."""
+    job_id = f"odd-{i}"
+    kind = i % 6
+    if kind == 0:  # unknown fields, nested too, are ignored
+        value = encode(
+            {
+                "job_id": job_id,
+                "prompt": "hello",
+                "sampling": {"max_tokens": 4, "future_knob": [1, {"a": None}]},
+                "priority": "high",
+                "trace": {"span": [1, 2, 3]},
+            }
+        )
+        return (job_id.encode(), value, [])
+    job = Job(job_id=job_id, prompt="hello", sampling=SamplingSpec(max_tokens=4))
+    if kind == 1:
+        return (b"", encode(job), [])  # an empty key
+    if kind == 2:
+        return (None, encode(job), [])  # no key
+    if kind == 3:  # 16 headers of 8 KiB each
+        return (job_id.encode(), encode(job), [(f"h{k}", b"x" * 8192) for k in range(16)])
+    if kind == 4:  # every limit at its maximum, token ids instead of text
+        long_id = job_id + "-" + "y" * (256 - len(job_id) - 1)
+        value = encode(
+            {
+                "job_id": long_id,
+                "prompt_token_ids": [1, 2, 3],
+                "sampling": {"n": 128, "max_tokens": 2, "temperature": 100, "logprobs": 20},
+                "metadata": {str(k): "v" for k in range(64)},
+                "deadline": time.time() + 3600,
+            }
+        )
+        return (long_id.encode(), value, [])
+    return (job_id.encode(), encode(Job(job_id=job_id, prompt="héllo ✓", metadata={"a": ""})), [])
+
+
+def _odd_id(record: Record) -> str:
+    value = record[1]
+    assert value is not None
+    return decode_job(value).job_id
+
+
+@dataclass
+class PoisonPlan:
+    """Bad records interleaved with good jobs, and the answer each bad record must get."""
+
+    records: list[Record] = field(default_factory=list)
+    bad: dict[int, Any] = field(default_factory=dict)  # offset -> (outcome, job_id)
+    good_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def build(cls, bad_count: int, odd_count: int) -> PoisonPlan:
+        plan = cls()
+        for i in range(bad_count):
+            build, outcome = _POISON[i % len(_POISON)]
+            plan.bad[len(plan.records)] = (outcome, _bad(i))
+            plan.records.append((f"k-{i}".encode(), build(i), [("trace", f"t{i}".encode())]))
+            job = Job(job_id=f"good-{i}", prompt="hello", sampling=SamplingSpec(max_tokens=4))
+            plan.good_ids.add(job.job_id)
+            plan.records.append(job_record(job))
+            if i % (bad_count // odd_count) == 0:
+                odd = _odd_valid(i)
+                plan.good_ids.add(_odd_id(odd))
+                plan.records.append(odd)
+        return plan
+
+    @property
+    def failed_ids(self) -> set[str]:
+        """Bad records answered by a failed result: those whose job_id is readable."""
+        return {job_id for outcome, job_id in self.bad.values() if outcome != "dlq"}
+
+    @property
+    def dlq_offsets(self) -> set[int]:
+        return {
+            o for o, (outcome, _) in self.bad.items() if outcome == "dlq" or "dlq" in outcome[0]
+        }
+
+    def check_dead_letters(self, dead: list[Any], jobs_topic: str) -> None:
+        by_offset = {int(dict(r.headers)["vkw.source.offset"]): r for r in dead}
+        assert len(dead) == len(by_offset), "a record was dead-lettered twice"
+        assert set(by_offset) == self.dlq_offsets
+        for offset, copy in by_offset.items():
+            key, value, original_headers = self.records[offset]
+            headers = dict(copy.headers)
+            assert (copy.key, copy.value) == (key, value)  # untouched
+            assert headers["trace"] == original_headers[0][1]  # the original headers are kept
+            assert set(DLQ_HEADERS) <= set(headers)
+            assert headers["vkw.error.code"] == b"invalid_job"
+            assert headers["vkw.source.topic"] == jobs_topic.encode()
+            assert headers["vkw.source.partition"] == b"0"
+
+    def check_results(self, latest: dict[str, Completed | Failed]) -> None:
+        assert set(latest) == self.good_ids | self.failed_ids  # nothing else was answered
+        for job_id in self.good_ids:
+            assert isinstance(latest[job_id], Completed), latest[job_id]
+        for offset, (outcome, job_id) in self.bad.items():
+            if outcome == "dlq":
+                continue
+            result = latest[job_id]
+            assert isinstance(result, Failed), (offset, result)
+            kind, code, text = outcome
+            assert (result.error.code, result.error.retryable) == (code, False), (offset, result)
+            if kind == "dlq+failed":
+                assert result.error.detail.startswith("invalid job"), result.error.detail
+            assert text in result.error.detail, (offset, text, result.error.detail)
+
+
+async def test_poison_records_are_all_answered_and_the_worker_stays_up(
+    kafka_bootstrap_servers, topics, spawn
+):
+    bs = kafka_bootstrap_servers
+    bad_count, odd_count = 300, 60  # and 300 good jobs, one after each bad record
+    t0 = time.monotonic()
+    plan = PoisonPlan.build(bad_count, odd_count)
+    expected_ids = plan.good_ids | plan.failed_ids
+    async with watching(bs, topics.results) as watch:
+        worker = spawn(
+            topics, mock_max_model_len=_MAX_MODEL_LEN, metrics_port=0, metrics_host="127.0.0.1"
+        )
+        await metrics_port(worker.log)  # serving
+        async with RssSampler(worker.proc.pid, lambda: len(watch.records)) as rss:
+            await asyncio.sleep(0.3)
+            baseline = rss.peak
+            await produce(bs, topics.jobs, plan.records)
+            await wait_for(lambda: set(watch.latest) >= expected_ids, 60, "every answer")
+            await wait_for(
+                lambda: _committed_is(bs, topics, len(plan.records)), 30, "commit of every record"
+            )
+        assert worker.proc.poll() is None, f"the worker died; log {worker.log}"
+        dead = await collect(bs, topics.dlq, len(plan.dlq_offsets), timeout_s=30)
+        raw_results = await collect(bs, topics.results, len(expected_ids), timeout_s=30)
+        worker.signal(signal.SIGTERM)
+        assert await worker.wait(20) == 0
+        lost = _figures(
+            "poison",
+            len(plan.records),
+            watch,
+            expected_ids,
+            t0,
+            bad=bad_count,
+            good_and_odd=len(plan.good_ids),
+            failed=len(plan.failed_ids),
+            dead_lettered=len(dead),
+            rss_baseline=mib(baseline),
+            rss_peak=mib(rss.peak),
+        )
+    assert lost == 0
+    assert watch.duplicates == 0
+    for record in raw_results:
+        result = decode_result(record.value)
+        assert result.job_id is not None
+        assert record.key == result.job_id.encode()
+    plan.check_results(watch.latest)
+    plan.check_dead_letters(dead, topics.jobs)
+    # Bounded memory: the worker holds no more than its in-flight window of records.
+    assert rss.peak - baseline < 150 * MiB
+
+
+async def _assigned(scraper: Scraper) -> float | None:
+    return await scraper.value("vkw_assigned_partitions")
+
+
+async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
+    tansu_broker, new_topic, spawn
+):
+    # tansu: noida-db never evicts a SIGKILLed member; tansu does, but has no idempotent producer.
+    bs = tansu_broker.bootstrap_servers
+    topics = await _private_topics(new_topic, bs, jobs_partitions=4)
+    per_phase, around_kill, cap = 120, 120, 4
+    flags = {
+        "bootstrap": bs,
+        "group_instance_id": None,  # dynamic members: the survivor must take over after eviction
+        "enable_idempotence": False,
+        "max_in_flight": cap,
+        "mock_per_token_latency_ms": 40,  # x 8 tokens: 320 ms a job, 12.5 jobs/s per worker
+        "metrics_port": 0,
+        "metrics_host": "127.0.0.1",
+        "revoke_grace_s": 2,
+    }
+    t0 = time.monotonic()
+
+    async def batch(name: str, count: int) -> set[str]:
+        jobs = [
+            Job(job_id=f"{name}-{i}", prompt="hello", sampling=SamplingSpec(max_tokens=8))
+            for i in range(count)
+        ]
+        await produce_spread(bs, topics.jobs, [job_record(j) for j in jobs], partitions=4)
+        return {j.job_id for j in jobs}
+
+    async with watching(bs, topics.results) as watch, contextlib.AsyncExitStack() as stack:
+        one = spawn(topics, **flags)
+        m_one = await stack.enter_async_context(Scraper(await metrics_port(one.log)))
+
+        async def holds(scraper: Scraper, n: int) -> bool:
+            return await _assigned(scraper) == n
+
+        await wait_for(lambda: holds(m_one, 4), 60, "the first worker to hold 4 partitions")
+        p0 = time.monotonic()
+        first = await batch("solo", per_phase)
+        await wait_for(lambda: watch.answered >= first, 60, "the one-worker batch")
+        solo_s = time.monotonic() - p0
+
+        two = spawn(topics, **flags)
+        m_two = await stack.enter_async_context(Scraper(await metrics_port(two.log)))
+        await wait_for(
+            lambda: _both_hold_two(m_one, m_two), 60, "both workers to hold 2 partitions"
+        )
+        p0 = time.monotonic()
+        second = await batch("pair", per_phase)
+        await wait_for(lambda: watch.answered >= second, 60, "the two-worker batch")
+        pair_s = time.monotonic() - p0
+        # Throughput from the first answer to the last, so the fixed cost of producing a batch
+        # and the first fetch (~0.5 s on tansu) does not dilute the ratio; wall times are printed.
+        speedup = watch.span(first) / watch.span(second)
+
+        third = await batch("kill", around_kill)
+        await wait_for(lambda: len(watch.answered & third) >= 20, 30, "work before the kill")
+        two.signal(signal.SIGKILL)
+        assert await two.wait(10) == -signal.SIGKILL
+        k0 = time.monotonic()
+        await wait_for(lambda: holds(m_one, 4), 60, "the survivor to take over 4 partitions")
+        takeover_s = time.monotonic() - k0
+        job_ids = first | second | third
+        await wait_for(lambda: watch.answered >= job_ids, 60, "every job answered")
+        await wait_for(
+            lambda: _committed_total(bs, topics, len(job_ids)), 30, "the survivor's commits"
+        )
+        one.signal(signal.SIGTERM)
+        assert await one.wait(20) == 0
+        lost = _figures(
+            "scale-out",
+            len(job_ids),
+            watch,
+            job_ids,
+            t0,
+            one_worker_s=f"{solo_s:.2f}",
+            two_workers_s=f"{pair_s:.2f}",
+            wall_speedup=f"{solo_s / pair_s:.2f}",
+            speedup=f"{speedup:.2f}",
+            takeover_s=f"{takeover_s:.1f}",
+        )
+    assert lost == 0
+    assert all(isinstance(r, Completed) for r in watch.records)
+    assert watch.duplicates <= 2 * cap  # the dead worker's answered-but-uncommitted jobs
+    assert speedup >= 1.8
+
+
+async def _both_hold_two(one: Scraper, two: Scraper) -> bool:
+    return await _assigned(one) == 2 and await _assigned(two) == 2
+
+
+async def _committed_total(bootstrap: str, topics: Topics, total: int) -> bool:
+    offsets = await committed(bootstrap, topics.group, topics.jobs)
+    return sum(o or 0 for o in offsets.values()) == total
+
+
+async def test_backlog_drains_under_the_cap_with_flat_memory(
+    kafka_bootstrap_servers, topics, spawn
+):
+    bs = kafka_bootstrap_servers
+    count, cap = 20_000, 64
+    t0 = time.monotonic()
+    template = encode(Job(job_id="JOBID", prompt="hello", sampling=SamplingSpec(max_tokens=4)))
+    prefix = uuid.uuid4().hex[:6]
+    job_ids = {f"{prefix}-{i}" for i in range(count)}
+    await produce(
+        bs,
+        topics.jobs,
+        ((j.encode(), template.replace(b"JOBID", j.encode()), []) for j in sorted(job_ids)),
+    )
+    produce_s = time.monotonic() - t0
+    in_flight: list[float] = []
+    lag_series = f'vkw_consumer_lag{{partition="0",topic="{topics.jobs}"}}'
+    async with watching(bs, topics.results) as watch:
+        worker = spawn(
+            topics,
+            max_in_flight=cap,
+            mock_per_token_latency_ms=0,
+            commit_interval_ms=200,
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+        )
+        d0 = time.monotonic()
+        async with (
+            Scraper(await metrics_port(worker.log)) as scraper,
+            RssSampler(worker.proc.pid, lambda: len(watch.records)) as rss,
+        ):
+
+            async def drained() -> bool:
+                sample = await scraper.sample()
+                if (value := sample.get("vkw_jobs_in_flight")) is not None:
+                    in_flight.append(value)
+                return watch.answered >= job_ids
+
+            await wait_for(drained, 120, "the backlog to drain")
+            drain_s = time.monotonic() - d0
+
+            async def lag_zero() -> bool:
+                return await scraper.value(lag_series) == 0.0
+
+            await wait_for(lag_zero, 30, "consumer lag 0")
+        await wait_for(lambda: _committed_is(bs, topics, count), 30, "commit of every job")
+        worker.signal(signal.SIGTERM)
+        assert await worker.wait(20) == 0
+        quarters = rss.peaks_by_quarter(count)
+        lost = _figures(
+            "backlog",
+            count,
+            watch,
+            job_ids,
+            t0,
+            produce_s=f"{produce_s:.1f}",
+            drain_s=f"{drain_s:.1f}",
+            jobs_per_s=f"{count / drain_s:.0f}",
+            peak_in_flight=max(in_flight, default=0),
+            in_flight_samples=len(in_flight),
+            rss_peak_by_quarter="/".join(mib(q) for q in quarters),
+        )
+    assert lost == 0
+    assert watch.duplicates == 0
+    assert in_flight, "no /metrics sample during the drain"
+    assert max(in_flight) <= cap
+    assert max(in_flight) >= cap // 2, "the worker never filled its window: the cap went untested"
+    assert all(quarters), quarters
+    assert max(quarters) - quarters[0] < 64 * MiB, quarters  # flat: no growth with the backlog
+
+
+async def test_deeply_nested_record_is_answered_and_does_not_block_commits(
+    kafka_bootstrap_servers, topics, spawn
+):
+    bs = kafka_bootstrap_servers
+    depth = 5000  # past msgspec's recursion limit: 10 KB of brackets in a field jobs ignore
+    deep = b'{"job_id": "deep", "prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+    after = Job(job_id="after", prompt="hello", sampling=SamplingSpec(max_tokens=4))
+    await produce(bs, topics.jobs, [(b"deep", deep, []), job_record(after)])
+    async with watching(bs, topics.results) as watch:
+        worker = spawn(topics)
+        try:
+            await wait_for(lambda: "after" in watch.latest, 30, "the job after the deep record")
+            # The deep record is answered (a dead-letter copy; a failed result too if its job_id
+            # is read), so the commit moves past both records.
+            await wait_for(lambda: _committed_is(bs, topics, 2), 5, "commit past the deep record")
+            dead = await collect(bs, topics.dlq, 1, timeout_s=5)
+            assert [(r.key, r.value) for r in dead] == [(b"deep", deep)]
+            result = watch.latest.get("deep")
+            assert result is None or (
+                isinstance(result, Failed) and result.error.code == "invalid_job"
+            )
+            assert worker.proc.poll() is None
+        finally:
+            worker.signal(signal.SIGTERM)
+            await worker.wait(20)
