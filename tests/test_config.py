@@ -42,6 +42,10 @@ def test_flag_beats_env_var_which_beats_default():
     )
 
 
+def test_the_cpu_test_backend_opt_in_is_not_mistaken_for_a_setting():
+    assert settings_from(parse(), {"VKW_TRITON_CPU_SHIM": "1"}).engine == "vllm"
+
+
 def test_boolean_flags_and_env_vars():
     assert settings_from(parse("--no-enable-idempotence"), {}).enable_idempotence is False
     assert settings_from(parse(), {"VKW_ENABLE_IDEMPOTENCE": "false"}).enable_idempotence is False

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tiny-model",
         help="write a tiny random-weight MoE model for tests and the demo",
         description=(
-            "Write a random-weight Qwen3-MoE (3 layers, one dense, 8 experts, top-2) "
+            "Write a random-weight Qwen3-MoE (4 layers, one dense, 8 experts, top-2) "
             "and a byte-level BPE tokenizer; nothing is downloaded."
         ),
     )

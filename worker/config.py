@@ -17,6 +17,9 @@ from worker.errors import ConfigError
 __all__ = ["ENV_PREFIX", "SECRET_FIELDS", "Settings", "add_settings_arguments", "settings_from"]
 
 ENV_PREFIX: Final = "VKW_"
+# VKW_* variables that are not settings: the CPU test backend's opt-in (tests/support), which
+# the engine's spawned processes must inherit.
+NOT_SETTINGS: Final = frozenset({"VKW_TRITON_CPU_SHIM"})
 MiB: Final = 1024 * 1024
 
 # Large enough for an 8k-token completion of a 94-layer, top-8 model (Qwen3-235B-A22B):
@@ -233,7 +236,9 @@ def settings_from(
     unknown_env = sorted(
         k
         for k in environ
-        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in _FIELDS
+        if k.startswith(ENV_PREFIX)
+        and k[len(ENV_PREFIX) :].lower() not in _FIELDS
+        and k not in NOT_SETTINGS
     )
     if unknown_env:
         raise ConfigError(f"unknown environment variable {unknown_env[0]} (settings: see --help)")
