@@ -34,7 +34,13 @@ JOBS: Final = [
         "sampling": {"max_tokens": 6, "temperature": 0.0},
     },
     {"prompt": "No routing wanted here", "sampling": {"max_tokens": 8}},
-    {"job_id": "bad-job", "prompt": "top_p out of range", "sampling": {"top_p": 2.0}},
+    # Valid JSON that vLLM refuses (the start is beyond the 3-token prompt): answered invalid_job.
+    {
+        "job_id": "start-beyond-prompt",
+        "prompt_token_ids": [1, 2, 3],
+        "return_routed_experts": True,
+        "routed_experts_prompt_start": 10,
+    },
 ]
 
 
@@ -45,14 +51,9 @@ def main() -> int:
         model_dir = _tiny_model()
         jobs_file = DEMO_DIR / "jobs.jsonl"
         jobs_file.write_text("".join(json.dumps(job) + "\n" for job in JOBS))
-        common = [
-            "--bootstrap-servers",
-            bootstrap,
-            "--jobs-topic",
-            "demo.jobs",
-            "--results-topic",
-            "demo.results",
-        ]
+        broker = ["--bootstrap-servers", bootstrap]
+        jobs_topic = ["--jobs-topic", "demo.jobs"]
+        results_topic = ["--results-topic", "demo.results"]
         port = _free_port()
         worker = subprocess.Popen(
             [
@@ -60,7 +61,9 @@ def main() -> int:
                 "-m",
                 "worker",
                 "serve",
-                *common,
+                *broker,
+                *jobs_topic,
+                *results_topic,
                 "--dead-letter-topic",
                 "demo.dlq",
                 "--create-topics",
@@ -90,7 +93,16 @@ def main() -> int:
         try:
             _wait_ready(worker, port)
             _run(
-                [sys.executable, "-m", "worker", "submit", str(jobs_file), "--no-progress", *common]
+                [
+                    sys.executable,
+                    "-m",
+                    "worker",
+                    "submit",
+                    str(jobs_file),
+                    "--no-progress",
+                    *broker,
+                    *jobs_topic,
+                ]
             )
             print("\n--- results (job, completions, routed experts rows x layers x top_k) ---")
             _run(
@@ -99,7 +111,8 @@ def main() -> int:
                     "-m",
                     "worker",
                     "results",
-                    *common,
+                    *broker,
+                    *results_topic,
                     "--follow",
                     "--max",
                     str(len(JOBS)),
