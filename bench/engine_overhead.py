@@ -36,7 +36,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.config import settings_from
 from worker.dev_broker import LocalBroker
-from worker.engine import EngineOutput
+from worker.engine import BorrowedEngine
 from worker.kafka import make_consumer, make_producer
 from worker.service import Worker
 from worker.vllm_engine import VllmEngine, build_vllm_engine
@@ -44,40 +44,6 @@ from worker.vllm_engine import VllmEngine, build_vllm_engine
 RATIO_GOAL: Final = 0.95
 # Variables that switch vLLM onto the slow capture path (see tests/support/triton_cpu_backend).
 CAPTURE_ENV: Final = ("VKW_TRITON_CPU_SHIM", "TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER")
-
-
-class Borrowed:
-    """The benchmark's engine lent to a Worker: its start() and close() leave the engine running."""
-
-    def __init__(self, engine: VllmEngine) -> None:
-        self._engine = engine
-
-    @property
-    def model_name(self) -> str:
-        return self._engine.model_name
-
-    @property
-    def max_concurrency(self) -> int:
-        return self._engine.max_concurrency
-
-    @property
-    def supports_routed_experts(self) -> bool:
-        return self._engine.supports_routed_experts
-
-    async def start(self) -> None:
-        return
-
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
-        return await self._engine.generate(job, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-    async def check_health(self) -> None:
-        await self._engine.check_health()
-
-    async def close(self) -> None:
-        return
 
 
 def prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -164,7 +130,7 @@ class WorkerPath:
             s,
             consumer=make_consumer(s),
             producer=make_producer(s),
-            engine=Borrowed(self._engine),
+            engine=BorrowedEngine(self._engine),
         )
         self._task = asyncio.create_task(self._worker.run())
         # Wait for the group join, so no round pays for it.

@@ -29,7 +29,7 @@ import pytest_asyncio
 from schemas import Job, SamplingSpec
 from tests.kafka_helpers import collect, job_record, produce
 from worker.config import settings_from
-from worker.engine import EngineOutput
+from worker.engine import BorrowedEngine, EngineOutput
 from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
 from worker.kafka import make_consumer, make_producer
 from worker.service import Worker
@@ -156,40 +156,6 @@ def assert_real_routing(experts: npt.NDArray[np.integer]) -> None:
     moe = experts[:, list(SPEC.moe_layers)]
     assert moe.max() < SPEC.num_experts
     assert (moe[..., 0] != moe[..., 1]).all()
-
-
-class BorrowedEngine:
-    """The module's engine lent to a Worker: the Worker's start() and close() leave it running."""
-
-    def __init__(self, engine: VllmEngine) -> None:
-        self._engine = engine
-
-    @property
-    def model_name(self) -> str:
-        return self._engine.model_name
-
-    @property
-    def max_concurrency(self) -> int:
-        return self._engine.max_concurrency
-
-    @property
-    def supports_routed_experts(self) -> bool:
-        return self._engine.supports_routed_experts
-
-    async def start(self) -> None:
-        return
-
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
-        return await self._engine.generate(job, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-    async def check_health(self) -> None:
-        await self._engine.check_health()
-
-    async def close(self) -> None:
-        return
 
 
 async def run_through_worker(

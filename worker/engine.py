@@ -8,7 +8,7 @@ import msgspec
 
 from schemas import Completion, Job
 
-__all__ = ["Engine", "EngineOutput"]
+__all__ = ["BorrowedEngine", "Engine", "EngineOutput"]
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,3 +60,40 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Release the engine's processes and memory."""
         ...
+
+
+class BorrowedEngine:
+    """An engine lent to a `Worker` whose start() and close() leave it running.
+
+    For tests and benchmarks that start one expensive engine and run several workers on it.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_concurrency(self) -> int:
+        return self._engine.max_concurrency
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        return self._engine.supports_routed_experts
+
+    async def start(self) -> None:
+        return
+
+    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+        return await self._engine.generate(job, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._engine.check_health()
+
+    async def close(self) -> None:
+        return
