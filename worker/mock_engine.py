@@ -87,8 +87,6 @@ class MockEngine:
         max_tokens = min(max_tokens, s.max_model_len - prompt_len)
         if s.per_token_latency_ms > 0:
             await asyncio.sleep(max_tokens * s.per_token_latency_ms / 1000)
-        else:
-            await asyncio.sleep(0)
         seed = sampling.seed if sampling.seed is not None else _stable_seed(job.job_id)
         completions = [
             self._completion(job, index, seed, prompt_len, max_tokens)

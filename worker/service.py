@@ -106,6 +106,8 @@ class Worker:
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
         # With 2 x max_num_seqs in flight, refilling at 3/4 still keeps the engine's batch full.
         self._refill_at = max(1, self.max_in_flight // 4)
+        # Read when scraped, not written twice per job.
+        self.metrics.in_flight.set_function(lambda: len(self._tasks))
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], tuple[TopicPartition, int]] = {}
         self._stopping = asyncio.Event()
@@ -279,11 +281,9 @@ class Worker:
                 )
                 self._tasks[task] = (tp, record.offset)
                 task.add_done_callback(self._job_done)
-        self.metrics.in_flight.set(len(self._tasks))
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
-        self.metrics.in_flight.set(len(self._tasks))
         if self.max_in_flight - len(self._tasks) >= self._refill_at:
             self._wake.set()
 
