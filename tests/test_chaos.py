@@ -207,7 +207,7 @@ async def _produce_jobs(bootstrap: str, topic: str, count: int, max_tokens: int)
 
 
 async def _crash_and_restart(
-    bootstrap: str, topics: Topics, spawn: Any, *, kills: int, jobs: int = 300
+    bootstrap: str, topics: Topics, spawn: Any, *, kills: int, jobs: int = 500
 ) -> None:
     t0 = time.monotonic()
     job_ids = await _produce_jobs(bootstrap, topics.jobs, jobs, max_tokens=4)
