@@ -320,9 +320,9 @@ async def test_sigterm_with_short_grace_leaves_the_rest_to_the_next_worker(
 # ---- broker restart, poison, scale-out, backlog ----------------------------------------------
 #
 # Sizes, chosen so the whole file runs in about 3 minutes on a 2-core CI runner (the issue's
-# figures in brackets): restart 400 jobs before + 100 after; poison 300 bad + 300 good + 60 odd
-# valid records [1000 + 1000]; scale-out 120 jobs per throughput phase and 120 around the kill;
-# backlog 20k queued jobs [100k].
+# figures in brackets): restart 400 jobs before + 100 after; poison 1000 bad + 1000 good + 60
+# odd valid records [1000 + 1000]; scale-out 120 jobs per throughput phase and 120 around the
+# kill; backlog 20k queued jobs [100k; `bench/pipeline.py --backlog 100000` runs that size].
 
 
 async def _private_topics(new_topic: Any, bootstrap: str, jobs_partitions: int = 1) -> Topics:
@@ -615,7 +615,7 @@ async def test_poison_records_are_all_answered_and_the_worker_stays_up(
     kafka_bootstrap_servers, topics, spawn
 ):
     bs = kafka_bootstrap_servers
-    bad_count, odd_count = 300, 60  # and 300 good jobs, one after each bad record
+    bad_count, odd_count = 1000, 60  # and 1000 good jobs, one after each bad record
     t0 = time.monotonic()
     plan = PoisonPlan.build(bad_count, odd_count)
     expected_ids = plan.good_ids | plan.failed_ids
