@@ -608,7 +608,9 @@ class Worker:
                 # patience (one check per loop turn is far cheaper than a timer per record).
                 self._deliveries[delivery] = time.monotonic()
                 try:
-                    await asyncio.shield(delivery)
+                    # Not shielded: aiokafka checks done() before resolving, so cancelling a job
+                    # while it waits here is harmless.
+                    await delivery
                 finally:
                     self._deliveries.pop(delivery, None)
             except MessageSizeTooLargeError as exc:
