@@ -91,7 +91,3 @@ class OffsetTracker:
     def committed_position(self, tp: TopicPartition) -> int | None:
         partition = self._partitions.get(tp)
         return None if partition is None else partition.committed
-
-    def pending(self, tp: TopicPartition) -> int:
-        partition = self._partitions.get(tp)
-        return 0 if partition is None else partition.pending

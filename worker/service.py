@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Awaitable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -119,16 +119,12 @@ class Worker:
         self._signals = 0
         self.metrics_server: MetricsServer | None = None
         self._result_limit = settings.max_result_bytes
+        self._result_limit_source = "max_result_bytes"
         self._send_lock = asyncio.Lock()
         # Unacknowledged deliveries and when they were sent, oldest first.
         self._deliveries: dict[asyncio.Future[Any], float] = {}
-        self._result_limit_source = "max_result_bytes"
 
     # ---- lifecycle -------------------------------------------------------------------------
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
 
     @property
     def ready(self) -> bool:
@@ -241,7 +237,6 @@ class Worker:
                     break
                 self._start_jobs(batch)
             await self._maybe_commit()
-            self._update_lag()
             await self._maybe_check_engine()
             self._check_deliveries()
 
@@ -287,11 +282,13 @@ class Worker:
         if self.max_in_flight - len(self._tasks) >= self._refill_at:
             self._wake.set()
 
-    async def _maybe_commit(self, *, force: bool = False) -> None:
+    async def _maybe_commit(self) -> None:
         now = time.monotonic()
-        if force or (now - self._last_commit) * 1000 >= self._settings.commit_interval_ms:
+        if (now - self._last_commit) * 1000 >= self._settings.commit_interval_ms:
             await self._commit()
             self._last_commit = now
+            # Lag is measured from the committed position, so it moves only with commits.
+            self._update_lag()
 
     async def _commit(self, partitions: set[TopicPartition] | None = None) -> None:
         offsets = self._tracker.to_commit(partitions)
@@ -516,15 +513,8 @@ class Worker:
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], exc: Exception
     ) -> _Answer:
         detail = f"internal error: {type(exc).__name__}: {exc}"
-        job_id = peek_job_id(record.value) if record.value is not None else None
-        if job_id is None:
-            return _Answer(
-                None,
-                None,
-                dead_letter=self._dead_letter(tp, record, ErrorCode.INTERNAL_ERROR, detail),
-            )
-        error = ErrorInfo(code=ErrorCode.INTERNAL_ERROR, detail=detail)
-        return _Answer(job_id, Failed(job_id=job_id, error=error, worker=self._settings.worker_id))
+        # A readable job gets a failed result; only an unreadable one needs the dead-letter copy.
+        return self._reject(tp, record, ErrorCode.INTERNAL_ERROR, detail, dead_letter="if_no_id")
 
     def _dead_letter(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], code: ErrorCode, detail: str
@@ -542,12 +532,25 @@ class Worker:
     def _invalid_record(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], exc: SchemaError
     ) -> _Answer:
-        job_id = peek_job_id(record.value) if record.value is not None else None
         detail = (
             f"invalid job at {exc.path}: {exc.message}"
             if exc.path
             else f"invalid job: {exc.message}"
         )
+        return self._reject(tp, record, ErrorCode.INVALID_JOB, detail, dead_letter="always")
+
+    def _reject(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        code: ErrorCode,
+        detail: str,
+        *,
+        dead_letter: Literal["always", "if_no_id"],
+    ) -> _Answer:
+        """Answer a record that did not become a job: a failed result when its job_id can be
+        read, and a dead-letter copy of the original record as `dead_letter` says."""
+        job_id = peek_job_id(record.value) if record.value is not None else None
         logger.warning(
             "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
         )
@@ -555,12 +558,13 @@ class Worker:
         if job_id is not None:
             failed = Failed(
                 job_id=job_id,
-                error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail=detail),
+                error=ErrorInfo(code=code, detail=detail),
                 worker=self._settings.worker_id,
             )
-        return _Answer(
-            job_id, failed, dead_letter=self._dead_letter(tp, record, ErrorCode.INVALID_JOB, detail)
-        )
+        copy = None
+        if dead_letter == "always" or job_id is None:
+            copy = self._dead_letter(tp, record, code, detail)
+        return _Answer(job_id, failed, dead_letter=copy)
 
     async def _publish(self, answer: _Answer) -> None:
         """Send the answer and wait until the broker acknowledged every part of it."""
