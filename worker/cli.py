@@ -258,17 +258,12 @@ def summarize(result: Completed | Failed) -> str:
 async def _results(
     settings: Settings, *, follow: bool, out: Path | None, limit: int | None, quiet: bool
 ) -> int:
-    from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: PLC0415
+    from aiokafka import TopicPartition  # noqa: PLC0415
 
-    from worker.kafka import client_kwargs, record_size_limit  # noqa: PLC0415
+    from worker.kafka import make_consumer  # noqa: PLC0415
 
-    consumer = AIOKafkaConsumer(
-        **client_kwargs(settings),
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_partition_fetch_bytes=record_size_limit(settings),
-        fetch_max_bytes=max(50 * 1024 * 1024, 2 * record_size_limit(settings)),
-    )
+    # No group: a reader of results assigns partitions itself and commits nothing.
+    consumer = make_consumer(settings, group_id=None, group_instance_id=None)
     await consumer.start()
     counts = {"completed": 0, "failed": 0, "undecodable": 0}
     sink = out.open("wb") if out is not None else None
