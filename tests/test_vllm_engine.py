@@ -33,7 +33,7 @@ from worker.engine import BorrowedEngine, EngineOutput
 from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
 from worker.kafka import make_consumer, make_producer
 from worker.service import Worker
-from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model
+from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.vllm_engine import MoeLayout, VllmEngine, build_vllm_engine, check_capture, moe_layout
 
 pytestmark = [
@@ -76,20 +76,7 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def engine_args(model_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--model",
-        str(model_dir),
-        "--enforce-eager",  # the compiled CPU path captures all zeros (see NOTES)
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-        *extra,
-    ]
+    return [*tiny_model_engine_args(model_dir), *extra]
 
 
 def activate_triton_cpu_shim() -> None:

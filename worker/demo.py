@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+from worker.tiny_model import build_tiny_model, tiny_model_engine_args
+
 DEMO_DIR: Final = Path(".demo")
 JOBS: Final = [
     {
@@ -76,17 +78,7 @@ def main() -> int:
                 "--shutdown-grace-s",
                 "10",
                 "--",
-                "--model",
-                str(model_dir),
-                "--enforce-eager",
-                "--dtype",
-                "float32",
-                "--max-model-len",
-                "512",
-                "--max-num-seqs",
-                "8",
-                "--seed",
-                "0",
+                *tiny_model_engine_args(model_dir),
             ],
             env=_engine_env(),
         )
@@ -150,8 +142,6 @@ def _broker() -> Iterator[str]:
 def _tiny_model() -> Path:
     model_dir = DEMO_DIR / "tiny-model"
     if not (model_dir / "config.json").exists():
-        from worker.tiny_model import build_tiny_model  # noqa: PLC0415 - needs torch
-
         print("building the tiny MoE model ...")
         build_tiny_model(model_dir, seed=0)
     return model_dir.resolve()

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["TINY_MODEL_SPEC", "TinyModelSpec", "build_tiny_model"]
+__all__ = ["TINY_MODEL_SPEC", "TinyModelSpec", "build_tiny_model", "tiny_model_engine_args"]
 
 _ENDOFTEXT = "<|endoftext|>"
 
@@ -100,6 +100,18 @@ for i in range(10):
 
 {"job_id": "abc-123", "prompt": "Hello, world!", "max_tokens": 16, "temperature": 0.7}
 """
+
+
+def tiny_model_engine_args(model_dir: pathlib.Path) -> list[str]:
+    """vLLM engine arguments that serve the tiny model with routed-experts capture on a CPU.
+
+    Eager mode because the compiled CPU path silently captures all zeros; float32 so the routing
+    matches HF transformers' fp32 router exactly.
+    """
+    return [
+        *("--model", str(model_dir), "--enforce-eager", "--dtype", "float32"),
+        *("--max-model-len", "512", "--max-num-seqs", "8", "--seed", "0"),
+    ]
 
 
 def build_tiny_model(out_dir: pathlib.Path, *, seed: int = 0) -> pathlib.Path:
