@@ -48,7 +48,23 @@ class Running:
 
 @pytest.fixture
 async def topics(new_topic: Any) -> Topics:
-    return Topics(jobs=await new_topic(1), results=await new_topic(1), dlq=await new_topic(1))
+    return await make_topics(new_topic)
+
+
+async def make_topics(
+    new_topic: Any,
+    *,
+    jobs_partitions: int = 1,
+    results_configs: dict[str, str] | None = None,
+    bootstrap_servers: str | None = None,
+) -> Topics:
+    """Fresh jobs, results and dead-letter topics (on the shared broker unless told otherwise)."""
+    on = {"bootstrap_servers": bootstrap_servers}
+    return Topics(
+        jobs=await new_topic(jobs_partitions, **on),
+        results=await new_topic(1, configs=results_configs, **on),
+        dlq=await new_topic(1, **on),
+    )
 
 
 @pytest.fixture
@@ -223,11 +239,7 @@ async def test_result_the_broker_refuses_is_answered_result_too_large(
     kafka_bootstrap_servers, new_topic, start_worker
 ):
     bs = kafka_bootstrap_servers
-    topics = Topics(
-        jobs=await new_topic(1),
-        results=await new_topic(1, configs={"max.message.bytes": "200000"}),
-        dlq=await new_topic(1),
-    )
+    topics = await make_topics(new_topic, results_configs={"max.message.bytes": "200000"})
     big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
     await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
     engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
@@ -334,11 +346,7 @@ async def test_two_workers_split_partitions_and_one_leaving_loses_nothing(
 ):
     # On tansu: the local noida-db broker does not hand a departed group leader's partitions on.
     bs = tansu_broker.bootstrap_servers
-    topics = Topics(
-        jobs=await new_topic(4, bootstrap_servers=bs),
-        results=await new_topic(1, bootstrap_servers=bs),
-        dlq=await new_topic(1, bootstrap_servers=bs),
-    )
+    topics = await make_topics(new_topic, jobs_partitions=4, bootstrap_servers=bs)
     common = {"bootstrap_servers": bs, "enable_idempotence": False}
     one = await start_worker(topics, **common)
     two = await start_worker(topics, **common)
@@ -402,11 +410,7 @@ async def test_broker_gone_longer_than_publish_timeout_stops_the_worker_uncommit
     restartable_broker, new_topic, start_worker
 ):
     bs = restartable_broker.bootstrap_servers
-    topics = Topics(
-        jobs=await new_topic(1, bootstrap_servers=bs),
-        results=await new_topic(1, bootstrap_servers=bs),
-        dlq=await new_topic(1, bootstrap_servers=bs),
-    )
+    topics = await make_topics(new_topic, bootstrap_servers=bs)
     await produce(
         bs,
         topics.jobs,
