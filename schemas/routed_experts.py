@@ -60,9 +60,8 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
             raise RoutedExpertsError(f"routed experts must be integers, got dtype {arr.dtype}")
         if start < 0:
             raise RoutedExpertsError(f"start must be >= 0, got {start}")
-        narrow = _narrowest_dtype(arr)
-        packed = np.ascontiguousarray(arr, dtype=narrow)
-        return cls(data=packed.tobytes(), shape=list(arr.shape), dtype=narrow.name, start=start)
+        data, narrow = _pack(arr)
+        return cls(data=data, shape=list(arr.shape), dtype=narrow.name, start=start)
 
     def to_array(self) -> npt.NDArray[np.integer]:
         """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length."""
@@ -110,20 +109,75 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         return self.rows_for_positions(prompt_len)
 
 
-def _narrowest_dtype(arr: npt.NDArray[np.integer]) -> np.dtype[np.integer]:
-    if arr.size == 0 or arr.dtype == np.uint8:
-        return np.dtype(np.uint8)  # nothing is narrower: no need to look at the values
-    # One pass over the array in the usual case (no negatives) instead of min() then max().
-    # Read as unsigned of the same width and byte order, a signed array's negatives are the values
-    # above its positive range: if the unsigned maximum stays in that range, there are no
-    # negatives and it is the maximum; otherwise take the true min and max (older vLLM's -1).
+# Elements per chunk when narrowing: 256 KiB of int32, so a chunk is still in cache when it is
+# cast after being checked.
+_CHUNK_ELEMENTS: Final = 1 << 16
+
+
+def _pack(arr: npt.NDArray[np.integer]) -> tuple[bytes, np.dtype[np.integer]]:
+    """The array's C-order bytes in its narrowest dtype, and that dtype."""
+    uint8 = np.dtype(np.uint8)
+    if arr.dtype == uint8 or arr.size == 0:
+        return np.ascontiguousarray(arr, dtype=uint8).tobytes(), uint8
+    # Expert ids of every model with up to 256 experts fit uint8: try that first, checking and
+    # casting a chunk at a time, which reads the array once instead of twice.
+    # (Wider than a byte, read as unsigned, negatives are above 255, so one comparison checks.)
+    if arr.dtype.itemsize > 1:
+        try:
+            return _pack_chunks(arr, uint8, check=True), uint8
+        except _DoesNotFit:
+            pass
+    narrow = _narrowest_dtype(arr)
+    if narrow == arr.dtype:
+        return np.ascontiguousarray(arr).tobytes(), narrow
+    return _pack_chunks(arr, narrow, check=False), narrow
+
+
+class _DoesNotFit(Exception):
+    pass
+
+
+def _pack_chunks(
+    arr: npt.NDArray[np.integer], dtype: np.dtype[np.integer], *, check: bool
+) -> bytes:
+    """Cast to `dtype` through a small reused buffer; with `check`, raise if a value won't fit.
+
+    `check` is only used with unsigned `dtype`s narrower than `arr`'s: it compares the values
+    read as unsigned, which turns negatives into values above every such limit. Cast chunks are
+    joined into the result, the only large allocation: a full-size intermediate array would
+    double the memory churned per result, which glibc tends to hand back to the OS and then
+    fault in again, page by page.
+    """
+    flat = arr.reshape(-1)
+    unsigned = _as_unsigned(flat)
+    limit = np.iinfo(dtype).max
+    buffer = np.empty(min(_CHUNK_ELEMENTS, flat.size), dtype=dtype)
+    pieces: list[bytes] = []
+    for first in range(0, flat.size, _CHUNK_ELEMENTS):
+        if check and unsigned[first : first + _CHUNK_ELEMENTS].max() > limit:
+            raise _DoesNotFit
+        chunk = flat[first : first + _CHUNK_ELEMENTS]
+        out = buffer[: chunk.size]
+        np.copyto(out, chunk, casting="unsafe")
+        pieces.append(out.tobytes())
+    return b"".join(pieces)
+
+
+def _as_unsigned(arr: npt.NDArray[np.integer]) -> npt.NDArray[np.unsignedinteger]:
+    """The same bytes read as unsigned integers of the same width and byte order."""
     if arr.dtype.kind == "u":
-        low, high = 0, int(arr.max())
-    else:
-        high = int(arr.view(arr.dtype.str.replace("i", "u", 1)).max())
-        low = 0
-        if high > np.iinfo(arr.dtype).max:
-            low, high = int(arr.min()), int(arr.max())
+        return arr  # type: ignore[return-value]
+    return arr.view(arr.dtype.str.replace("i", "u", 1))
+
+
+def _narrowest_dtype(arr: npt.NDArray[np.integer]) -> np.dtype[np.integer]:
+    # One pass over the array in the usual case (no negatives) instead of min() then max().
+    # Read as unsigned, a signed array's negatives are the values above its positive range: if
+    # the unsigned maximum stays in that range, there are no negatives and it is the maximum;
+    # otherwise take the true min and max (older vLLM's -1).
+    low, high = 0, int(_as_unsigned(arr).max())
+    if arr.dtype.kind == "i" and high > np.iinfo(arr.dtype).max:
+        low, high = int(arr.min()), int(arr.max())
     for dtype, lowest, highest in _NARROWING:
         if lowest <= low and high <= highest:
             return dtype

@@ -204,6 +204,31 @@ def test_vllm_era_int32_ids_shrink_four_times_to_uint8() -> None:
 
 
 @pytest.mark.parametrize(
+    ("late_value", "input_dtype", "wire_dtype"),
+    [
+        (255, "int32", "uint8"),
+        (256, "int32", "uint16"),
+        (-1, "int32", "int8"),
+        (-129, "int64", "int16"),
+        (70_000, "uint32", "uint32"),
+    ],
+)
+def test_from_array_finds_a_value_beyond_the_first_chunks(
+    late_value: int, input_dtype: str, wire_dtype: str
+) -> None:
+    # Large arrays are narrowed a chunk at a time; a value only the last chunk holds must still
+    # decide the dtype, and the chunks must join in order.
+    arr = (np.arange(300_001, dtype=np.int64) % 100).astype(input_dtype)
+    arr[-1] = late_value
+    arr = arr.reshape(-1, 1, 1)
+
+    routed = RoutedExperts.from_array(arr)
+
+    assert routed.dtype == wire_dtype
+    assert np.array_equal(routed.to_array(), arr)
+
+
+@pytest.mark.parametrize(
     "make_view",
     [
         pytest.param(lambda a: a[::-1, :, ::2], id="reversed-strided"),
