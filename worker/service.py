@@ -30,7 +30,6 @@ from schemas import (
     SchemaError,
     Timings,
     decode_job,
-    encode,
     peek_job_id,
 )
 from worker.config import Settings
@@ -44,6 +43,7 @@ from worker.errors import (
 from worker.kafka import topic_max_message_bytes
 from worker.metrics import Metrics, MetricsServer
 from worker.offsets import OffsetTracker
+from worker.result_encoder import encode_result
 
 __all__ = ["DLQ_HEADERS", "Worker"]
 
@@ -77,7 +77,7 @@ class _Answer:
     ) -> None:
         self.job_id = job_id
         self.result = result
-        self.result_bytes = encode(result) if result is not None else None
+        self.result_bytes = encode_result(result) if result is not None else None
         self.dead_letter = dead_letter
 
 
