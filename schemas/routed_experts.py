@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Final
 
 import msgspec
@@ -26,6 +27,10 @@ _NARROWING: Final = (
     (np.dtype(np.int32), -0x8000_0000, 0x7FFF_FFFF),
     (np.dtype(np.int64), -(2**63), 2**63 - 1),
 )
+
+
+# numpy builds `dtype.name` anew on each access (5 us here); from_array runs once per completion.
+_NAMES: Final[dict[np.dtype[np.integer], str]] = {dtype: dtype.name for dtype, _, _ in _NARROWING}
 
 
 class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,7 +66,7 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         if start < 0:
             raise RoutedExpertsError(f"start must be >= 0, got {start}")
         data, narrow = _pack(arr)
-        return cls(data=data, shape=list(arr.shape), dtype=narrow.name, start=start)
+        return cls(data=data, shape=list(arr.shape), dtype=_NAMES[narrow], start=start)
 
     def to_array(self) -> npt.NDArray[np.integer]:
         """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length."""
@@ -149,9 +154,13 @@ def _pack_chunks(
     fault in again, page by page.
     """
     flat = arr.reshape(-1)
-    unsigned = _as_unsigned(flat)
-    limit = np.iinfo(dtype).max
-    buffer = np.empty(min(_CHUNK_ELEMENTS, flat.size), dtype=dtype)
+    unsigned = flat.view(_unsigned(flat.dtype))
+    limit = _MAX[dtype]
+    if flat.size <= _CHUNK_ELEMENTS:  # most completions: one step, no buffer to reuse
+        if check and unsigned.max() > limit:
+            raise _DoesNotFit
+        return flat.astype(dtype).tobytes()
+    buffer = np.empty(_CHUNK_ELEMENTS, dtype=dtype)
     pieces: list[bytes] = []
     for first in range(0, flat.size, _CHUNK_ELEMENTS):
         if check and unsigned[first : first + _CHUNK_ELEMENTS].max() > limit:
@@ -163,11 +172,13 @@ def _pack_chunks(
     return b"".join(pieces)
 
 
-def _as_unsigned(arr: npt.NDArray[np.integer]) -> npt.NDArray[np.unsignedinteger]:
-    """The same bytes read as unsigned integers of the same width and byte order."""
-    if arr.dtype.kind == "u":
-        return arr  # type: ignore[return-value]
-    return arr.view(arr.dtype.str.replace("i", "u", 1))
+_MAX: Final[dict[np.dtype[np.integer], int]] = {dtype: high for dtype, _, high in _NARROWING}
+
+
+@functools.cache
+def _unsigned(dtype: np.dtype[np.integer]) -> np.dtype[np.unsignedinteger]:
+    """The unsigned dtype of the same width and byte order: it reads negatives as large values."""
+    return np.dtype(dtype.str.replace("i", "u", 1))
 
 
 def _narrowest_dtype(arr: npt.NDArray[np.integer]) -> np.dtype[np.integer]:
@@ -175,7 +186,7 @@ def _narrowest_dtype(arr: npt.NDArray[np.integer]) -> np.dtype[np.integer]:
     # Read as unsigned, a signed array's negatives are the values above its positive range: if
     # the unsigned maximum stays in that range, there are no negatives and it is the maximum;
     # otherwise take the true min and max (older vLLM's -1).
-    low, high = 0, int(_as_unsigned(arr).max())
+    low, high = 0, int(arr.view(_unsigned(arr.dtype)).max())
     if arr.dtype.kind == "i" and high > np.iinfo(arr.dtype).max:
         low, high = int(arr.min()), int(arr.max())
     for dtype, lowest, highest in _NARROWING:

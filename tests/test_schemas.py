@@ -218,9 +218,9 @@ def test_from_array_finds_a_value_beyond_the_first_chunks(
 ) -> None:
     # Large arrays are narrowed a chunk at a time; a value only the last chunk holds must still
     # decide the dtype, and the chunks must join in order.
-    arr = (np.arange(300_001, dtype=np.int64) % 100).astype(input_dtype)
-    arr[-1] = late_value
-    arr = arr.reshape(-1, 1, 1)
+    flat = (np.arange(300_001, dtype=np.int64) % 100).astype(input_dtype)
+    flat[-1] = late_value
+    arr = flat.reshape(-1, 1, 1)
 
     routed = RoutedExperts.from_array(arr)
 
