@@ -27,6 +27,8 @@ class Metrics:
             ["outcome", "code"],
             registry=r,
         )
+        # Resolved once: labels() costs a locked dict lookup, and this one is taken per job.
+        self.jobs_completed = self.jobs.labels("completed", "")
         self.in_flight = prom.Gauge("vkw_jobs_in_flight", "Jobs running now", registry=r)
         self.queue_wait = prom.Histogram(
             "vkw_queue_wait_seconds",

@@ -101,7 +101,7 @@ class MockEngine:
         # deterministic as drawing per job, and cheap enough that a load test measures the
         # worker and the broker rather than the mock.
         pools = self._pools()
-        offset = _stable_seed(f"{seed}/{index}") % _POOL_VARIETY
+        offset = (seed * _MIX + index * _POOL_STEP) % _POOL_VARIETY
         tokens = pools.tokens[offset : offset + max_tokens]
         finish_reason = "length"
         stop_ids = job.sampling.stop_token_ids
@@ -149,6 +149,10 @@ class MockEngine:
 
 
 _POOL_VARIETY: Final = 4096
+# Spread (seed, index) over the pools without a hash per completion: an odd 64-bit multiplier
+# (Knuth's golden-ratio constant) and a step coprime to the pool variety.
+_MIX: Final = 0x9E37_79B9_7F4A_7C15
+_POOL_STEP: Final = 2_654_435_761
 
 
 class _Pools:

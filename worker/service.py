@@ -591,7 +591,7 @@ class Worker:
             if isinstance(answer.result, Failed):
                 self.metrics.jobs.labels("failed", answer.result.error.code.value).inc()
             else:
-                self.metrics.jobs.labels("completed", "").inc()
+                self.metrics.jobs_completed.inc()
         self.metrics.publish_time.observe(time.perf_counter() - t0)
 
     async def _send(
