@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
+import zlib
 from typing import Final
 
 import msgspec
@@ -44,11 +44,12 @@ class MockEngine:
         self._running: dict[str, asyncio.Task[EngineOutput]] = {}
         self._dead = False
         self._pool: _Pools | None = None
+        s = self._settings
+        self._model_name = f"mock-{s.num_layers}L-{s.num_experts}E-top{s.top_k}"
 
     @property
     def model_name(self) -> str:
-        s = self._settings
-        return f"mock-{s.num_layers}L-{s.num_experts}E-top{s.top_k}"
+        return self._model_name
 
     @property
     def max_concurrency(self) -> int:
@@ -102,29 +103,28 @@ class MockEngine:
         # worker and the broker rather than the mock.
         pools = self._pools()
         offset = (seed * _MIX + index * _POOL_STEP) % _POOL_VARIETY
-        tokens = pools.tokens[offset : offset + max_tokens]
+        end = offset + max_tokens
         finish_reason = "length"
         stop_ids = job.sampling.stop_token_ids
         if stop_ids:
-            hits = np.flatnonzero(np.isin(tokens, stop_ids))
+            hits = np.flatnonzero(np.isin(pools.tokens[offset:end], stop_ids))
             if hits.size:
-                tokens = tokens[: hits[0] + 1]
+                end = offset + int(hits[0]) + 1
                 finish_reason = "stop"
         logprobs: list[float | None] | None = None
         cumulative: float | None = None
         if job.sampling.logprobs is not None:
-            values = pools.logprobs[offset : offset + len(tokens)]
-            logprobs = values.tolist()
-            cumulative = float(values.sum())
+            logprobs = pools.logprob_list[offset:end]
+            cumulative = float(pools.logprobs[offset:end].sum())
         routed = None
         if job.return_routed_experts:
             start = job.routed_experts_prompt_start
-            rows = prompt_len + len(tokens) - 1 - start
+            rows = prompt_len + (end - offset) - 1 - start
             routed = RoutedExperts.from_array(pools.routing(offset, rows), start=start)
         return Completion(
             index=index,
-            token_ids=tokens.tolist(),
-            text=(tokens % 26 + ord("a")).astype(np.uint8).tobytes().decode("ascii"),
+            token_ids=pools.token_list[offset:end],
+            text=pools.text[offset:end],
             finish_reason=finish_reason,
             logprobs=logprobs,
             cumulative_logprob=cumulative,
@@ -164,6 +164,10 @@ class _Pools:
         size = settings.max_model_len + _POOL_VARIETY
         self.tokens = rng.integers(0, settings.vocab_size, size=size, dtype=np.int64)
         self.logprobs = -rng.exponential(1.0, size=size)
+        # Python copies too: slicing a list or str costs a fraction of numpy's tolist().
+        self.token_list: list[int] = self.tokens.tolist()
+        self.logprob_list: list[float | None] = self.logprobs.tolist()
+        self.text = (self.tokens % 26 + ord("a")).astype(np.uint8).tobytes().decode("ascii")
         self._routing: np.ndarray | None = None
 
     def routing(self, offset: int, rows: int) -> np.ndarray:
@@ -182,4 +186,5 @@ class _Pools:
 
 
 def _stable_seed(job_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little")
+    # The same in every process (unlike hash()), and a tenth of a cryptographic hash's cost.
+    return zlib.crc32(job_id.encode())
