@@ -58,8 +58,18 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
 
-    def start(self, tp: TopicPartition, offset: int) -> None:
-        self._partitions.setdefault(tp, PartitionOffsets()).start(offset)
+    def start(self, tp: TopicPartition, offset: int) -> PartitionOffsets:
+        """Mark `offset` started; return the partition's offsets, to finish it on later.
+
+        Finishing on the object returned, not by `tp`, keeps an answer acknowledged after its
+        partition was revoked (and maybe assigned back) from marking the new assignment's
+        records answered.
+        """
+        partition = self._partitions.get(tp)
+        if partition is None:
+            partition = self._partitions[tp] = PartitionOffsets()
+        partition.start(offset)
+        return partition
 
     def finish(self, tp: TopicPartition, offset: int) -> None:
         partition = self._partitions.get(tp)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
+import functools
 import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from typing import Any, Final, Literal
 
@@ -42,7 +44,7 @@ from worker.errors import (
 )
 from worker.kafka import topic_max_message_bytes
 from worker.metrics import Metrics, MetricsServer
-from worker.offsets import OffsetTracker
+from worker.offsets import OffsetTracker, PartitionOffsets
 from worker.result_encoder import encode_result
 
 __all__ = ["DLQ_HEADERS", "Worker"]
@@ -79,6 +81,32 @@ class _Answer:
         self.result = result
         self.result_bytes = encode_result(result) if result is not None else None
         self.dead_letter = dead_letter
+
+
+class _Part(enum.Enum):
+    DEAD_LETTER = enum.auto()
+    RESULT = enum.auto()
+
+
+class _Publication:
+    """An answer on its way to the broker, and the offset it answers."""
+
+    __slots__ = ("answer", "offset", "partition", "parts_left", "started", "tp")
+
+    def __init__(
+        self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: _Answer
+    ) -> None:
+        self.tp = tp
+        self.partition = partition
+        self.offset = offset
+        self.answer = answer
+        self.started = time.perf_counter()
+        # Parts not yet acknowledged; the offset is answered when none is left.
+        self.parts_left: set[_Part] = set()
+        if answer.dead_letter is not None:
+            self.parts_left.add(_Part.DEAD_LETTER)
+        if answer.result is not None:
+            self.parts_left.add(_Part.RESULT)
 
 
 class Worker:
@@ -121,8 +149,9 @@ class Worker:
         self._result_limit = settings.max_result_bytes
         self._result_limit_source = "max_result_bytes"
         self._send_lock = asyncio.Lock()
-        # Unacknowledged deliveries and when they were sent, oldest first.
-        self._deliveries: dict[asyncio.Future[Any], float] = {}
+        # Unacknowledged deliveries: when each was sent (oldest first) and whose answer it is.
+        self._deliveries: dict[asyncio.Future[Any], tuple[float, _Publication]] = {}
+        self._resending = True
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -244,7 +273,7 @@ class Worker:
         """Give up when the broker has not acknowledged an answer for `publish_timeout_s`."""
         if not self._deliveries:
             return
-        waited = time.monotonic() - next(iter(self._deliveries.values()))
+        waited = time.monotonic() - next(iter(self._deliveries.values()))[0]
         if waited > self._settings.publish_timeout_s:
             self._fatal = BrokerError(
                 f"no acknowledgement from the broker for {waited:.1f}s "
@@ -270,10 +299,10 @@ class Worker:
             if tp not in assigned:
                 continue  # revoked between the fetch and now: the next owner reads them
             for record in records:
-                self._tracker.start(tp, record.offset)
-                task = asyncio.create_task(
-                    self._handle(tp, record), name=f"job {tp.topic}-{tp.partition}@{record.offset}"
-                )
+                partition = self._tracker.start(tp, record.offset)
+                # Unnamed: naming a task costs more than the rest of starting it; self._tasks
+                # maps each task to its record.
+                task = asyncio.create_task(self._handle(tp, partition, record))
                 self._tasks[task] = (tp, record.offset)
                 task.add_done_callback(self._job_done)
 
@@ -331,15 +360,15 @@ class Worker:
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         """Let the revoked partitions' jobs finish for a bounded time, abort the rest, commit."""
-        tasks = [t for t, (tp, _) in self._tasks.items() if tp in revoked]
-        if tasks:
+        busy = sum(tp in revoked for tp, _ in self._tasks.values())
+        if busy:
             logger.info(
                 "rebalance: %d jobs of %s get %.1fs",
-                len(tasks),
+                busy,
                 sorted(map(str, revoked)),
                 self._settings.revoke_grace_s,
             )
-            await self._finish_or_cancel(tasks, self._settings.revoke_grace_s)
+        await self._settle(revoked, self._settings.revoke_grace_s)
         await self._commit(revoked)
         self._tracker.forget(revoked)
         for tp in revoked:
@@ -352,13 +381,15 @@ class Worker:
 
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
-        tasks = list(self._tasks)
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
-        if tasks:
-            logger.info("draining %d jobs (grace %.1fs)", len(tasks), grace)
-            await self._finish_or_cancel(tasks, grace)
+        if self._tasks:
+            logger.info("draining %d jobs (grace %.1fs)", len(self._tasks), grace)
+        await self._settle(None, grace)
         await self._bounded(self._producer.flush(), "flush")
+        await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
         await self._bounded(self._commit(), "final commit")
+        # From here on a failed delivery is left to redelivery: the producer is closing.
+        self._resending = False
 
     async def _bounded(self, step: Awaitable[object], what: str) -> None:
         """Run one shutdown step for at most `close_timeout_s`: a dead broker must not hang exit."""
@@ -378,10 +409,26 @@ class Worker:
             # is gone; that is a failed step, not a request to cancel us.
             logger.warning("%s was interrupted; going on", what)
 
-    async def _finish_or_cancel(self, tasks: Sequence[asyncio.Task[None]], grace_s: float) -> None:
-        pending: set[asyncio.Task[None]] = set(tasks)
-        if grace_s > 0:
-            _, pending = await asyncio.wait(tasks, timeout=grace_s)
+    async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
+        """Give the jobs of `partitions` (all when None) `grace_s` to be answered and
+        acknowledged, then cancel those still running. Their offsets stay unfinished, so their
+        records are redelivered."""
+
+        def ours(tp: TopicPartition) -> bool:
+            return partitions is None or tp in partitions
+
+        deadline = time.monotonic() + grace_s
+        tasks = [t for t, (tp, _) in self._tasks.items() if ours(tp)]
+        if tasks and grace_s > 0:
+            await asyncio.wait(tasks, timeout=grace_s)
+        # Answers those jobs sent are acknowledged in the same grace.
+        deliveries = [d for d, (_, p) in self._deliveries.items() if ours(p.tp)]
+        remaining = deadline - time.monotonic()
+        if deliveries and remaining > 0:
+            await asyncio.wait(deliveries, timeout=remaining)
+        await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
+        # Including re-sends that failed deliveries started meanwhile.
+        pending = [t for t, (tp, _) in self._tasks.items() if ours(tp) and not t.done()]
         for task in pending:
             task.cancel()
         if pending:
@@ -393,30 +440,40 @@ class Worker:
 
     # ---- one job ---------------------------------------------------------------------------
 
-    async def _handle(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
-        """Answer one record and mark its offset answered. Only cancellation and fatal errors
-        leave without an answer; both leave the offset uncommitted, so the record is redelivered.
+    async def _handle(
+        self, tp: TopicPartition, partition: PartitionOffsets, record: ConsumerRecord[bytes, bytes]
+    ) -> None:
+        """Answer one record and hand the answer to the producer; its offset is finished when
+        the broker acknowledges it. Only cancellation and fatal errors leave without an
+        answer; both leave the offset unfinished, so the record is redelivered.
         """
-        where = f"{tp.topic}-{tp.partition}@{record.offset}"
         try:
             try:
                 answer = await self._answer(tp, record)
             except (asyncio.CancelledError, FatalError):
                 raise
             except Exception as exc:  # The one broad catch: one job's bug must not stop the worker.
-                logger.exception("unexpected error answering %s", where)
+                logger.exception(
+                    "unexpected error answering %s-%s@%s", tp.topic, tp.partition, record.offset
+                )
                 answer = self._internal_error(tp, record, exc)
-            await self._publish(answer)
+            await self._publish(_Publication(tp, partition, record.offset, answer))
         except asyncio.CancelledError:
-            logger.info("job at %s cancelled; left uncommitted for redelivery", where)
+            logger.info(
+                "job at %s-%s@%s cancelled; left uncommitted for redelivery",
+                tp.topic,
+                tp.partition,
+                record.offset,
+            )
             raise
         except FatalError as exc:
-            if self._fatal is None:
-                self._fatal = exc
-                logger.exception("fatal error at %s", where)
-            self._wake.set()
-            return
-        self._tracker.finish(tp, record.offset)
+            self._fail(exc, f"{tp.topic}-{tp.partition}@{record.offset}")
+
+    def _fail(self, exc: FatalError, where: str) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+            logger.error("fatal error at %s: %s", where, exc, exc_info=exc)
+        self._wake.set()
 
     async def _answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> _Answer:
         started = time.time()
@@ -566,38 +623,112 @@ class Worker:
             copy = self._dead_letter(tp, record, code, detail)
         return _Answer(job_id, failed, dead_letter=copy)
 
-    async def _publish(self, answer: _Answer) -> None:
-        """Send the answer and wait until the broker acknowledged every part of it."""
+    async def _publish(self, publication: _Publication) -> None:
+        """Hand each part of the answer to the producer. Acknowledgements arrive as callbacks:
+        a job does not wait for its own, so its slot frees as soon as its answer is queued."""
         s = self._settings
-        t0 = time.perf_counter()
+        answer = publication.answer
         if answer.dead_letter is not None:
             key, value, headers = answer.dead_letter
-            await self._send(s.dead_letter_topic, key, value, headers)
-            self.metrics.jobs.labels("dead_lettered", _header(headers, "vkw.error.code")).inc()
+            try:
+                delivery = await self._enqueue(s.dead_letter_topic, key, value, headers)
+            except ResultTooLargeError:
+                # The original record is in its topic at the offset the headers name.
+                headers = [*headers, ("vkw.value.dropped", str(len(value or b"")).encode())]
+                answer.dead_letter = (key, None, headers)
+                delivery = await self._enqueue(s.dead_letter_topic, key, None, headers)
+            self._track(publication, delivery, _Part.DEAD_LETTER)
         if answer.result is not None and answer.result_bytes is not None:
             key = answer.job_id.encode() if answer.job_id is not None else None
             try:
-                await self._send(s.results_topic, key, answer.result_bytes, [])
+                delivery = await self._enqueue(s.results_topic, key, answer.result_bytes, [])
             except ResultTooLargeError as exc:
-                # The broker or client refused the size: answer that instead, it is small.
-                failed = Failed(
-                    job_id=answer.job_id,
-                    error=ErrorInfo(code=ErrorCode.RESULT_TOO_LARGE, detail=exc.detail),
-                    metadata=answer.result.metadata,
-                    worker=s.worker_id,
-                )
-                answer = _Answer(answer.job_id, failed)
-                await self._send(s.results_topic, key, answer.result_bytes or b"", [])
-            if isinstance(answer.result, Failed):
-                self.metrics.jobs.labels("failed", answer.result.error.code.value).inc()
-            else:
-                self.metrics.jobs_completed.inc()
-        self.metrics.publish_time.observe(time.perf_counter() - t0)
+                answer = publication.answer = self._too_large(answer, exc)
+                delivery = await self._enqueue(s.results_topic, key, answer.result_bytes, [])
+            self._track(publication, delivery, _Part.RESULT)
+        if not publication.parts_left:  # nothing to send: cannot happen, but never stick
+            self._answered(publication)
 
-    async def _send(
-        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
+    def _track(self, publication: _Publication, delivery: asyncio.Future[Any], part: _Part) -> None:
+        self._deliveries[delivery] = (time.monotonic(), publication)
+        delivery.add_done_callback(functools.partial(self._on_delivery, publication, part))
+
+    def _on_delivery(
+        self, publication: _Publication, part: _Part, delivery: asyncio.Future[Any]
     ) -> None:
-        """Produce one record and await its acknowledgement, retrying what the broker says is transient."""
+        self._deliveries.pop(delivery, None)
+        if delivery.cancelled():
+            return  # the producer closed with it unsent: the offset stays unfinished
+        if delivery.exception() is None:
+            self._acknowledged(publication, part)
+            return
+        if not self._resending:
+            return
+        # Rare: send this part again, in a task that drain and revoke treat like a job's.
+        task = asyncio.create_task(self._resend(publication, part, delivery.exception()))
+        self._tasks[task] = (publication.tp, publication.offset)
+        task.add_done_callback(self._job_done)
+
+    async def _resend(
+        self, publication: _Publication, part: _Part, error: BaseException | None
+    ) -> None:
+        s = self._settings
+        answer = publication.answer
+        where = f"{publication.tp.topic}-{publication.tp.partition}@{publication.offset}"
+        logger.warning("delivery of the answer to %s failed (%r); sending it again", where, error)
+        try:
+            if part is _Part.DEAD_LETTER and answer.dead_letter is not None:
+                key, value, headers = answer.dead_letter
+                await self._send(s.dead_letter_topic, key, value, headers, publication)
+            elif answer.result_bytes is not None:
+                key = answer.job_id.encode() if answer.job_id is not None else None
+                try:
+                    await self._send(s.results_topic, key, answer.result_bytes, [], publication)
+                except ResultTooLargeError as exc:
+                    answer = publication.answer = self._too_large(answer, exc)
+                    await self._send(s.results_topic, key, answer.result_bytes, [], publication)
+        except asyncio.CancelledError:
+            logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
+            raise
+        except FatalError as exc:
+            self._fail(exc, where)
+            return
+        self._acknowledged(publication, part)
+
+    def _acknowledged(self, publication: _Publication, part: _Part) -> None:
+        """One part acknowledged; with the last one, the offset is answered."""
+        publication.parts_left.discard(part)
+        if not publication.parts_left:
+            self._answered(publication)
+
+    def _answered(self, publication: _Publication) -> None:
+        publication.partition.finish(publication.offset)
+        answer = publication.answer
+        if answer.dead_letter is not None:
+            code = _header(answer.dead_letter[2], "vkw.error.code")
+            self.metrics.jobs.inc(labels=("dead_lettered", code))
+        if isinstance(answer.result, Failed):
+            self.metrics.jobs.inc(labels=("failed", answer.result.error.code.value))
+        elif answer.result is not None:
+            self.metrics.jobs.inc(labels=("completed", ""))
+        self.metrics.publish_time.observe(time.perf_counter() - publication.started)
+
+    def _too_large(self, answer: _Answer, exc: ResultTooLargeError) -> _Answer:
+        """The broker or client refused the result's size: answer that instead, it is small."""
+        metadata = answer.result.metadata if answer.result is not None else {}
+        failed = Failed(
+            job_id=answer.job_id,
+            error=ErrorInfo(code=ErrorCode.RESULT_TOO_LARGE, detail=exc.detail),
+            metadata=metadata,
+            worker=self._settings.worker_id,
+        )
+        return _Answer(answer.job_id, failed)
+
+    async def _enqueue(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
+    ) -> asyncio.Future[Any]:
+        """Append one record to the producer's batches (retrying what the broker says is
+        transient) and return the future of its acknowledgement."""
         deadline = time.monotonic() + self._settings.publish_timeout_s
         backoff = 0.1
         while True:
@@ -605,24 +736,43 @@ class Worker:
                 # One task at a time appends to the producer's batches: with hundreds of jobs
                 # finishing together, unserialised sends thrash waiting for full batches to drain.
                 async with self._send_lock:
-                    delivery = await self._producer.send(
+                    delivery: asyncio.Future[Any] = await self._producer.send(
                         topic, value=value, key=key, headers=headers
                     )
-                # aiokafka retries an unreachable broker forever; the loop's watchdog bounds our
-                # patience (one check per loop turn is far cheaper than a timer per record).
-                self._deliveries[delivery] = time.monotonic()
-                try:
-                    # Not shielded: aiokafka checks done() before resolving, so cancelling a job
-                    # while it waits here is harmless.
-                    await delivery
-                finally:
-                    self._deliveries.pop(delivery, None)
             except MessageSizeTooLargeError as exc:
-                size = len(value or b"")
-                raise ResultTooLargeError(
-                    f"result is {size} bytes; the broker or producer limit "
-                    f"({self._settings.max_result_bytes} + framing) refused it: {exc}"
-                ) from None
+                raise self._size_refused(value, exc) from None
+            except KafkaError as exc:
+                if not exc.retriable or time.monotonic() > deadline:
+                    raise BrokerError(f"cannot deliver to {topic}: {exc!r}") from exc
+                logger.warning("sending to %s failed (%r); retrying in %.1fs", topic, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            else:
+                return delivery
+
+    async def _send(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: Headers,
+        publication: _Publication,
+    ) -> None:
+        """Produce one record and await its acknowledgement, retrying what the broker says is
+        transient. The path for re-sends; first sends go through `_publish`."""
+        deadline = time.monotonic() + self._settings.publish_timeout_s
+        backoff = 0.1
+        while True:
+            delivery = await self._enqueue(topic, key, value, headers)
+            # aiokafka retries an unreachable broker forever; the loop's watchdog bounds our
+            # patience (one check per loop turn is far cheaper than a timer per record).
+            self._deliveries[delivery] = (time.monotonic(), publication)
+            try:
+                # Not shielded: aiokafka checks done() before resolving, so cancelling a job
+                # while it waits here is harmless.
+                await delivery
+            except MessageSizeTooLargeError as exc:
+                raise self._size_refused(value, exc) from None
             except KafkaError as exc:
                 if not exc.retriable or time.monotonic() > deadline:
                     raise BrokerError(f"cannot deliver to {topic}: {exc!r}") from exc
@@ -631,6 +781,14 @@ class Worker:
                 backoff = min(backoff * 2, 5.0)
             else:
                 return
+            finally:
+                self._deliveries.pop(delivery, None)
+
+    def _size_refused(self, value: bytes | None, exc: Exception) -> ResultTooLargeError:
+        return ResultTooLargeError(
+            f"result is {len(value or b'')} bytes; the broker or producer limit "
+            f"({self._settings.max_result_bytes} + framing) refused it: {exc}"
+        )
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
