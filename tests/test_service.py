@@ -214,6 +214,32 @@ async def test_bad_records_are_answered_and_valid_jobs_around_them_complete(
     assert await run.stop() == 0
 
 
+async def test_a_dead_letter_copy_too_large_to_produce_goes_without_its_value(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    bs = kafka_bootstrap_servers
+    topics = Topics(
+        jobs=await new_topic(1, configs={"max.message.bytes": str(8 * 2**20)}),
+        results=await new_topic(1),
+        dlq=await new_topic(1),
+    )
+    # The producer takes max_result_bytes + 1 MiB of framing: 1.06 MiB here.
+    huge = b"\x00not json" * 150_000
+    await produce(bs, topics.jobs, [(b"k-huge", huge, [("trace", b"t")]), job_record(job("after"))])
+    run = await start_worker(topics, max_result_bytes=64 * 1024)
+    dead = (await collect(bs, topics.dlq, 1))[0]
+    assert dead.key == b"k-huge"
+    assert dead.value is None
+    headers = dict(dead.headers)
+    assert headers["vkw.value.dropped"] == str(len(huge)).encode()
+    assert headers["vkw.error.code"] == b"invalid_job"
+    assert headers["vkw.source.offset"] == b"0"
+    assert headers["trace"] == b"t"
+    assert isinstance((await results(bs, topics.results, 1))["after"], Completed)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    assert await run.stop() == 0
+
+
 async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
     kafka_bootstrap_servers, topics, start_worker
 ):
