@@ -22,7 +22,14 @@ from worker.config import (
     settings_from,
 )
 from worker.errors import ConfigError
-from worker.kafka import client_kwargs, make_consumer, make_producer, record_size_limit
+from worker.kafka import (
+    client_kwargs,
+    make_consumer,
+    make_producer,
+    make_results_producer,
+    producer_batch_bytes,
+    record_size_limit,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
@@ -228,3 +235,43 @@ def test_help_starts_fast_without_importing_vllm():
         timeout=60,
     )
     assert proc.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "batch"),
+    [
+        pytest.param([], 1024 * 1024, id="none"),
+        pytest.param([None, 17 * 2**20], 1024 * 1024, id="one-unknown"),
+        pytest.param([17 * 2**20, 17 * 2**20], 16 * 2**20, id="large-capped"),
+        pytest.param([8 * 2**20, 1_048_588], 1_048_588 - 65_536, id="smallest-less-framing"),
+        pytest.param([100_000], 50_000, id="small-halved"),
+    ],
+)
+def test_producer_batches_fit_the_smallest_topic_limit(
+    limits: list[int | None], batch: int
+) -> None:
+    assert producer_batch_bytes(limits) == batch
+
+
+@pytest.mark.broker
+async def test_the_results_producer_reads_both_topics_limits(kafka_bootstrap_servers, new_topic):
+    results = await new_topic(1, configs={"max.message.bytes": str(8 * 2**20)})
+    dead_letters = await new_topic(1, configs={"max.message.bytes": str(3 * 2**20)})
+    settings = settings_from(
+        parse(
+            "--bootstrap-servers",
+            kafka_bootstrap_servers,
+            "--results-topic",
+            results,
+            "--dead-letter-topic",
+            dead_letters,
+        ),
+        {},
+    )
+
+    producer = await make_results_producer(settings)
+
+    try:
+        assert producer._message_accumulator._batch_size == 3 * 2**20 - 65_536
+    finally:
+        await producer.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -19,6 +20,8 @@ __all__ = [
     "create_topics",
     "make_consumer",
     "make_producer",
+    "make_results_producer",
+    "producer_batch_bytes",
     "record_size_limit",
 ]
 
@@ -26,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 # Room for the key, headers and batch framing around a result of `max_result_bytes`.
 RECORD_OVERHEAD_BYTES: Final = 1 * MiB
+
+# Producer batch sizes (before compression): the default, the most when the topics' limits
+# are known, and what is kept free of a limit for the batch's own framing.
+DEFAULT_BATCH_BYTES: Final = 1 * MiB
+MAX_BATCH_BYTES: Final = 16 * MiB
+BATCH_FRAMING_BYTES: Final = 64 * 1024
 
 
 def record_size_limit(settings: Settings) -> int:
@@ -92,12 +101,39 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
         "linger_ms": 5,
         # Hundreds of jobs finish together; 16 KiB batches (the default) hold ~5 results and make
         # every other sender wait for a drain. A larger record still gets a batch of its own.
-        "max_batch_size": 1 * MiB,
+        # make_results_producer goes further when the topics allow it.
+        "max_batch_size": DEFAULT_BATCH_BYTES,
         # One delivery attempt never outlasts the worker's own patience.
         "request_timeout_ms": int(min(40.0, settings.publish_timeout_s) * 1000),
     }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)
+
+
+async def make_results_producer(settings: Settings) -> AIOKafkaProducer:
+    """`make_producer` with batches as large as the results and dead-letter topics accept."""
+    limits = [
+        await topic_max_message_bytes(settings, topic)
+        for topic in dict.fromkeys([settings.results_topic, settings.dead_letter_topic])
+    ]
+    return make_producer(settings, max_batch_size=producer_batch_bytes(limits))
+
+
+def producer_batch_bytes(topic_limits: Sequence[int | None]) -> int:
+    """The producer's batch size for topics with these `max.message.bytes` (None: unknown).
+
+    Larger batches mean fewer produce round trips: with 1 MiB batches and jobs finishing by the
+    hundred, a job waited ~70 ms on average for a full batch to drain (mock engine, 3 KB
+    results). But aiokafka sizes a batch before compression and, unlike the Java client, does
+    not split one the broker refuses as too large: every record in it would fail. So a batch
+    never exceeds the smallest limit; when a limit is unknown, it stays at 1 MiB.
+    """
+    known = [limit for limit in topic_limits if limit is not None]
+    if not known or len(known) < len(topic_limits):
+        return DEFAULT_BATCH_BYTES
+    smallest = min(known)
+    # Room for the batch's own framing: 64 KiB, or half of a small limit.
+    return min(max(smallest - BATCH_FRAMING_BYTES, smallest // 2), MAX_BATCH_BYTES)
 
 
 async def create_topics(settings: Settings) -> list[str]:
