@@ -143,7 +143,7 @@ def _tiny_model(out_dir: Path, seed: int) -> int:
 async def _serve(settings: Settings, engine_args: list[str]) -> int:
     from aiokafka.errors import KafkaError  # noqa: PLC0415
 
-    from worker.kafka import create_topics, make_consumer, make_producer  # noqa: PLC0415
+    from worker.kafka import create_topics, make_consumer, make_results_producer  # noqa: PLC0415
     from worker.service import Worker  # noqa: PLC0415
 
     engine = build_engine(settings, engine_args)
@@ -152,8 +152,9 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
     worker = Worker(
         settings,
         consumer=make_consumer(settings),
-        producer=make_producer(settings),
+        producer=await make_results_producer(settings),
         engine=engine,
+        own_process=True,
     )
     worker.install_signal_handlers()
     try:
