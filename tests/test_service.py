@@ -131,6 +131,25 @@ async def test_out_of_order_completion_commits_only_contiguous_prefix(
     assert await run.stop() == 0
 
 
+async def test_a_free_slot_is_filled_while_the_other_jobs_still_run(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce(
+        bs, topics.jobs, [job_record(job(f"held-{i}", metadata={"gate": "held"})) for i in range(7)]
+    )
+    run = await start_worker(topics, max_in_flight=8)
+    await wait_for(lambda: len(run.engine.started) == 7, what="the first seven jobs to start")
+    await produce(bs, topics.jobs, [job_record(job("late"))])
+    # The eighth slot is free: the late job runs now, not when the held ones finish.
+    late = await results(bs, topics.results, 1)
+    assert set(late) == {"late"}
+    assert run.engine.running == 7
+    run.engine.release("held")
+    await wait_for(lambda: _committed_is(bs, topics, {0: 8}), what="commit of all eight")
+    assert await run.stop() == 0
+
+
 async def _committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:
     return await committed(bs, topics.group, topics.jobs) == expected
 

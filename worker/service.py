@@ -140,8 +140,6 @@ class Worker:
         self._engine = engine
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
-        # With 2 x max_num_seqs in flight, refilling at 3/4 still keeps the engine's batch full.
-        self._refill_at = max(1, self.max_in_flight // 4)
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(lambda: len(self._tasks))
         self._tracker = OffsetTracker()
@@ -248,12 +246,13 @@ class Worker:
         s = self._settings
         while not self._stopping.is_set() and self._fatal is None:
             free = self.max_in_flight - len(self._tasks)
-            if free < self._refill_at:
-                # Full, or nearly. Fetch again once a quarter of the slots are free: refilling
-                # one slot per finished job costs a loop turn and a fetch per job, and answers
-                # are acknowledged in batches anyway. Short jobs free slots soon: wait without
-                # touching the fetcher. Long ones: pause the partitions and poll anyway, so the
-                # group does not evict us for exceeding max_poll_interval_ms (aiokafka #848).
+            if free <= 0:
+                # Full. Any free slot is filled at once: waiting for several (this once waited
+                # for a quarter) left the engine's batch short and cost vLLM a third of its
+                # throughput at max_in_flight = max_num_seqs. Short jobs free slots soon: wait
+                # without touching the fetcher. Long ones: pause the partitions and poll anyway,
+                # so the group does not evict us for exceeding max_poll_interval_ms (aiokafka
+                # #848).
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
@@ -318,7 +317,7 @@ class Worker:
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
-        if self.max_in_flight - len(self._tasks) >= self._refill_at:
+        if len(self._tasks) < self.max_in_flight:
             self._wake.set()
 
     async def _maybe_commit(self) -> None:
