@@ -180,18 +180,7 @@ async def _result_bytes(jobs: list[Job]) -> dict[bytes, bytes]:
     engine = _engine()
     out: dict[bytes, bytes] = {}
     for job in jobs:
-        output = await engine.generate(job, job.job_id)
-        result = Completed(
-            job_id=job.job_id,
-            completions=output.completions,
-            prompt_token_count=len(output.prompt_token_ids),
-            prompt_token_ids=output.prompt_token_ids,
-            metadata=job.metadata,
-            model=engine.model_name,
-            worker="bench-bare-loop",
-            timings=Timings(queue_wait_s=0.0, engine_s=0.0),
-        )
-        out[job.job_id.encode()] = encode(result)
+        out[job.job_id.encode()] = encode(await _mock_result(engine, job))
     return out
 
 
@@ -217,19 +206,20 @@ async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
 
 async def _answer_inline(engine: MockEngine, value: bytes) -> bytes:
     """What the worker computes for a job, without its service machinery around it."""
-    job = decode_job(value)
+    return encode_result(await _mock_result(engine, decode_job(value)))
+
+
+async def _mock_result(engine: MockEngine, job: Job) -> Completed:
     output = await engine.generate(job, job.job_id)
-    return encode_result(
-        Completed(
-            job_id=job.job_id,
-            completions=output.completions,
-            prompt_token_count=len(output.prompt_token_ids),
-            prompt_token_ids=output.prompt_token_ids,
-            metadata=job.metadata,
-            model=engine.model_name,
-            worker="bench-bare-loop",
-            timings=Timings(queue_wait_s=0.0, engine_s=0.0),
-        )
+    return Completed(
+        job_id=job.job_id,
+        completions=output.completions,
+        prompt_token_count=len(output.prompt_token_ids),
+        prompt_token_ids=output.prompt_token_ids,
+        metadata=job.metadata,
+        model=engine.model_name,
+        worker="bench-bare-loop",
+        timings=Timings(queue_wait_s=0.0, engine_s=0.0),
     )
 
 

@@ -109,6 +109,13 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
             await asyncio.wait_for(handle.task, 60)
 
 
+async def produce_jobs(bs: str, topics: Topics, prefix: str, count: int, **kwargs: Any) -> None:
+    """`count` jobs named prefix-0, prefix-1, ... on the jobs topic."""
+    await produce(
+        bs, topics.jobs, [job_record(job(f"{prefix}-{i}", **kwargs)) for i in range(count)]
+    )
+
+
 def job(job_id: str, **kwargs: Any) -> Job:
     sampling = kwargs.pop("sampling", SamplingSpec(max_tokens=4))
     return Job(job_id=job_id, prompt="hello world", sampling=sampling, **kwargs)
@@ -135,9 +142,7 @@ async def test_a_free_slot_is_filled_while_the_other_jobs_still_run(
     kafka_bootstrap_servers, topics, start_worker
 ):
     bs = kafka_bootstrap_servers
-    await produce(
-        bs, topics.jobs, [job_record(job(f"held-{i}", metadata={"gate": "held"})) for i in range(7)]
-    )
+    await produce_jobs(bs, topics, "held", 7, metadata={"gate": "held"})
     run = await start_worker(topics, max_in_flight=8)
     await wait_for(lambda: len(run.engine.started) == 7, what="the first seven jobs to start")
     await produce(bs, topics.jobs, [job_record(job("late"))])
@@ -332,14 +337,12 @@ async def test_shutdown_waits_for_in_flight_jobs_within_grace(
     kafka_bootstrap_servers, topics, start_worker
 ):
     bs = kafka_bootstrap_servers
-    await produce(
-        bs, topics.jobs, [job_record(job(f"j{i}", metadata={"delay_s": "1.0"})) for i in range(3)]
-    )
+    await produce_jobs(bs, topics, "j", 3, metadata={"delay_s": "1.0"})
     run = await start_worker(topics, shutdown_grace_s=10)
     await wait_for(lambda: len(run.engine.started) == 3, what="jobs to start")
     assert await run.stop() == 0
     assert run.engine.cancelled == []
-    assert set(await results(bs, topics.results, 3)) == {"j0", "j1", "j2"}
+    assert set(await results(bs, topics.results, 3)) == {"j-0", "j-1", "j-2"}
     assert await committed(bs, topics.group, topics.jobs) == {0: 3}
 
 

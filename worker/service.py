@@ -740,8 +740,7 @@ class Worker:
     ) -> asyncio.Future[Any]:
         """Append one record to the producer's batches (retrying what the broker says is
         transient) and return the future of its acknowledgement."""
-        deadline = time.monotonic() + self._settings.publish_timeout_s
-        backoff = 0.1
+        backoff = _Backoff(self._settings.publish_timeout_s)
         while True:
             try:
                 # One task at a time appends to the producer's batches: with hundreds of jobs
@@ -753,11 +752,7 @@ class Worker:
             except MessageSizeTooLargeError as exc:
                 raise self._size_refused(value, exc) from None
             except KafkaError as exc:
-                if not exc.retriable or time.monotonic() > deadline:
-                    raise BrokerError(f"cannot deliver to {topic}: {exc!r}") from exc
-                logger.warning("sending to %s failed (%r); retrying in %.1fs", topic, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.after(exc, f"sending to {topic}")
             else:
                 return delivery
 
@@ -771,8 +766,7 @@ class Worker:
     ) -> None:
         """Produce one record and await its acknowledgement, retrying what the broker says is
         transient. The path for re-sends; first sends go through `_publish`."""
-        deadline = time.monotonic() + self._settings.publish_timeout_s
-        backoff = 0.1
+        backoff = _Backoff(self._settings.publish_timeout_s)
         while True:
             delivery = await self._enqueue(topic, key, value, headers)
             # aiokafka retries an unreachable broker forever; the loop's watchdog bounds our
@@ -785,11 +779,7 @@ class Worker:
             except MessageSizeTooLargeError as exc:
                 raise self._size_refused(value, exc) from None
             except KafkaError as exc:
-                if not exc.retriable or time.monotonic() > deadline:
-                    raise BrokerError(f"cannot deliver to {topic}: {exc!r}") from exc
-                logger.warning("delivery to %s failed (%r); retrying in %.1fs", topic, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await backoff.after(exc, f"delivery to {topic}")
             else:
                 return
             finally:
@@ -800,6 +790,22 @@ class Worker:
             f"result is {len(value or b'')} bytes; the broker or producer limit "
             f"({self._settings.max_result_bytes} + framing) refused it: {exc}"
         )
+
+
+class _Backoff:
+    """Retries of one delivery: transient broker errors wait and retry, doubling the wait, until
+    `timeout_s` has passed; anything else, or later, is a BrokerError."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s
+        self._delay = 0.1
+
+    async def after(self, exc: KafkaError, what: str) -> None:
+        if not exc.retriable or time.monotonic() > self._deadline:
+            raise BrokerError(f"{what} failed: {exc!r}") from exc
+        logger.warning("%s failed (%r); retrying in %.1fs", what, exc, self._delay)
+        await asyncio.sleep(self._delay)
+        self._delay = min(self._delay * 2, 5.0)
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
