@@ -13,7 +13,13 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    RequestTimedOutError,
+    TopicAuthorizationFailedError,
+)
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, encode
 from tests.fakes import ScriptedEngine
@@ -301,6 +307,112 @@ async def test_result_the_broker_refuses_is_answered_result_too_large(
     assert "max.message.bytes (200000)" in failure.error.detail
     assert isinstance(answered["after"], Completed)
     assert await run.stop() == 0
+
+
+class FlakyProducer:
+    """A real producer whose first deliveries of chosen keys fail with a given error."""
+
+    def __init__(self, inner: AIOKafkaProducer, failures: dict[bytes, list[KafkaError]]) -> None:
+        self._inner = inner
+        self._failures = failures
+        self.attempts: dict[bytes, int] = {}
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    async def stop(self) -> None:
+        await self._inner.stop()
+
+    async def flush(self) -> None:
+        await self._inner.flush()
+
+    async def send(
+        self, topic: str, value: Any = None, key: Any = None, headers: Any = None
+    ) -> Any:
+        if key is not None:
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+        errors = self._failures.get(key or b"")
+        if errors:
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(errors.pop(0))
+            return failed
+        return await self._inner.send(topic, value=value, key=key, headers=headers)
+
+
+@pytest.mark.parametrize(
+    ("errors", "outcome"),
+    [
+        pytest.param([RequestTimedOutError()], "completed", id="transient-then-delivered"),
+        pytest.param(
+            [MessageSizeTooLargeError(), MessageSizeTooLargeError()],
+            ErrorCode.RESULT_TOO_LARGE,
+            id="refused-as-too-large",
+        ),
+    ],
+)
+async def test_a_failed_delivery_is_sent_again_and_then_committed(
+    kafka_bootstrap_servers, topics, errors, outcome
+):
+    bs = kafka_bootstrap_servers
+    await produce_jobs(bs, topics, "d", 3)
+    settings = settings_from(
+        {
+            "bootstrap_servers": bs,
+            "jobs_topic": topics.jobs,
+            "results_topic": topics.results,
+            "dead_letter_topic": topics.dlq,
+            "group_id": topics.group,
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+        },
+        {},
+    )
+    producer = FlakyProducer(make_producer(settings), {b"d-1": list(errors)})
+    worker = Worker(
+        settings, consumer=make_consumer(settings), producer=producer, engine=ScriptedEngine()
+    )
+    task = asyncio.create_task(worker.run())
+    answered = await results(bs, topics.results, 3)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 3}), what="commit of all three")
+    worker.request_stop()
+    assert await asyncio.wait_for(task, 60) == 0
+    failed = answered["d-1"]
+    if outcome == "completed":
+        assert isinstance(failed, Completed)
+        assert producer.attempts[b"d-1"] == 2
+    else:
+        assert isinstance(failed, Failed)
+        assert failed.error.code == outcome
+        assert producer.attempts[b"d-1"] == 3  # first send, re-send, then the small answer
+    assert isinstance(answered["d-0"], Completed)
+    assert isinstance(answered["d-2"], Completed)
+
+
+async def test_a_delivery_failing_for_good_stops_the_worker_uncommitted(
+    kafka_bootstrap_servers, topics
+):
+    bs = kafka_bootstrap_servers
+    await produce_jobs(bs, topics, "d", 1)
+    settings = settings_from(
+        {
+            "bootstrap_servers": bs,
+            "jobs_topic": topics.jobs,
+            "results_topic": topics.results,
+            "dead_letter_topic": topics.dlq,
+            "group_id": topics.group,
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+        },
+        {},
+    )
+    refused = [TopicAuthorizationFailedError(), TopicAuthorizationFailedError()]
+    producer = FlakyProducer(make_producer(settings), {b"d-0": refused})
+    worker = Worker(
+        settings, consumer=make_consumer(settings), producer=producer, engine=ScriptedEngine()
+    )
+    assert await asyncio.wait_for(worker.run(), 60) == 1
+    # Nothing past the undelivered job: it is redelivered to the next worker.
+    assert (await committed(bs, topics.group, topics.jobs)).get(0) in (None, 0)
 
 
 async def test_engine_death_exits_nonzero_without_committing_unfinished_jobs(
