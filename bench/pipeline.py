@@ -4,13 +4,16 @@ Run `python bench/pipeline.py [--jobs N] [--rounds R] [--backlog N]`. Uses $KAFK
 when set, else starts a local noida-db broker (worker.dev_broker.LocalBroker).
 
 1. Throughput. The same jobs (one pre-produced topic) are served, in alternating rounds, by
-   - the worker in this process (`Worker` with `make_consumer`/`make_producer`, the mock engine at
-     zero latency), and
+   - the worker in this process (`Worker` as `serve` builds it, the mock engine at zero latency),
    - a bare loop: `getmany` -> produce the pre-encoded mock result of each job -> await the
-     deliveries -> commit. Same client settings, same result bytes, no engine call.
-   Each run uses its own group and results topic; its rate is measured the same way for both, from
-   the results topic's end offset (from the first result to the last, so group join is excluded).
-   The worker/bare ratio (goal >= 0.8) is of the medians.
+     deliveries -> commit. Same client settings, same result bytes, no engine call, and
+   - the same bare loop that also decodes each job, runs the mock engine and encodes the result,
+     one job at a time: the worker's work without its machinery (tasks, offsets, metrics,
+     rebalance and shutdown handling).
+   Each run uses its own group and results topic (made as `serve --create-topics` makes them);
+   its rate is timed by the results' own timestamps, from the first to the last (so group join is
+   excluded). The worker/bare ratio (goal >= 0.8) is of the medians; worker/(bare + engine)
+   is printed next to it.
 2. Memory. A `python -m worker serve --engine mock` subprocess drains a backlog of `--backlog` jobs;
    its RSS is sampled with psutil while it drains, and the peak so far is printed at 25/50/75/100%
    of the drain, so flat-vs-growing is visible.
