@@ -11,9 +11,9 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
@@ -51,6 +51,8 @@ from worker.result_encoder import encode_result
 __all__ = ["DLQ_HEADERS", "Worker"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Headers added to a dead-letter copy; the original key, value and headers are kept as they were.
 DLQ_HEADERS: Final = (
@@ -635,26 +637,41 @@ class Worker:
     async def _publish(self, publication: _Publication) -> None:
         """Hand each part of the answer to the producer. Acknowledgements arrive as callbacks:
         a job does not wait for its own, so its slot frees as soon as its answer is queued."""
-        s = self._settings
-        answer = publication.answer
-        if answer.dead_letter is not None:
-            key, value, headers = answer.dead_letter
-            try:
-                delivery = await self._enqueue(s.dead_letter_topic, key, value, headers)
-            except ResultTooLargeError:
-                key, value, headers = answer.dead_letter = _without_value(answer.dead_letter)
-                delivery = await self._enqueue(s.dead_letter_topic, key, value, headers)
-            self._track(publication, delivery, _Part.DEAD_LETTER)
-        if answer.result is not None and answer.result_bytes is not None:
-            key = answer.job_id.encode() if answer.job_id is not None else None
-            try:
-                delivery = await self._enqueue(s.results_topic, key, answer.result_bytes, [])
-            except ResultTooLargeError as exc:
-                answer = publication.answer = self._too_large(answer, exc)
-                delivery = await self._enqueue(s.results_topic, key, answer.result_bytes, [])
-            self._track(publication, delivery, _Part.RESULT)
+        # Fixed before the first await: acknowledgements remove parts from parts_left.
+        for part in [p for p in _Part if p in publication.parts_left]:
+            delivery = await self._deliver(publication, part, self._enqueue)
+            self._track(publication, delivery, part)
         if not publication.parts_left:  # nothing to send: cannot happen, but never stick
             self._answered(publication)
+
+    async def _deliver(
+        self,
+        publication: _Publication,
+        part: _Part,
+        send: Callable[[str, bytes | None, bytes | None, Headers], Awaitable[_T]],
+    ) -> _T:
+        """Send one part with `send`; when it is refused for its size, send what fits instead:
+        a dead-letter copy without its value, a result answered `result_too_large`."""
+        try:
+            return await send(*self._record(publication, part))
+        except ResultTooLargeError as exc:
+            answer = publication.answer
+            if part is _Part.DEAD_LETTER and answer.dead_letter is not None:
+                answer.dead_letter = _without_value(answer.dead_letter)
+            else:
+                publication.answer = self._too_large(answer, exc)
+            return await send(*self._record(publication, part))
+
+    def _record(
+        self, publication: _Publication, part: _Part
+    ) -> tuple[str, bytes | None, bytes | None, Headers]:
+        """Topic, key, value and headers of the record that carries `part` of the answer."""
+        answer = publication.answer
+        if part is _Part.DEAD_LETTER and answer.dead_letter is not None:
+            key, value, headers = answer.dead_letter
+            return self._settings.dead_letter_topic, key, value, headers
+        key = answer.job_id.encode() if answer.job_id is not None else None
+        return self._settings.results_topic, key, answer.result_bytes, []
 
     def _track(self, publication: _Publication, delivery: asyncio.Future[Any], part: _Part) -> None:
         self._deliveries[delivery] = (time.monotonic(), publication)
@@ -679,25 +696,12 @@ class Worker:
     async def _resend(
         self, publication: _Publication, part: _Part, error: BaseException | None
     ) -> None:
-        s = self._settings
-        answer = publication.answer
         where = f"{publication.tp.topic}-{publication.tp.partition}@{publication.offset}"
         logger.warning("delivery of the answer to %s failed (%r); sending it again", where, error)
         try:
-            if part is _Part.DEAD_LETTER and answer.dead_letter is not None:
-                key, value, headers = answer.dead_letter
-                try:
-                    await self._send(s.dead_letter_topic, key, value, headers, publication)
-                except ResultTooLargeError:
-                    key, value, headers = answer.dead_letter = _without_value(answer.dead_letter)
-                    await self._send(s.dead_letter_topic, key, value, headers, publication)
-            elif answer.result_bytes is not None:
-                key = answer.job_id.encode() if answer.job_id is not None else None
-                try:
-                    await self._send(s.results_topic, key, answer.result_bytes, [], publication)
-                except ResultTooLargeError as exc:
-                    answer = publication.answer = self._too_large(answer, exc)
-                    await self._send(s.results_topic, key, answer.result_bytes, [], publication)
+            await self._deliver(
+                publication, part, functools.partial(self._send, publication=publication)
+            )
         except asyncio.CancelledError:
             logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
             raise
