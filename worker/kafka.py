@@ -112,11 +112,10 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
 
 async def make_results_producer(settings: Settings) -> AIOKafkaProducer:
     """`make_producer` with batches as large as the results and dead-letter topics accept."""
-    limits = [
-        await topic_max_message_bytes(settings, topic)
-        for topic in dict.fromkeys([settings.results_topic, settings.dead_letter_topic])
-    ]
-    return make_producer(settings, max_batch_size=producer_batch_bytes(limits))
+    limits = await topics_max_message_bytes(
+        settings, [settings.results_topic, settings.dead_letter_topic]
+    )
+    return make_producer(settings, max_batch_size=producer_batch_bytes(list(limits.values())))
 
 
 def producer_batch_bytes(topic_limits: Sequence[int | None]) -> int:
@@ -184,22 +183,33 @@ async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
     A result over it would be refused by the broker, which also breaks an idempotent producer's
     sequence; knowing it up front lets the worker answer `result_too_large` instead.
     """
+    return (await topics_max_message_bytes(settings, [topic]))[topic]
+
+
+async def topics_max_message_bytes(
+    settings: Settings, topics: Sequence[str]
+) -> dict[str, int | None]:
+    """`max.message.bytes` of each topic (None where it cannot be read), in one request."""
+    limits: dict[str, int | None] = dict.fromkeys(topics)
     admin = AIOKafkaAdminClient(**client_kwargs(settings))
     try:
         await admin.start()
         responses = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})]
+            [
+                ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})
+                for topic in limits
+            ]
         )
     except KafkaError as exc:
-        logger.warning("cannot read max.message.bytes of %s: %r", topic, exc)
-        return None
+        logger.warning("cannot read max.message.bytes of %s: %r", ", ".join(limits), exc)
+        return limits
     finally:
         await admin.close()
     for response in responses:
-        for error_code, _, _, _, entries in response.resources:
-            if error_code:
+        for error_code, _, _, name, entries in response.resources:
+            if error_code or name not in limits:
                 continue
-            for name, value, *_ in entries:
-                if name == "max.message.bytes" and value is not None:
-                    return int(value)
-    return None
+            for config, value, *_ in entries:
+                if config == "max.message.bytes" and value is not None:
+                    limits[name] = int(value)
+    return limits
