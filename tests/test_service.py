@@ -23,7 +23,15 @@ from aiokafka.errors import (
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, encode
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import collect, committed, job_record, produce, results, wait_for
+from tests.kafka_helpers import (
+    collect,
+    committed,
+    committed_total_is,
+    job_record,
+    produce,
+    results,
+    wait_for,
+)
 from worker.config import Settings, settings_from
 from worker.kafka import make_consumer, make_producer
 from worker.mock_engine import MockEngineSettings
@@ -78,7 +86,10 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
     running: list[Running] = []
 
     async def start(
-        topics: Topics, engine: ScriptedEngine | None = None, **overrides: Any
+        topics: Topics,
+        engine: ScriptedEngine | None = None,
+        wrap_producer: Callable[[AIOKafkaProducer], Any] = lambda producer: producer,
+        **overrides: Any,
     ) -> Running:
         values = {
             "bootstrap_servers": kafka_bootstrap_servers,
@@ -100,7 +111,7 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         worker = Worker(
             settings,
             consumer=make_consumer(settings),
-            producer=make_producer(settings),
+            producer=wrap_producer(make_producer(settings)),
             engine=engine,
         )
         task = asyncio.create_task(worker.run())
@@ -351,66 +362,42 @@ class FlakyProducer:
     ],
 )
 async def test_a_failed_delivery_is_sent_again_and_then_committed(
-    kafka_bootstrap_servers, topics, errors, outcome
+    kafka_bootstrap_servers, topics, start_worker, errors, outcome
 ):
     bs = kafka_bootstrap_servers
     await produce_jobs(bs, topics, "d", 3)
-    settings = settings_from(
-        {
-            "bootstrap_servers": bs,
-            "jobs_topic": topics.jobs,
-            "results_topic": topics.results,
-            "dead_letter_topic": topics.dlq,
-            "group_id": topics.group,
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-        },
-        {},
-    )
-    producer = FlakyProducer(make_producer(settings), {b"d-1": list(errors)})
-    worker = Worker(
-        settings, consumer=make_consumer(settings), producer=producer, engine=ScriptedEngine()
-    )
-    task = asyncio.create_task(worker.run())
+    flaky: list[FlakyProducer] = []
+
+    def wrap(producer: AIOKafkaProducer) -> FlakyProducer:
+        flaky.append(FlakyProducer(producer, {b"d-1": list(errors)}))
+        return flaky[0]
+
+    run = await start_worker(topics, wrap_producer=wrap)
     answered = await results(bs, topics.results, 3)
     await wait_for(lambda: _committed_is(bs, topics, {0: 3}), what="commit of all three")
-    worker.request_stop()
-    assert await asyncio.wait_for(task, 60) == 0
+    assert await run.stop() == 0
     failed = answered["d-1"]
     if outcome == "completed":
         assert isinstance(failed, Completed)
-        assert producer.attempts[b"d-1"] == 2
+        assert flaky[0].attempts[b"d-1"] == 2
     else:
         assert isinstance(failed, Failed)
         assert failed.error.code == outcome
-        assert producer.attempts[b"d-1"] == 3  # first send, re-send, then the small answer
+        assert flaky[0].attempts[b"d-1"] == 3  # first send, re-send, then the small answer
     assert isinstance(answered["d-0"], Completed)
     assert isinstance(answered["d-2"], Completed)
 
 
 async def test_a_delivery_failing_for_good_stops_the_worker_uncommitted(
-    kafka_bootstrap_servers, topics
+    kafka_bootstrap_servers, topics, start_worker
 ):
     bs = kafka_bootstrap_servers
     await produce_jobs(bs, topics, "d", 1)
-    settings = settings_from(
-        {
-            "bootstrap_servers": bs,
-            "jobs_topic": topics.jobs,
-            "results_topic": topics.results,
-            "dead_letter_topic": topics.dlq,
-            "group_id": topics.group,
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-        },
-        {},
+    refused: list[KafkaError] = [TopicAuthorizationFailedError(), TopicAuthorizationFailedError()]
+    run = await start_worker(
+        topics, wrap_producer=lambda producer: FlakyProducer(producer, {b"d-0": refused})
     )
-    refused = [TopicAuthorizationFailedError(), TopicAuthorizationFailedError()]
-    producer = FlakyProducer(make_producer(settings), {b"d-0": refused})
-    worker = Worker(
-        settings, consumer=make_consumer(settings), producer=producer, engine=ScriptedEngine()
-    )
-    assert await asyncio.wait_for(worker.run(), 60) == 1
+    assert await asyncio.wait_for(run.task, 60) == 1
     # Nothing past the undelivered job: it is redelivered to the next worker.
     assert (await committed(bs, topics.group, topics.jobs)).get(0) in (None, 0)
 
@@ -530,16 +517,11 @@ async def test_two_workers_split_partitions_and_one_leaving_loses_nothing(
     assert set(answered) == {f"j{i}" for i in range(80)}
     assert all(isinstance(r, Completed) for r in answered.values())
     await wait_for(
-        lambda: _committed_total(bs, topics, 80),
+        lambda: committed_total_is(bs, topics.group, topics.jobs, 80),
         timeout_s=30,
         what="all offsets committed by the survivor",
     )
     assert await two.stop() == 0
-
-
-async def _committed_total(bs: str, topics: Topics, total: int) -> bool:
-    offsets = await committed(bs, topics.group, topics.jobs)
-    return sum(o or 0 for o in offsets.values()) == total
 
 
 async def test_backlog_keeps_in_flight_under_the_cap_and_memory_bounded(
