@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -64,7 +65,22 @@ class Scraper:
         return (await self.sample()).get(series)
 
 
-class RssSampler:
+class InBackground:
+    """An async context that runs one task while it is open and cancels it on exit."""
+
+    _task: asyncio.Task[None] | None = None
+
+    def _run_in_background(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self._task = asyncio.create_task(coroutine)
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class RssSampler(InBackground):
     """Samples a process's RSS in the background, each sample tagged with `progress()`."""
 
     def __init__(self, pid: int, progress: Callable[[], int], interval_s: float = 0.1) -> None:
@@ -72,10 +88,9 @@ class RssSampler:
         self._progress = progress
         self._interval_s = interval_s
         self.samples: list[tuple[int, int]] = []  # (progress, rss bytes)
-        self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> RssSampler:
-        self._task = asyncio.create_task(self._run())
+        self._run_in_background(self._run())
         return self
 
     async def _run(self) -> None:
@@ -83,12 +98,6 @@ class RssSampler:
             with contextlib.suppress(psutil.Error):
                 self.samples.append((self._progress(), self._process.memory_info().rss))
             await asyncio.sleep(self._interval_s)
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
     @property
     def peak(self) -> int:

@@ -86,6 +86,11 @@ async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | N
         await consumer.stop()
 
 
+async def committed_total_is(bootstrap: str, group: str, topic: str, total: int) -> bool:
+    """Whether the committed positions, summed over the topic's partitions, reach `total`."""
+    return sum(o or 0 for o in (await committed(bootstrap, group, topic)).values()) == total
+
+
 async def wait_for(predicate: Any, timeout_s: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not await _maybe_await(predicate()):  # a plain or an async predicate

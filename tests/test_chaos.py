@@ -26,8 +26,24 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import Completed, Failed, Job, SamplingSpec, decode_job, decode_result, encode
-from tests.chaos_helpers import MiB, RssSampler, Scraper, metrics_port, mib, produce_spread
-from tests.kafka_helpers import Record, collect, committed, job_record, produce, wait_for
+from tests.chaos_helpers import (
+    InBackground,
+    MiB,
+    RssSampler,
+    Scraper,
+    metrics_port,
+    mib,
+    produce_spread,
+)
+from tests.kafka_helpers import (
+    Record,
+    collect,
+    committed,
+    committed_total_is,
+    job_record,
+    produce,
+    wait_for,
+)
 from worker.service import DLQ_HEADERS
 
 pytestmark = [pytest.mark.chaos, pytest.mark.broker]
@@ -128,7 +144,7 @@ def spawn(kafka_bootstrap_servers: str, tmp_path: Path) -> Iterator[Any]:
         worker.stop_now()
 
 
-class Watcher:
+class Watcher(InBackground):
     """Reads the results topic from the beginning in the background, keeping every record."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
@@ -137,7 +153,6 @@ class Watcher:
         self.arrived: dict[str, float] = {}
         self._bootstrap = bootstrap
         self._topic = topic
-        self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Watcher:
         consumer = AIOKafkaConsumer(
@@ -149,7 +164,7 @@ class Watcher:
         tp = TopicPartition(self._topic, 0)
         consumer.assign([tp])
         await consumer.seek_to_beginning(tp)
-        self._task = asyncio.create_task(self._run(consumer))
+        self._run_in_background(self._run(consumer))
         return self
 
     async def _run(self, consumer: AIOKafkaConsumer) -> None:
@@ -163,12 +178,6 @@ class Watcher:
                         self.arrived.setdefault(result.job_id or "", now)
         finally:
             await consumer.stop()
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
     @property
     def answered(self) -> set[str]:
@@ -729,7 +738,9 @@ async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
         job_ids = first | second | third
         await wait_for(lambda: watch.answered >= job_ids, 60, "every job answered")
         await wait_for(
-            lambda: _committed_total(bs, topics, len(job_ids)), 30, "the survivor's commits"
+            lambda: committed_total_is(bs, topics.group, topics.jobs, len(job_ids)),
+            30,
+            "the survivor's commits",
         )
         one.signal(signal.SIGTERM)
         assert await one.wait(20) == 0
@@ -753,11 +764,6 @@ async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
 
 async def _both_hold_two(one: Scraper, two: Scraper) -> bool:
     return await _assigned(one) == 2 and await _assigned(two) == 2
-
-
-async def _committed_total(bootstrap: str, topics: Topics, total: int) -> bool:
-    offsets = await committed(bootstrap, topics.group, topics.jobs)
-    return sum(o or 0 for o in offsets.values()) == total
 
 
 async def test_backlog_drains_under_the_cap_with_flat_memory(
