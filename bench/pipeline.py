@@ -31,9 +31,9 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -197,14 +197,7 @@ async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
         engine=_engine(),
         own_process=True,  # as `serve` runs it
     )
-    async with EndOffsetProbe(bootstrap, results) as probe:
-        task = asyncio.create_task(worker.run())
-        try:
-            seconds = await probe.wait(count)
-        finally:
-            worker.request_stop()
-            await asyncio.wait_for(task, 60)
-    return count / seconds
+    return await _rate(bootstrap, results, count, worker.run(), worker.request_stop)
 
 
 async def _answer_inline(engine: MockEngine, value: bytes) -> bytes:
@@ -265,12 +258,23 @@ async def run_bare(
             await consumer.stop()
             await producer.stop()
 
+    return await _rate(bootstrap, results, count, loop(), stop.set)
+
+
+async def _rate(
+    bootstrap: str,
+    results: str,
+    count: int,
+    serving: Coroutine[Any, Any, object],
+    stop: Callable[[], object],
+) -> float:
+    """Jobs/s of `serving` answering `count` jobs into `results`; `stop` ends it."""
     async with EndOffsetProbe(bootstrap, results) as probe:
-        task = asyncio.create_task(loop())
+        task = asyncio.create_task(serving)
         try:
             seconds = await probe.wait(count)
         finally:
-            stop.set()
+            stop()
             await asyncio.wait_for(task, 60)
     return count / seconds
 
