@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import importlib.util
@@ -66,7 +67,41 @@ def wait_until_ready_blocking(bootstrap_servers: str, timeout_s: float) -> None:
     _run_blocking(lambda: wait_until_ready(bootstrap_servers, timeout_s))
 
 
-class LocalBroker:
+class _ChildBroker(abc.ABC):
+    """A broker process on `host:port` that this object starts and stops; a context manager."""
+
+    def __init__(self, port: int | None, host: str, start_timeout_s: float) -> None:
+        self._host = host
+        self._port = port
+        self._start_timeout_s = start_timeout_s
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """`host:port` of the broker; once chosen, the port stays the same for this object."""
+        if self._port is None:
+            raise BrokerError("the broker has no port yet: call start() first")
+        return f"{self._host}:{self._port}"
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class LocalBroker(_ChildBroker):
     """A noida-db Kafka broker in a background process, owned by this object.
 
     noida-db 0.2.3 keeps data in memory and saves it to one JSON file in `data_dir`, so keep test
@@ -86,22 +121,13 @@ class LocalBroker:
         host: str = "127.0.0.1",
         start_timeout_s: float = 30.0,
     ) -> None:
+        super().__init__(port, host, start_timeout_s)
         self._executable = find_noida_executable()
-        self._host = host
-        self._port = port
         self._data_dir = Path(data_dir) if data_dir is not None else None
         # A directory we created is ours to delete; a caller's directory holds the caller's data.
         self._owns_data_dir = data_dir is None
-        self._start_timeout_s = start_timeout_s
         self._pid: int | None = None
         self._active = False
-
-    @property
-    def bootstrap_servers(self) -> str:
-        """`host:port` of the broker; the port stays the same across restart, kill and start."""
-        if self._port is None:
-            raise BrokerError("the broker has no port yet: call start() first")
-        return f"{self._host}:{self._port}"
 
     @property
     def data_dir(self) -> Path:
@@ -207,18 +233,6 @@ class LocalBroker:
             raise BrokerError(f"noida-db pid {pid} survived SIGKILL for {_EXIT_TIMEOUT_S} s")
         logger.info("noida-db kafka at %s killed (pid %s)", self.bootstrap_servers, pid)
 
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def _up(self) -> None:
         choose_port = self._port is None
         for attempt in range(1, _PORT_ATTEMPTS + 1):
@@ -299,7 +313,7 @@ class LocalBroker:
         return _log_tail(self._data_dir / "noida.log")
 
 
-class TansuBroker:
+class TansuBroker(_ChildBroker):
     """A tansu broker (memory storage) in a child process, owned by this object.
 
     Only for the test noida-db cannot serve: tansu evicts a consumer-group member that died without
@@ -316,20 +330,11 @@ class TansuBroker:
         host: str = "127.0.0.1",
         start_timeout_s: float = 30.0,
     ) -> None:
+        super().__init__(port, host, start_timeout_s)
         self._executable = find_tansu_executable()
-        self._host = host
-        self._port = port
-        self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
         self._log_dir: Path | None = None
         self._log_file: IO[bytes] | None = None
-
-    @property
-    def bootstrap_servers(self) -> str:
-        """`host:port` of the broker."""
-        if self._port is None:
-            raise BrokerError("the broker has no port yet: call start() first")
-        return f"{self._host}:{self._port}"
 
     @property
     def pid(self) -> int | None:
@@ -393,18 +398,6 @@ class TansuBroker:
         process.kill()
         process.wait()
         self._close_log()
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _launch(self) -> None:
         listener = f"tcp://{self.bootstrap_servers}"
