@@ -51,20 +51,24 @@ def test_records_out_of_order_are_refused():
 
 def test_tracker_reports_only_moved_positions_and_forgets_revoked_partitions():
     t = OffsetTracker()
-    t.start(TP0, 0)
-    t.start(TP0, 1)
-    t.start(TP1, 100)
-    t.finish(TP0, 1)
+    p0 = t.start(TP0, 0)
+    assert t.start(TP0, 1) is p0
+    p1 = t.start(TP1, 100)
+    p0.finish(1)
     assert t.to_commit() == {TP0: 0, TP1: 100}
     t.committed({TP0: 0, TP1: 100})
     assert t.to_commit() == {}
-    t.finish(TP0, 0)
-    t.finish(TP1, 100)
+    p0.finish(0)
+    p1.finish(100)
     assert t.to_commit() == {TP0: 2, TP1: 101}
     assert t.to_commit({TP1}) == {TP1: 101}
     t.forget({TP1})
-    t.finish(TP1, 101)  # a job of a revoked partition finishing late changes nothing
+    p1.finish(101)  # a job of a revoked partition finishing late changes nothing
     assert t.to_commit() == {TP0: 2}
+    # Nor once the partition is assigned back: the new assignment's offsets are its own.
+    t.start(TP1, 101)
+    p1.finish(101)
+    assert t.to_commit() == {TP0: 2, TP1: 101}
 
 
 def test_memory_holds_only_the_unfinished_window():

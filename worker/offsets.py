@@ -71,11 +71,6 @@ class OffsetTracker:
         partition.start(offset)
         return partition
 
-    def finish(self, tp: TopicPartition, offset: int) -> None:
-        partition = self._partitions.get(tp)
-        if partition is not None:  # None: the partition was revoked while the job ran
-            partition.finish(offset)
-
     def to_commit(self, partitions: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
         """Positions that moved since the last commit, for all held partitions or those given."""
         out: dict[TopicPartition, int] = {}
