@@ -39,9 +39,6 @@ class LoopCounter:
             raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels}")
         self.values[labels] = self.values.get(labels, 0.0) + amount
 
-    def value(self, labels: tuple[str, ...] = ()) -> float:
-        return self.values.get(labels, 0.0)
-
     def family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for labels, value in sorted(self.values.items()):
@@ -63,10 +60,6 @@ class LoopHistogram:
         # Bucket `le=b` counts values <= b: the first bound not below the value.
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
 
     def family(self) -> HistogramMetricFamily:
         cumulative = list(itertools.accumulate(self.counts))
