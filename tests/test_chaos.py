@@ -787,7 +787,9 @@ async def test_backlog_drains_under_the_cap_with_flat_memory(
         worker = spawn(
             topics,
             max_in_flight=cap,
-            mock_per_token_latency_ms=0,
+            # 8 ms a job: a slot frees as soon as its answer is queued, so with zero-latency jobs
+            # the window empties within one loop turn and /metrics never sees it full.
+            mock_per_token_latency_ms=2,
             commit_interval_ms=200,
             metrics_port=0,
             metrics_host="127.0.0.1",
