@@ -20,6 +20,7 @@ from aiokafka.errors import (
     RequestTimedOutError,
     TopicAuthorizationFailedError,
 )
+from aiokafka.partitioner import DefaultPartitioner
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, encode
 from tests.fakes import ScriptedEngine
@@ -69,6 +70,7 @@ async def make_topics(
     new_topic: Any,
     *,
     jobs_partitions: int = 1,
+    results_partitions: int = 1,
     results_configs: dict[str, str] | None = None,
     bootstrap_servers: str | None = None,
 ) -> Topics:
@@ -76,7 +78,7 @@ async def make_topics(
     on = {"bootstrap_servers": bootstrap_servers}
     return Topics(
         jobs=await new_topic(jobs_partitions, **on),
-        results=await new_topic(1, configs=results_configs, **on),
+        results=await new_topic(results_partitions, configs=results_configs, **on),
         dlq=await new_topic(1, **on),
     )
 
@@ -153,6 +155,22 @@ async def test_out_of_order_completion_commits_only_contiguous_prefix(
     run.engine.release("slow")
     await wait_for(lambda: _committed_is(bs, topics, {0: 5}), what="commit past the released job")
     assert await run.stop() == 0
+
+
+async def test_results_go_to_the_partition_of_their_key_as_send_would_put_them(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    bs = kafka_bootstrap_servers
+    topics = await make_topics(new_topic, results_partitions=3)
+    await produce_jobs(bs, topics, "p", 30)
+    run = await start_worker(topics)
+    records = await collect(bs, topics.results, 30)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 30}), what="commit of all 30")
+    assert await run.stop() == 0
+    placed = {record.key: record.partition for record in records}
+    assert len(placed) == 30
+    assert placed == {key: DefaultPartitioner()(key, [0, 1, 2], [0, 1, 2]) for key in placed}
+    assert set(placed.values()) == {0, 1, 2}
 
 
 async def test_a_free_slot_is_filled_while_the_other_jobs_still_run(
@@ -348,6 +366,44 @@ class FlakyProducer:
             failed.set_exception(errors.pop(0))
             return failed
         return await self._inner.send(topic, value=value, key=key, headers=headers)
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        partitions: set[int] = await self._inner.partitions_for(topic)
+        return partitions
+
+    def create_batch(self) -> KeyRecordingBatch:
+        return KeyRecordingBatch(self._inner.create_batch())
+
+    async def send_batch(self, batch: KeyRecordingBatch, topic: str, *, partition: int) -> Any:
+        """A batch fails, whole, when any of its keys is due to fail."""
+        error: KafkaError | None = None
+        for key in batch.keys:
+            self.attempts[key] = self.attempts.get(key, 0) + 1
+            errors = self._failures.get(key)
+            if errors:
+                error = error or errors.pop(0)
+        if error is not None:
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(error)
+            return failed
+        return await self._inner.send_batch(batch.inner, topic, partition=partition)
+
+
+class KeyRecordingBatch:
+    """A producer's batch that remembers the keys appended to it."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.keys: list[bytes] = []
+
+    def append(self, *, timestamp: int | None, key: bytes | None, value: Any, headers: Any) -> Any:
+        metadata = self.inner.append(timestamp=timestamp, key=key, value=value, headers=headers)
+        if metadata is not None and key is not None:
+            self.keys.append(key)
+        return metadata
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ from worker.errors import (
 from worker.kafka import topic_max_message_bytes
 from worker.metrics import Metrics, MetricsServer
 from worker.offsets import OffsetTracker, PartitionOffsets
+from worker.outbox import Outbox
 from worker.result_encoder import encode_result
 
 __all__ = ["DLQ_HEADERS", "Worker"]
@@ -70,6 +71,10 @@ _GC_YOUNG_THRESHOLD: Final = 20_000
 
 # Key, headers and record-batch framing around a result, as the broker counts them.
 _RECORD_FRAMING_BYTES: Final = 16 * 1024
+
+# Larger records are produced on their own, not in the outbox's batches: a record the broker
+# refuses for its size then fails alone, and a batch of small answers is not held up behind it.
+_BATCHED_RECORD_MAX_BYTES: Final = 256 * 1024
 
 
 class _Answer:
@@ -115,6 +120,10 @@ class _Publication:
             self.parts_left.add(_Part.RESULT)
 
 
+# One part of one answer: what a delivery acknowledges.
+_Member = tuple[_Publication, _Part]
+
+
 class Worker:
     """Consumes jobs, runs them on an engine, publishes results, commits answered offsets.
 
@@ -157,8 +166,9 @@ class Worker:
         self._result_limit = settings.max_result_bytes
         self._result_limit_source = "max_result_bytes"
         self._send_lock = asyncio.Lock()
-        # Unacknowledged deliveries: when each was sent (oldest first) and whose answer it is.
-        self._deliveries: dict[asyncio.Future[Any], tuple[float, _Publication]] = {}
+        # Unacknowledged deliveries: when each was sent (oldest first) and whose answers it has.
+        self._deliveries: dict[asyncio.Future[Any], tuple[float, list[_Member]]] = {}
+        self._outbox: Outbox[_Member] = Outbox(producer, self._watch, self._outbox_crashed)
         self._resending = True
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -203,6 +213,8 @@ class Worker:
             self._engine_ready = True
             await self._producer.start()
             stack.push_async_callback(self._bounded, self._producer.stop(), "producer stop")
+            self._outbox.start()
+            stack.push_async_callback(self._outbox.close)
             await self._learn_result_limit()
             if self._own_process:
                 _tune_gc_for_serving()
@@ -433,7 +445,11 @@ class Worker:
         if tasks and grace_s > 0:
             await asyncio.wait(tasks, timeout=grace_s)
         # Answers those jobs sent are acknowledged in the same grace.
-        deliveries = [d for d, (_, p) in self._deliveries.items() if ours(p.tp)]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.flush(), max(deadline - time.monotonic(), 0))
+        deliveries = [
+            d for d, (_, members) in self._deliveries.items() if any(ours(p.tp) for p, _ in members)
+        ]
         remaining = deadline - time.monotonic()
         if deliveries and remaining > 0:
             await asyncio.wait(deliveries, timeout=remaining)
@@ -637,12 +653,22 @@ class Worker:
     async def _publish(self, publication: _Publication) -> None:
         """Hand each part of the answer to the producer. Acknowledgements arrive as callbacks:
         a job does not wait for its own, so its slot frees as soon as its answer is queued."""
-        # Fixed before the first await: acknowledgements remove parts from parts_left.
-        for part in [p for p in _Part if p in publication.parts_left]:
-            delivery = await self._deliver(publication, part, self._enqueue)
-            self._track(publication, delivery, part)
+        answer = publication.answer
+        if answer.dead_letter is not None:
+            await self._post(publication, _Part.DEAD_LETTER)
+        if answer.result is not None:
+            await self._post(publication, _Part.RESULT)
         if not publication.parts_left:  # nothing to send: cannot happen, but never stick
             self._answered(publication)
+
+    async def _post(self, publication: _Publication, part: _Part) -> None:
+        """Queue one part in the outbox, or, when large, produce it on its own."""
+        topic, key, value, headers = self._record(publication, part)
+        if value is None or len(value) <= _BATCHED_RECORD_MAX_BYTES:
+            self._outbox.add(topic, key, value, headers, (publication, part))
+            return
+        delivery = await self._deliver(publication, part, self._enqueue)
+        self._watch([(publication, part)], delivery)
 
     async def _deliver(
         self,
@@ -673,34 +699,40 @@ class Worker:
         key = answer.job_id.encode() if answer.job_id is not None else None
         return self._settings.results_topic, key, answer.result_bytes, []
 
-    def _track(self, publication: _Publication, delivery: asyncio.Future[Any], part: _Part) -> None:
-        self._deliveries[delivery] = (time.monotonic(), publication)
-        delivery.add_done_callback(functools.partial(self._on_delivery, publication, part))
+    def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
+        """Follow the delivery of a batch (or of one large record) holding `members`."""
+        self._deliveries[delivery] = (time.monotonic(), members)
+        delivery.add_done_callback(functools.partial(self._on_delivery, members))
 
-    def _on_delivery(
-        self, publication: _Publication, part: _Part, delivery: asyncio.Future[Any]
-    ) -> None:
+    def _outbox_crashed(self, exc: BaseException) -> None:
+        self._fail(BrokerError(f"answers could not be handed to the producer: {exc!r}"), "outbox")
+
+    def _on_delivery(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
         self._deliveries.pop(delivery, None)
         if delivery.cancelled():
-            return  # the producer closed with it unsent: the offset stays unfinished
-        if delivery.exception() is None:
-            self._acknowledged(publication, part)
+            return  # the producer closed with it unsent: the offsets stay unfinished
+        error = delivery.exception()
+        if error is None:
+            for publication, part in members:
+                self._acknowledged(publication, part)
             return
         if not self._resending:
             return
-        # Rare: send this part again, in a task that drain and revoke treat like a job's.
-        task = asyncio.create_task(self._resend(publication, part, delivery.exception()))
-        self._tasks[task] = (publication.tp, publication.offset)
-        task.add_done_callback(self._job_done)
+        logger.warning(
+            "delivery of %d answers failed (%r); sending each again on its own", len(members), error
+        )
+        # Rare: each part is sent again alone (one refused for its size then fails alone), in a
+        # task that drain and revoke treat like a job's.
+        for publication, part in members:
+            task = asyncio.create_task(self._resend(publication, part))
+            self._tasks[task] = (publication.tp, publication.offset)
+            task.add_done_callback(self._job_done)
 
-    async def _resend(
-        self, publication: _Publication, part: _Part, error: BaseException | None
-    ) -> None:
+    async def _resend(self, publication: _Publication, part: _Part) -> None:
         where = f"{publication.tp.topic}-{publication.tp.partition}@{publication.offset}"
-        logger.warning("delivery of the answer to %s failed (%r); sending it again", where, error)
         try:
             await self._deliver(
-                publication, part, functools.partial(self._send, publication=publication)
+                publication, part, functools.partial(self._send, member=(publication, part))
             )
         except asyncio.CancelledError:
             logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
@@ -766,7 +798,7 @@ class Worker:
         key: bytes | None,
         value: bytes | None,
         headers: Headers,
-        publication: _Publication,
+        member: _Member,
     ) -> None:
         """Produce one record and await its acknowledgement, retrying what the broker says is
         transient. The path for re-sends; first sends go through `_publish`."""
@@ -775,7 +807,7 @@ class Worker:
             delivery = await self._enqueue(topic, key, value, headers)
             # aiokafka retries an unreachable broker forever; the loop's watchdog bounds our
             # patience (one check per loop turn is far cheaper than a timer per record).
-            self._deliveries[delivery] = (time.monotonic(), publication)
+            self._deliveries[delivery] = (time.monotonic(), [member])
             try:
                 # Not shielded: aiokafka checks done() before resolving, so cancelling a job
                 # while it waits here is harmless.
