@@ -8,8 +8,9 @@ when set, else starts a local noida-db broker (worker.dev_broker.LocalBroker).
    - a bare loop: `getmany` -> produce the pre-encoded mock result of each job -> await the
      deliveries -> commit. Same client settings, same result bytes, no engine call, and
    - the same bare loop that also decodes each job, runs the mock engine and encodes the result,
-     one job at a time: the worker's work without its machinery (tasks, offsets, metrics,
-     rebalance and shutdown handling).
+     one job at a time, and produces a fetch's results as record batches, as the worker's outbox
+     does: the worker's work without its machinery (tasks, offsets, metrics, rebalance and
+     shutdown handling).
    Each run uses its own group and results topic (made as `serve --create-topics` makes them);
    its rate is timed by the results' own timestamps, from the first to the last (so group join is
    excluded). The worker/bare ratio (goal >= 0.8) is of the medians; worker/(bare + engine)
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import psutil
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
@@ -241,15 +242,18 @@ async def run_bare(
         try:
             while not stop.is_set():
                 batch = await consumer.getmany(timeout_ms=settings.poll_timeout_ms)
-                deliveries = []
+                deliveries: list[asyncio.Future[Any]] = []
                 offsets: dict[TopicPartition, int] = {}
                 for tp, records in batch.items():
-                    for record in records:
-                        if with_engine:
-                            value = await _answer_inline(engine, record.value)
-                        else:
+                    if with_engine:
+                        values = [await _answer_inline(engine, r.value) for r in records]
+                        deliveries += await _send_batches(producer, results, records, values)
+                    else:
+                        for record in records:
                             value = result_bytes[record.key]
-                        deliveries.append(await producer.send(results, value=value, key=record.key))
+                            deliveries.append(
+                                await producer.send(results, value=value, key=record.key)
+                            )
                     offsets[tp] = records[-1].offset + 1
                 if deliveries:
                     await asyncio.gather(*deliveries)
@@ -259,6 +263,24 @@ async def run_bare(
             await producer.stop()
 
     return await _rate(bootstrap, results, count, loop(), stop.set)
+
+
+async def _send_batches(
+    producer: AIOKafkaProducer,
+    topic: str,
+    records: list[ConsumerRecord[bytes, bytes]],
+    values: list[bytes],
+) -> list[asyncio.Future[Any]]:
+    """Produce `values` keyed as `records` in record batches (one-partition results topic)."""
+    deliveries = []
+    builder = producer.create_batch()
+    for record, value in zip(records, values, strict=True):
+        if builder.append(key=record.key, value=value, timestamp=None) is None:
+            deliveries.append(await producer.send_batch(builder, topic, partition=0))
+            builder = producer.create_batch()
+            builder.append(key=record.key, value=value, timestamp=None)
+    deliveries.append(await producer.send_batch(builder, topic, partition=0))
+    return deliveries
 
 
 async def _rate(
@@ -315,7 +337,7 @@ async def throughput(bootstrap: str, count: int, rounds: int) -> None:
     )
     print(
         f"        bare loop that also decodes, runs the mock engine and encodes, one job at a"
-        f" time: {median['bare+engine']:.0f} jobs/s; worker/that"
+        f" time, producing in batches: {median['bare+engine']:.0f} jobs/s; worker/that"
         f" {median['worker'] / median['bare+engine']:.2f}"
     )
 
