@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import psutil
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
@@ -246,8 +246,16 @@ async def run_bare(
                 offsets: dict[TopicPartition, int] = {}
                 for tp, records in batch.items():
                     if with_engine:
-                        values = [await _answer_inline(engine, r.value) for r in records]
-                        deliveries += await _send_batches(producer, results, records, values)
+                        # Each result is appended as soon as it is computed: the results' own
+                        # timestamps, which time the run, must not bunch up.
+                        builder = producer.create_batch()
+                        for record in records:
+                            value = await _answer_inline(engine, record.value)
+                            if builder.append(key=record.key, value=value, timestamp=None) is None:
+                                deliveries.append(await _send_batch(producer, results, builder))
+                                builder = producer.create_batch()
+                                builder.append(key=record.key, value=value, timestamp=None)
+                        deliveries.append(await _send_batch(producer, results, builder))
                     else:
                         for record in records:
                             value = result_bytes[record.key]
@@ -265,22 +273,10 @@ async def run_bare(
     return await _rate(bootstrap, results, count, loop(), stop.set)
 
 
-async def _send_batches(
-    producer: AIOKafkaProducer,
-    topic: str,
-    records: list[ConsumerRecord[bytes, bytes]],
-    values: list[bytes],
-) -> list[asyncio.Future[Any]]:
-    """Produce `values` keyed as `records` in record batches (one-partition results topic)."""
-    deliveries = []
-    builder = producer.create_batch()
-    for record, value in zip(records, values, strict=True):
-        if builder.append(key=record.key, value=value, timestamp=None) is None:
-            deliveries.append(await producer.send_batch(builder, topic, partition=0))
-            builder = producer.create_batch()
-            builder.append(key=record.key, value=value, timestamp=None)
-    deliveries.append(await producer.send_batch(builder, topic, partition=0))
-    return deliveries
+async def _send_batch(producer: AIOKafkaProducer, topic: str, builder: Any) -> Any:
+    """Submit a batch to the one-partition results topic, closed as the worker's outbox does."""
+    builder.close()
+    return await producer.send_batch(builder, topic, partition=0)
 
 
 async def _rate(

@@ -175,10 +175,12 @@ async def test_flush_waits_for_a_submission_held_by_the_producer(recorder: Recor
     flushed = asyncio.create_task(outbox.flush())
     await asyncio.sleep(0.05)
     assert not flushed.done()
-    assert outbox.queued == 0  # taken by the submitting task, not yet submitted
+    assert outbox.pending == 1  # taken by the submitting task, not yet submitted
     outbox.add("results", b"b", b"x", [], "b")  # arrives meanwhile: goes in the next batch
+    assert outbox.pending == 2
     release.set()
     await asyncio.wait_for(flushed, 5)
+    assert outbox.pending == 0
     assert [members for members, _ in recorder.batches] == [["a"], ["b"]]
     await outbox.close()
 

@@ -51,6 +51,7 @@ class Outbox(Generic[M]):
         self._on_submitted = on_submitted
         self._on_crash = on_crash
         self._queued: list[tuple[str, bytes | None, bytes | None, Headers, M]] = []
+        self._pending = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -66,14 +67,15 @@ class Outbox(Generic[M]):
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._queued:
-            logger.warning("%d answers were never handed to the producer", len(self._queued))
+        if self._pending:
+            logger.warning("%d answers were never handed to the producer", self._pending)
 
     def add(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, member: M
     ) -> None:
         """Queue one record; it is submitted within the next turns of the event loop."""
         self._queued.append((topic, key, value, headers, member))
+        self._pending += 1
         self._idle.clear()
         self._wake.set()
 
@@ -82,8 +84,9 @@ class Outbox(Generic[M]):
         await self._idle.wait()
 
     @property
-    def queued(self) -> int:
-        return len(self._queued)
+    def pending(self) -> int:
+        """Records added and not yet submitted: what the outbox holds."""
+        return self._pending
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         # Anything but a KafkaError is a bug here; the worker must stop rather than go silent.
@@ -145,9 +148,13 @@ class Outbox(Generic[M]):
         except KafkaError as exc:
             self._fail(members, exc)
             return
-        self._on_submitted(members, delivery)
+        self._handed(members, delivery)
 
     def _fail(self, members: list[M], exc: BaseException) -> None:
         failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         failed.set_exception(exc)
-        self._on_submitted(members, failed)
+        self._handed(members, failed)
+
+    def _handed(self, members: list[M], delivery: asyncio.Future[Any]) -> None:
+        self._pending -= len(members)
+        self._on_submitted(members, delivery)

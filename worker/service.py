@@ -152,7 +152,7 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
         # Read when scraped, not written twice per job.
-        self.metrics.in_flight.set_function(lambda: len(self._tasks))
+        self.metrics.in_flight.set_function(self._in_flight)
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], tuple[TopicPartition, int]] = {}
         self._stopping = asyncio.Event()
@@ -259,7 +259,7 @@ class Worker:
     async def _consume_loop(self) -> None:
         s = self._settings
         while not self._stopping.is_set() and self._fatal is None:
-            free = self.max_in_flight - len(self._tasks)
+            free = self.max_in_flight - self._in_flight()
             if free <= 0:
                 # Full. Any free slot is filled at once: waiting for several (this once waited
                 # for a quarter) left the engine's batch short and cost vLLM a third of its
@@ -331,8 +331,16 @@ class Worker:
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.pop(task, None)
-        if len(self._tasks) < self.max_in_flight:
+        if self._in_flight() < self.max_in_flight:
             self._wake.set()
+
+    def _in_flight(self) -> int:
+        """Jobs running, and answers the outbox has yet to hand to the producer.
+
+        Counting the latter keeps the outbox bounded: while the broker is slower than the
+        engine, the worker fetches no more than it can deliver.
+        """
+        return len(self._tasks) + self._outbox.pending
 
     async def _maybe_commit(self) -> None:
         now = time.monotonic()
@@ -652,7 +660,8 @@ class Worker:
 
     async def _publish(self, publication: _Publication) -> None:
         """Hand each part of the answer to the producer. Acknowledgements arrive as callbacks:
-        a job does not wait for its own, so its slot frees as soon as its answer is queued."""
+        a job does not wait for its own. Its slot frees when the outbox hands the answer to the
+        producer (see `_in_flight`)."""
         answer = publication.answer
         if answer.dead_letter is not None:
             await self._post(publication, _Part.DEAD_LETTER)
@@ -703,6 +712,8 @@ class Worker:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
         self._deliveries[delivery] = (time.monotonic(), members)
         delivery.add_done_callback(functools.partial(self._on_delivery, members))
+        if self._in_flight() < self.max_in_flight:
+            self._wake.set()
 
     def _outbox_crashed(self, exc: BaseException) -> None:
         self._fail(BrokerError(f"answers could not be handed to the producer: {exc!r}"), "outbox")
