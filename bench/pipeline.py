@@ -43,7 +43,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
 from worker.config import Settings, settings_from
 from worker.dev_broker import LocalBroker
-from worker.kafka import make_consumer, make_results_producer, record_size_limit
+from worker.kafka import (
+    answer_topic_limits,
+    make_consumer,
+    make_results_producer,
+    record_size_limit,
+)
 from worker.mock_engine import MockEngine, MockEngineSettings
 from worker.result_encoder import encode_result
 from worker.service import Worker
@@ -191,12 +196,14 @@ async def _result_bytes(jobs: list[Job]) -> dict[bytes, bytes]:
 async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
     settings = await _answer_topics(bootstrap, jobs_topic)
     results = settings.results_topic
-    worker = Worker(
+    limits = await answer_topic_limits(settings)
+    worker = Worker(  # as `serve` builds and runs it
         settings,
         consumer=make_consumer(settings),
-        producer=await make_results_producer(settings),
+        producer=make_results_producer(settings, limits),
         engine=_engine(),
-        own_process=True,  # as `serve` runs it
+        own_process=True,
+        topic_limits=limits,
     )
     return await _rate(bootstrap, results, count, worker.run(), worker.request_stop)
 
@@ -231,7 +238,7 @@ async def run_bare(
     settings = await _answer_topics(bootstrap, jobs_topic)
     results = settings.results_topic
     consumer = make_consumer(settings)
-    producer = await make_results_producer(settings)
+    producer = make_results_producer(settings, await answer_topic_limits(settings))
     engine = _engine()
     stop = asyncio.Event()
 

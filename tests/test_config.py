@@ -23,6 +23,7 @@ from worker.config import (
 )
 from worker.errors import ConfigError
 from worker.kafka import (
+    answer_topic_limits,
     client_kwargs,
     make_consumer,
     make_producer,
@@ -269,7 +270,7 @@ async def test_the_results_producer_reads_both_topics_limits(kafka_bootstrap_ser
         {},
     )
 
-    producer = await make_results_producer(settings)
+    producer = make_results_producer(settings, await answer_topic_limits(settings))
 
     try:
         assert producer._message_accumulator._batch_size == 3 * 2**20 - 65_536

@@ -91,6 +91,7 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         topics: Topics,
         engine: ScriptedEngine | None = None,
         wrap_producer: Callable[[AIOKafkaProducer], Any] = lambda producer: producer,
+        topic_limits: dict[str, int | None] | None = None,
         **overrides: Any,
     ) -> Running:
         values = {
@@ -115,6 +116,7 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
             consumer=make_consumer(settings),
             producer=wrap_producer(make_producer(settings)),
             engine=engine,
+            topic_limits=topic_limits,
         )
         task = asyncio.create_task(worker.run())
         handle = Running(worker, engine, task, settings)
@@ -329,6 +331,24 @@ async def test_result_the_broker_refuses_is_answered_result_too_large(
     await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
     engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
     run = await start_worker(topics, engine, compression_type="none")
+    answered = await results(bs, topics.results, 2)
+    failure = answered["big"]
+    assert isinstance(failure, Failed)
+    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "max.message.bytes (200000)" in failure.error.detail
+    assert isinstance(answered["after"], Completed)
+    assert await run.stop() == 0
+
+
+async def test_topic_limits_given_to_the_worker_are_used_not_read_again(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
+    await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    # The topic itself takes the broker's default (about 1 MiB); `serve` passes what it read.
+    run = await start_worker(topics, engine, topic_limits={topics.results: 200_000})
     answered = await results(bs, topics.results, 2)
     failure = answered["big"]
     assert isinstance(failure, Failed)

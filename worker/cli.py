@@ -143,18 +143,25 @@ def _tiny_model(out_dir: Path, seed: int) -> int:
 async def _serve(settings: Settings, engine_args: list[str]) -> int:
     from aiokafka.errors import KafkaError  # noqa: PLC0415
 
-    from worker.kafka import create_topics, make_consumer, make_results_producer  # noqa: PLC0415
+    from worker.kafka import (  # noqa: PLC0415
+        answer_topic_limits,
+        create_topics,
+        make_consumer,
+        make_results_producer,
+    )
     from worker.service import Worker  # noqa: PLC0415
 
     engine = build_engine(settings, engine_args)
     if settings.create_topics:
         await create_topics(settings)
+    limits = await answer_topic_limits(settings)
     worker = Worker(
         settings,
         consumer=make_consumer(settings),
-        producer=await make_results_producer(settings),
+        producer=make_results_producer(settings, limits),
         engine=engine,
         own_process=True,
+        topic_limits=limits,
     )
     worker.install_signal_handlers()
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -16,6 +16,7 @@ from worker.config import MiB, Settings
 from worker.errors import BrokerError, ConfigError
 
 __all__ = [
+    "answer_topic_limits",
     "client_kwargs",
     "create_topics",
     "make_consumer",
@@ -110,12 +111,20 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**kwargs)
 
 
-async def make_results_producer(settings: Settings) -> AIOKafkaProducer:
-    """`make_producer` with batches as large as the results and dead-letter topics accept."""
-    limits = await topics_max_message_bytes(
+async def answer_topic_limits(settings: Settings) -> dict[str, int | None]:
+    """`max.message.bytes` of the results and dead-letter topics (None where unreadable)."""
+    return await topics_max_message_bytes(
         settings, [settings.results_topic, settings.dead_letter_topic]
     )
-    return make_producer(settings, max_batch_size=producer_batch_bytes(list(limits.values())))
+
+
+def make_results_producer(
+    settings: Settings, topic_limits: Mapping[str, int | None]
+) -> AIOKafkaProducer:
+    """`make_producer` with batches as large as the results and dead-letter topics accept
+    (`topic_limits`: from `answer_topic_limits`)."""
+    limits = [topic_limits.get(t) for t in (settings.results_topic, settings.dead_letter_topic)]
+    return make_producer(settings, max_batch_size=producer_batch_bytes(limits))
 
 
 def producer_batch_bytes(topic_limits: Sequence[int | None]) -> int:

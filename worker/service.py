@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any, Final, Literal, TypeVar
 
@@ -131,7 +131,9 @@ class Worker:
     pointed at a test broker. `run()` starts them, serves until `request_stop()` or a fatal
     error, drains, and returns the process exit status (0 clean, 1 fatal). With
     `own_process`, the worker may tune process-wide state for serving (the garbage
-    collector); `serve` sets it.
+    collector); `serve` sets it. `topic_limits` holds the answer topics' `max.message.bytes`
+    when the caller has read them (`serve` does, to size the producer's batches); otherwise
+    the worker reads the results topic's at start.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class Worker:
         engine: Engine,
         metrics: Metrics | None = None,
         own_process: bool = False,
+        topic_limits: Mapping[str, int | None] | None = None,
     ) -> None:
         self._settings = settings
         self._own_process = own_process
@@ -163,6 +166,7 @@ class Worker:
         self._last_health_check = time.monotonic()
         self._signals = 0
         self.metrics_server: MetricsServer | None = None
+        self._topic_limits = topic_limits
         self._result_limit = settings.max_result_bytes
         self._result_limit_source = "max_result_bytes"
         self._send_lock = asyncio.Lock()
@@ -242,7 +246,10 @@ class Worker:
 
     async def _learn_result_limit(self) -> None:
         s = self._settings
-        topic_limit = await topic_max_message_bytes(s, s.results_topic)
+        if self._topic_limits is not None and s.results_topic in self._topic_limits:
+            topic_limit = self._topic_limits[s.results_topic]
+        else:
+            topic_limit = await topic_max_message_bytes(s, s.results_topic)
         if topic_limit is not None and topic_limit - _RECORD_FRAMING_BYTES < s.max_result_bytes:
             self._result_limit = max(topic_limit - _RECORD_FRAMING_BYTES, 0)
             self._result_limit_source = (
