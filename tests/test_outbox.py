@@ -121,25 +121,29 @@ async def test_the_delivery_future_is_the_producers(recorder: Recorder) -> None:
 
 
 @pytest.mark.parametrize(
-    "refusal",
-    [KafkaTimeoutError(), UnknownTopicOrPartitionError()],
-    ids=["no-room-in-time", "unknown-topic"],
+    ("partitions", "refusal", "error"),
+    [
+        ({"results": 1}, KafkaTimeoutError(), KafkaTimeoutError),
+        ({}, None, UnknownTopicOrPartitionError),
+        ({"results": 0}, None, UnknownTopicOrPartitionError),
+    ],
+    ids=["no-room-in-time", "unknown-topic", "no-partitions"],
 )
 async def test_a_batch_the_producer_refuses_fails_its_members(
-    recorder: Recorder, refusal: BaseException
+    recorder: Recorder,
+    partitions: dict[str, int],
+    refusal: BaseException | None,
+    error: type[BaseException],
 ) -> None:
-    producer = BatchProducer({"results": 1})
-    if isinstance(refusal, UnknownTopicOrPartitionError):
-        producer.partitions = {}  # partitions_for fails
-    else:
-        producer.refuse = refusal
+    producer = BatchProducer(partitions)
+    producer.refuse = refusal
     outbox = await started(producer, recorder)
     outbox.add("results", b"a", b"x", [], "a")
     outbox.add("results", b"b", b"x", [], "b")
     await outbox.flush()
     ((members, delivery),) = recorder.batches
     assert members == ["a", "b"]
-    assert isinstance(delivery.exception(), type(refusal))
+    assert isinstance(delivery.exception(), error)
     # The outbox goes on: later records are submitted.
     producer.partitions, producer.refuse = {"results": 1}, None
     outbox.add("results", b"c", b"x", [], "c")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import DefaultPartitioner
 
 __all__ = ["Outbox"]
@@ -112,14 +112,14 @@ class Outbox(Generic[M]):
             all_partitions = partitions.get(topic)
             if all_partitions is None:
                 try:
-                    all_partitions = partitions[topic] = sorted(
-                        await producer.partitions_for(topic)
-                    )
+                    all_partitions = sorted(await producer.partitions_for(topic))
+                    if not all_partitions:
+                        raise UnknownTopicOrPartitionError(f"{topic} has no partitions")
                 except KafkaError as exc:
                     # An unknown topic or no metadata: every record for it fails the same way.
                     self._fail([r[4] for r in records if r[0] == topic], exc)
-                    partitions[topic] = []
-                    continue
+                    all_partitions = []
+                partitions[topic] = all_partitions
             if not all_partitions:
                 continue  # failed above
             partition = (
