@@ -564,6 +564,39 @@ async def test_restart_resumes_from_committed_offset_without_loss(
     assert await second.stop() == 0
 
 
+class SlowBatchProducer:
+    """A real producer that takes `delay_s` to accept each batch, as when the broker lags."""
+
+    def __init__(self, inner: AIOKafkaProducer, delay_s: float) -> None:
+        self._inner = inner
+        self._delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def send_batch(self, batch: Any, topic: str, *, partition: int) -> Any:
+        await asyncio.sleep(self._delay_s)
+        return await self._inner.send_batch(batch, topic, partition=partition)
+
+
+async def test_a_revoke_delivers_and_commits_answers_the_outbox_still_holds(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    await produce_jobs(bs, topics, "r", 3)
+    run = await start_worker(
+        topics, wrap_producer=lambda producer: SlowBatchProducer(producer, delay_s=1.0)
+    )
+    await wait_for(lambda: len(run.engine.started) == 3, what="jobs to start")
+    await wait_for(lambda: run.worker._outbox.pending == 3, what="answers in the outbox")
+    tp = TopicPartition(topics.jobs, 0)
+    await run.worker.on_partitions_revoked({tp})
+    # Before the partition is released, its answers are acknowledged and committed.
+    assert await committed(bs, topics.group, topics.jobs) == {0: 3}
+    assert set(await results(bs, topics.results, 3)) == {"r-0", "r-1", "r-2"}
+    assert await run.stop() == 0
+
+
 async def test_two_workers_split_partitions_and_one_leaving_loses_nothing(
     tansu_broker, new_topic, start_worker
 ):
