@@ -119,7 +119,11 @@ class Metrics:
                 ]
             )
         )
-        self.in_flight = prom.Gauge("vkw_jobs_in_flight", "Jobs running now", registry=r)
+        self.in_flight = prom.Gauge(
+            "vkw_jobs_in_flight",
+            "Jobs running now, or answered and not yet handed to the producer",
+            registry=r,
+        )
         self.consumer_lag = prom.Gauge(
             "vkw_consumer_lag",
             "Records behind the partition's end, from the committed position",
