@@ -155,7 +155,7 @@ class Worker:
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
         # Read when scraped, not written twice per job.
-        self.metrics.in_flight.set_function(self._in_flight_exactly)
+        self.metrics.in_flight.set_function(self._in_flight)
         self._tracker = OffsetTracker()
         self._tasks: dict[asyncio.Task[None], tuple[TopicPartition, int]] = {}
         self._stopping = asyncio.Event()
@@ -345,15 +345,10 @@ class Worker:
         """Jobs running, and answers the outbox has yet to hand to the producer.
 
         Counting the latter keeps the outbox bounded: while the broker is slower than the
-        engine, the worker fetches no more than it can deliver. Until its done-callback runs
-        (the next loop turn), a finished job also counts while its answer waits in the outbox:
-        the count errs high for a turn, never low, so the cap holds.
+        engine, the worker fetches no more than it can deliver. A job leaves `_tasks` as its
+        answer enters the outbox (see `_handle`), so it is never counted twice.
         """
         return len(self._tasks) + self._outbox.pending
-
-    def _in_flight_exactly(self) -> float:
-        """`_in_flight` without the finished jobs not yet reaped: what /metrics reports."""
-        return self._outbox.pending + sum(not task.done() for task in self._tasks)
 
     async def _maybe_commit(self) -> None:
         now = time.monotonic()
@@ -506,6 +501,10 @@ class Worker:
                 )
                 answer = self._internal_error(tp, record, exc)
             await self._publish(_Publication(tp, partition, record.offset, answer))
+            # The answer is the outbox's or the producer's now. Left in `_tasks` until the
+            # done-callback runs (the next loop turn), the job would count twice in flight.
+            if (task := asyncio.current_task()) is not None:
+                self._tasks.pop(task, None)
         except asyncio.CancelledError:
             logger.info(
                 "job at %s-%s@%s cancelled; left uncommitted for redelivery",
