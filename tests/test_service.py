@@ -322,33 +322,29 @@ async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
     assert await run.stop() == 0
 
 
-async def test_result_the_broker_refuses_is_answered_result_too_large(
-    kafka_bootstrap_servers, new_topic, start_worker
+@pytest.mark.parametrize(
+    "limit_from",
+    [
+        "topic",
+        # The topic itself takes the broker's default (about 1 MiB); `serve` passes what it
+        # read, and the worker must use that rather than read it again.
+        "caller",
+    ],
+)
+async def test_result_over_the_results_topics_limit_is_answered_result_too_large(
+    kafka_bootstrap_servers, new_topic, start_worker, limit_from
 ):
     bs = kafka_bootstrap_servers
-    topics = await make_topics(new_topic, results_configs={"max.message.bytes": "200000"})
+    if limit_from == "topic":
+        topics = await make_topics(new_topic, results_configs={"max.message.bytes": "200000"})
+        options: dict[str, Any] = {"compression_type": "none"}
+    else:
+        topics = await make_topics(new_topic)
+        options = {"topic_limits": {topics.results: 200_000}}
     big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
     await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
     engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
-    run = await start_worker(topics, engine, compression_type="none")
-    answered = await results(bs, topics.results, 2)
-    failure = answered["big"]
-    assert isinstance(failure, Failed)
-    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
-    assert "max.message.bytes (200000)" in failure.error.detail
-    assert isinstance(answered["after"], Completed)
-    assert await run.stop() == 0
-
-
-async def test_topic_limits_given_to_the_worker_are_used_not_read_again(
-    kafka_bootstrap_servers, topics, start_worker
-):
-    bs = kafka_bootstrap_servers
-    big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
-    await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
-    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
-    # The topic itself takes the broker's default (about 1 MiB); `serve` passes what it read.
-    run = await start_worker(topics, engine, topic_limits={topics.results: 200_000})
+    run = await start_worker(topics, engine, **options)
     answered = await results(bs, topics.results, 2)
     failure = answered["big"]
     assert isinstance(failure, Failed)
@@ -366,14 +362,8 @@ class FlakyProducer:
         self._failures = failures
         self.attempts: dict[bytes, int] = {}
 
-    async def start(self) -> None:
-        await self._inner.start()
-
-    async def stop(self) -> None:
-        await self._inner.stop()
-
-    async def flush(self) -> None:
-        await self._inner.flush()
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     async def send(
         self, topic: str, value: Any = None, key: Any = None, headers: Any = None
@@ -386,10 +376,6 @@ class FlakyProducer:
             failed.set_exception(errors.pop(0))
             return failed
         return await self._inner.send(topic, value=value, key=key, headers=headers)
-
-    async def partitions_for(self, topic: str) -> set[int]:
-        partitions: set[int] = await self._inner.partitions_for(topic)
-        return partitions
 
     def create_batch(self) -> KeyRecordingBatch:
         return KeyRecordingBatch(self._inner.create_batch())
