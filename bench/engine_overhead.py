@@ -37,7 +37,7 @@ from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.config import settings_from
 from worker.dev_broker import LocalBroker
 from worker.engine import BorrowedEngine
-from worker.kafka import make_consumer, make_producer
+from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.service import Worker
 from worker.vllm_engine import VllmEngine, build_vllm_engine
 
@@ -126,11 +126,13 @@ class WorkerPath:
         await self._results.start()
         self._results.assign([TopicPartition(self.results_topic, 0)])
         s = self._settings
+        limits = await read_record_limits(s)
         self._worker = Worker(
             s,
-            consumer=make_consumer(s),
-            producer=make_producer(s),
+            consumer=make_consumer(s, limits),
+            producer=make_producer(s, limits),
             engine=BorrowedEngine(self._engine),
+            limits=limits,
         )
         self._task = asyncio.create_task(self._worker.run())
         # Wait for the group join, so no round pays for it.

@@ -41,12 +41,13 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
+from worker.cli import tune_gc_for_serving
 from worker.config import Settings, settings_from
 from worker.dev_broker import LocalBroker
 from worker.kafka import (
-    answer_topic_limits,
     make_consumer,
-    make_results_producer,
+    make_producer,
+    read_record_limits,
     record_size_limit,
 )
 from worker.mock_engine import MockEngine, MockEngineSettings
@@ -196,14 +197,14 @@ async def _result_bytes(jobs: list[Job]) -> dict[bytes, bytes]:
 async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
     settings = await _answer_topics(bootstrap, jobs_topic)
     results = settings.results_topic
-    limits = await answer_topic_limits(settings)
+    limits = await read_record_limits(settings)
     worker = Worker(  # as `serve` builds and runs it
         settings,
-        consumer=make_consumer(settings),
-        producer=make_results_producer(settings, limits),
+        consumer=make_consumer(settings, limits),
+        producer=make_producer(settings, limits),
         engine=_engine(),
-        own_process=True,
-        topic_limits=limits,
+        limits=limits,
+        on_serving=tune_gc_for_serving,
     )
     return await _rate(bootstrap, results, count, worker.run(), worker.request_stop)
 
@@ -237,8 +238,9 @@ async def run_bare(
 ) -> float:
     settings = await _answer_topics(bootstrap, jobs_topic)
     results = settings.results_topic
-    consumer = make_consumer(settings)
-    producer = make_results_producer(settings, await answer_topic_limits(settings))
+    limits = await read_record_limits(settings)
+    consumer = make_consumer(settings, limits)
+    producer = make_producer(settings, limits)
     engine = _engine()
     stop = asyncio.Event()
 

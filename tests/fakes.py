@@ -1,9 +1,15 @@
-"""A scripted engine for service tests: each job's metadata says how it behaves."""
+"""Fakes for unit tests: a scripted engine, an in-memory producer and consumer."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from typing import Any
+
+from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError, UnknownTopicOrPartitionError
+from aiokafka.producer.message_accumulator import BatchBuilder
 
 from schemas import Job
 from worker.engine import EngineOutput
@@ -88,12 +94,215 @@ class ScriptedEngine:
         finally:
             self.running -= 1
 
-    async def abort(self, request_id: str) -> None:
-        return
-
     async def check_health(self) -> None:
         if not self.healthy:
             raise EngineDeadError("scripted: engine reported unhealthy")
 
     async def close(self) -> None:
         self.closed = True
+
+
+class BatchProducer:
+    """The producer's batch API, in memory: each submitted batch is kept with a future the test
+    resolves. `batch_bytes` sizes the batches as the producer's `max_batch_size` would."""
+
+    def __init__(self, partitions: dict[str, int], batch_bytes: int = 1 << 20) -> None:
+        self.partitions = partitions
+        self.batch_bytes = batch_bytes
+        self.submitted: list[tuple[str, int, int, asyncio.Future[Any]]] = []
+        self.refuse: BaseException | None = None
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        if topic not in self.partitions:
+            raise UnknownTopicOrPartitionError()
+        return set(range(self.partitions[topic]))
+
+    def create_batch(self) -> BatchBuilder:
+        return BatchBuilder(self.batch_bytes, 0)
+
+    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> Any:
+        if self.refuse is not None:
+            raise self.refuse
+        assert batch._closed, "a batch is closed before it is submitted"
+        delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.submitted.append((topic, partition, batch._relative_offset, delivery))
+        return delivery
+
+
+class MemoryProducer(BatchProducer):
+    """A whole producer in memory that acknowledges at once.
+
+    Batches are acknowledged as submitted; `send()` keeps each record in `sent`. A record whose
+    value is larger than `broker_limit` is refused the way a broker refuses it: its delivery
+    fails with `MessageSizeTooLargeError` (batches are decoded to check their records).
+    """
+
+    def __init__(self, partitions: dict[str, int], broker_limit: int | None = None) -> None:
+        super().__init__(partitions)
+        self.broker_limit = broker_limit
+        self.sent: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+        self.refusals = 0
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+    async def flush(self) -> None:
+        return
+
+    def create_batch(self) -> Any:
+        return RecordingBatch(super().create_batch())
+
+    async def send_batch(self, batch: Any, topic: str, *, partition: int) -> Any:
+        delivery = await super().send_batch(batch, topic, partition=partition)
+        self._deliver(delivery, [(topic, *record) for record in batch.records])
+        return delivery
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future[Any]:
+        delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._deliver(delivery, [(topic, key, value, list(headers or []))])
+        return delivery
+
+    def _deliver(
+        self,
+        delivery: asyncio.Future[Any],
+        records: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]],
+    ) -> None:
+        limit = self.broker_limit
+        if limit is not None and any(len(r[2] or b"") > limit for r in records):
+            self.refusals += 1
+            delivery.set_exception(MessageSizeTooLargeError())
+            return
+        self.sent.extend(records)
+        delivery.set_result(None)
+
+
+class RecordingBatch:
+    """A producer's batch that remembers what was appended to it."""
+
+    def __init__(self, inner: BatchBuilder) -> None:
+        self.inner = inner
+        self.records: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+
+    @property
+    def _closed(self) -> bool:
+        return bool(self.inner._closed)
+
+    @property
+    def _relative_offset(self) -> int:
+        return int(self.inner._relative_offset)
+
+    def append(self, *, timestamp: int | None, key: bytes | None, value: Any, headers: Any) -> Any:
+        metadata = self.inner.append(timestamp=timestamp, key=key, value=value, headers=headers)
+        if metadata is not None:
+            self.records.append((key, value, list(headers or [])))
+        return metadata
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FakeConsumer:
+    """A consumer-group member in memory, for tests of the consume loop.
+
+    `assign(tps)` schedules a rebalance that the next `getmany` carries out, calling the
+    listener; like aiokafka, every partition of the new assignment starts unpaused.
+    `commit` waits for `commit_gate` when one is set.
+    """
+
+    def __init__(self) -> None:
+        self.records: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        self._positions: dict[TopicPartition, int] = {}
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._listener: Any = None
+        self._next_assignment: set[TopicPartition] | None = None
+        self.commits: list[dict[TopicPartition, int]] = []
+        self.commit_gate: asyncio.Event | None = None
+        self.commits_started = 0
+
+    def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
+        records = self.records.setdefault(tp, [])
+        records.append(
+            ConsumerRecord(
+                tp.topic,
+                tp.partition,
+                len(records),
+                int(time.time() * 1000),
+                0,
+                key,
+                value,
+                None,
+                len(key or b""),
+                len(value),
+                (),
+            )
+        )
+
+    def assign(self, tps: set[TopicPartition]) -> None:
+        self._next_assignment = set(tps)
+
+    def subscribe(self, topics: list[str], listener: Any) -> None:
+        self._listener = listener
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._assigned)
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self._paused.update(tps)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self._paused.difference_update(tps)
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def highwater(self, tp: TopicPartition) -> int:
+        return len(self.records.get(tp, []))
+
+    async def getmany(
+        self, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        if self._next_assignment is not None:
+            new, self._next_assignment = self._next_assignment, None
+            # Incremental, as in Kafka's cooperative protocol: only lost partitions are revoked,
+            # so jobs of kept partitions are still running when the assignment arrives.
+            if (revoked := self._assigned - new) and self._listener is not None:
+                await self._listener.on_partitions_revoked(revoked)
+            self._assigned, self._paused = new, set()
+            for tp in new:
+                self._positions.setdefault(tp, 0)
+            if self._listener is not None:
+                await self._listener.on_partitions_assigned(set(new))
+        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        budget = max_records if max_records is not None else 1 << 30
+        for tp in sorted(self._assigned - self._paused):
+            position = self._positions[tp]
+            taken = self.records.get(tp, [])[position : position + budget]
+            if taken:
+                out[tp] = taken
+                self._positions[tp] = position + len(taken)
+                budget -= len(taken)
+        if not out:
+            await asyncio.sleep(min(timeout_ms, 10) / 1000)
+        return out
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        self.commits_started += 1
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
+        self.commits.append(dict(offsets))

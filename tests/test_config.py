@@ -23,14 +23,13 @@ from worker.config import (
 )
 from worker.errors import ConfigError
 from worker.kafka import (
-    answer_topic_limits,
     client_kwargs,
     make_consumer,
     make_producer,
-    make_results_producer,
-    producer_batch_bytes,
+    read_record_limits,
     record_size_limit,
 )
+from worker.limits import producer_batch_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
@@ -255,7 +254,9 @@ def test_producer_batches_fit_the_smallest_topic_limit(
 
 
 @pytest.mark.broker
-async def test_the_results_producer_reads_both_topics_limits(kafka_bootstrap_servers, new_topic):
+async def test_the_producer_batches_fit_both_answer_topics_limits(
+    kafka_bootstrap_servers, new_topic
+):
     results = await new_topic(1, configs={"max.message.bytes": str(8 * 2**20)})
     dead_letters = await new_topic(1, configs={"max.message.bytes": str(3 * 2**20)})
     settings = settings_from(
@@ -270,7 +271,7 @@ async def test_the_results_producer_reads_both_topics_limits(kafka_bootstrap_ser
         {},
     )
 
-    producer = make_results_producer(settings, await answer_topic_limits(settings))
+    producer = make_producer(settings, await read_record_limits(settings))
 
     try:
         assert producer._message_accumulator._batch_size == 3 * 2**20 - 65_536

@@ -10,34 +10,8 @@ from aiokafka.errors import KafkaTimeoutError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
+from tests.fakes import BatchProducer
 from worker.outbox import Outbox
-
-
-class BatchProducer:
-    """The producer's batch API, in memory: each submitted batch is kept with a future the test
-    resolves. `batch_bytes` sizes the batches as the producer's `max_batch_size` would."""
-
-    def __init__(self, partitions: dict[str, int], batch_bytes: int = 1 << 20) -> None:
-        self.partitions = partitions
-        self.batch_bytes = batch_bytes
-        self.submitted: list[tuple[str, int, int, asyncio.Future[Any]]] = []
-        self.refuse: BaseException | None = None
-
-    async def partitions_for(self, topic: str) -> set[int]:
-        if topic not in self.partitions:
-            raise UnknownTopicOrPartitionError()
-        return set(range(self.partitions[topic]))
-
-    def create_batch(self) -> BatchBuilder:
-        return BatchBuilder(self.batch_bytes, 0)
-
-    async def send_batch(self, batch: BatchBuilder, topic: str, *, partition: int) -> Any:
-        if self.refuse is not None:
-            raise self.refuse
-        assert batch._closed, "a batch is closed before it is submitted"
-        delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.submitted.append((topic, partition, batch._relative_offset, delivery))
-        return delivery
 
 
 class Recorder:

@@ -34,7 +34,9 @@ from tests.kafka_helpers import (
     wait_for,
 )
 from worker.config import Settings, settings_from
-from worker.kafka import make_consumer, make_producer
+from worker.kafka import make_consumer, make_producer, read_record_limits
+from worker.limits import RecordLimits
+from worker.metrics import MetricsServer
 from worker.mock_engine import MockEngineSettings
 from worker.service import DLQ_HEADERS, Worker
 
@@ -111,12 +113,17 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         values.update(overrides)
         settings = settings_from(values, {})
         engine = engine or ScriptedEngine()
+        limits = (
+            await read_record_limits(settings)
+            if topic_limits is None
+            else RecordLimits.from_topic_limits(settings, topic_limits)
+        )
         worker = Worker(
             settings,
-            consumer=make_consumer(settings),
-            producer=wrap_producer(make_producer(settings)),
+            consumer=make_consumer(settings, limits),
+            producer=wrap_producer(make_producer(settings, limits)),
             engine=engine,
-            topic_limits=topic_limits,
+            limits=limits,
         )
         task = asyncio.create_task(worker.run())
         handle = Running(worker, engine, task, settings)
@@ -574,7 +581,7 @@ async def test_a_revoke_delivers_and_commits_answers_the_outbox_still_holds(
         topics, wrap_producer=lambda producer: SlowBatchProducer(producer, delay_s=1.0)
     )
     await wait_for(lambda: len(run.engine.started) == 3, what="jobs to start")
-    await wait_for(lambda: run.worker._outbox.pending == 3, what="answers in the outbox")
+    await wait_for(lambda: run.worker._delivery.pending == 3, what="answers in the outbox")
     tp = TopicPartition(topics.jobs, 0)
     await run.worker.on_partitions_revoked({tp})
     # Before the partition is released, its answers are acknowledged and committed.
@@ -665,7 +672,7 @@ async def test_broker_gone_longer_than_publish_timeout_stops_the_worker_uncommit
     assert time.monotonic() - started < 90
     # The orphan's answer never reached the broker: no commit the worker made covers it.
     tp = TopicPartition(topics.jobs, 0)
-    assert run.worker._tracker.committed_position(tp) in (None, 0, 1)
+    assert run.worker._committer.committed_position(tp) in (None, 0, 1)
 
 
 async def test_metrics_health_and_readiness_endpoints(
@@ -676,10 +683,13 @@ async def test_metrics_health_and_readiness_endpoints(
         bs, topics.jobs, [job_record(job(f"m{i}", return_routed_experts=True)) for i in range(3)]
     )
     await produce(bs, topics.jobs, [(b"bad", b"nope", [])])
-    run = await start_worker(topics, metrics_port=0)
+    run = await start_worker(topics)
+    server = MetricsServer(run.worker.metrics, "127.0.0.1", 0, lambda: run.worker.ready)
+    server.start()
     await results(bs, topics.results, 3)
     await wait_for(lambda: run.worker.ready, what="readiness")
-    port = run.worker.metrics_server.bound_port
+    port = server.bound_port
+    assert port is not None
     async with aiohttp.ClientSession() as http:
         async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
             assert r.status == 200
@@ -701,6 +711,7 @@ async def test_metrics_health_and_readiness_endpoints(
 
         await wait_for(caught_up, what="lag 0 once every record is committed")
     assert await run.stop() == 0
+    server.stop()
 
 
 async def _metric(http: aiohttp.ClientSession, port: int, name: str) -> float | None:

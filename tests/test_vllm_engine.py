@@ -31,7 +31,7 @@ from tests.kafka_helpers import collect, job_record, produce
 from worker.config import settings_from
 from worker.engine import BorrowedEngine, EngineOutput
 from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
-from worker.kafka import make_consumer, make_producer
+from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.service import Worker
 from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.vllm_engine import MoeLayout, VllmEngine, build_vllm_engine, check_capture, moe_layout
@@ -163,11 +163,13 @@ async def run_through_worker(
         },
         {},
     )
+    limits = await read_record_limits(settings)
     worker = Worker(
         settings,
-        consumer=make_consumer(settings),
-        producer=make_producer(settings),
+        consumer=make_consumer(settings, limits),
+        producer=make_producer(settings, limits),
         engine=BorrowedEngine(engine),
+        limits=limits,
     )
     task = asyncio.create_task(worker.run())
     try:

@@ -125,6 +125,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_poll_interval_ms: Annotated[
         int, Meta(ge=1000), _d("longest gap between fetches before eviction")
     ] = 300_000
+    rebalance_timeout_ms: Annotated[
+        int,
+        Meta(ge=1000, le=3_600_000),
+        _d("time the group gives a member to rejoin; above revoke grace + commit timeout"),
+    ] = 60_000
 
     # Lifecycle and observability
     shutdown_grace_s: Annotated[
@@ -164,6 +169,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
+        revoke_ms = (self.revoke_grace_s + self.commit_timeout_s) * 1000
+        if self.rebalance_timeout_ms <= revoke_ms:
+            # A revoke drains for revoke_grace_s and then commits; a member that takes longer
+            # than the rebalance timeout to rejoin is dropped, which starts another rebalance.
+            raise ValueError(
+                f"rebalance_timeout_ms ({self.rebalance_timeout_ms}) must be above "
+                f"revoke_grace_s + commit_timeout_s ({revoke_ms:.0f} ms)"
+            )
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"

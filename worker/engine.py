@@ -22,8 +22,8 @@ class Engine(Protocol):
     """A generation engine as the worker sees it (vLLM's `EngineClient` has ~20 methods; we call these).
 
     `generate` raises `worker.errors.JobError` subclasses for one job's problems and
-    `worker.errors.EngineDeadError` when nothing can run any more. Cancelling `generate` must
-    abort the engine request, so a revoked or shut-down job stops using the accelerator.
+    `worker.errors.EngineDeadError` when nothing can run any more. Cancelling `generate` is the
+    abort: it must stop the engine request, so a revoked or shut-down job frees the accelerator.
     """
 
     @property
@@ -47,10 +47,6 @@ class Engine(Protocol):
 
     async def generate(self, job: Job, request_id: str) -> EngineOutput:
         """Run one job to completion."""
-        ...
-
-    async def abort(self, request_id: str) -> None:
-        """Stop a request that is running; a no-op when it already finished."""
         ...
 
     async def check_health(self) -> None:
@@ -88,9 +84,6 @@ class BorrowedEngine:
 
     async def generate(self, job: Job, request_id: str) -> EngineOutput:
         return await self._engine.generate(job, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
 
     async def check_health(self) -> None:
         await self._engine.check_health()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -12,30 +12,22 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 from aiokafka.helpers import create_ssl_context
 
-from worker.config import MiB, Settings
+from worker.config import Settings
 from worker.errors import BrokerError, ConfigError
+from worker.limits import RECORD_OVERHEAD_BYTES, RecordLimits
 
 __all__ = [
-    "answer_topic_limits",
+    "RECORD_OVERHEAD_BYTES",
     "client_kwargs",
     "create_topics",
     "make_consumer",
     "make_producer",
-    "make_results_producer",
-    "producer_batch_bytes",
+    "read_record_limits",
     "record_size_limit",
+    "topics_max_message_bytes",
 ]
 
 logger = logging.getLogger(__name__)
-
-# Room for the key, headers and batch framing around a result of `max_result_bytes`.
-RECORD_OVERHEAD_BYTES: Final = 1 * MiB
-
-# Producer batch sizes (before compression): the default, the most when the topics' limits
-# are known, and what is kept free of a limit for the batch's own framing.
-DEFAULT_BATCH_BYTES: Final = 1 * MiB
-MAX_BATCH_BYTES: Final = 16 * MiB
-BATCH_FRAMING_BYTES: Final = 64 * 1024
 
 
 def record_size_limit(settings: Settings) -> int:
@@ -68,42 +60,59 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
     return kwargs
 
 
-def make_consumer(settings: Settings, **overrides: Any) -> AIOKafkaConsumer:
+def make_consumer(
+    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+) -> AIOKafkaConsumer:
     """The jobs consumer: manual commits, fetches sized for the largest record."""
-    limit = record_size_limit(settings)
+    limits = limits or RecordLimits.from_topic_limits(settings, {})
     kwargs: dict[str, Any] = {
         **client_kwargs(settings),
         "group_id": settings.group_id,
         "group_instance_id": settings.group_instance_id,
         "enable_auto_commit": False,
         "auto_offset_reset": "earliest",
-        "max_partition_fetch_bytes": limit,
-        "fetch_max_bytes": max(50 * MiB, 2 * limit),
+        "max_partition_fetch_bytes": limits.fetch_partition_bytes,
+        "fetch_max_bytes": limits.fetch_max_bytes,
         "session_timeout_ms": settings.session_timeout_ms,
         "heartbeat_interval_ms": settings.heartbeat_interval_ms,
         "max_poll_interval_ms": settings.max_poll_interval_ms,
+        # A revoke takes up to revoke_grace_s plus a commit; aiokafka's default (the session
+        # timeout) would have the group drop a member that is still draining.
+        "rebalance_timeout_ms": settings.rebalance_timeout_ms,
         "isolation_level": "read_committed",
     }
     kwargs.update(overrides)
     return AIOKafkaConsumer(**kwargs)
 
 
-def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
-    """The results producer: acks from all replicas, idempotent, sized for large results."""
+def make_producer(
+    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+) -> AIOKafkaProducer:
+    """The results producer: acks from all replicas, idempotent, sized for large results.
+
+    Raise `ConfigError` when the compression codec cannot be loaded.
+    """
+    limits = limits or RecordLimits.from_topic_limits(settings, {})
+    compression = None if settings.compression_type == "none" else settings.compression_type
+    if compression is not None:
+        codec_available, _ = AIOKafkaProducer._COMPRESSORS[compression]
+        if not codec_available():
+            # aiokafka raises from deep in the constructor; this names the setting instead.
+            raise ConfigError(
+                f"--compression-type {compression} needs its codec library (cramjam), which "
+                "cannot be imported; install it or choose --compression-type none"
+            )
     kwargs: dict[str, Any] = {
         **client_kwargs(settings),
         "acks": "all",
         "enable_idempotence": settings.enable_idempotence,
-        "compression_type": None
-        if settings.compression_type == "none"
-        else settings.compression_type,
+        "compression_type": compression,
         # aiokafka checks this on the uncompressed record, whatever the compression.
-        "max_request_size": record_size_limit(settings),
+        "max_request_size": limits.request_bytes,
         "linger_ms": 5,
         # Hundreds of jobs finish together; 16 KiB batches (the default) hold ~5 results and make
         # every other sender wait for a drain. A larger record still gets a batch of its own.
-        # make_results_producer goes further when the topics allow it.
-        "max_batch_size": DEFAULT_BATCH_BYTES,
+        "max_batch_size": limits.batch_bytes,
         # One delivery attempt never outlasts the worker's own patience.
         "request_timeout_ms": int(min(40.0, settings.publish_timeout_s) * 1000),
     }
@@ -111,37 +120,16 @@ def make_producer(settings: Settings, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**kwargs)
 
 
-async def answer_topic_limits(settings: Settings) -> dict[str, int | None]:
-    """`max.message.bytes` of the results and dead-letter topics (None where unreadable)."""
-    return await topics_max_message_bytes(
+async def read_record_limits(settings: Settings) -> RecordLimits:
+    """Read the answer topics' `max.message.bytes` (one admin request) and build the limits."""
+    topic_bytes = await topics_max_message_bytes(
         settings, [settings.results_topic, settings.dead_letter_topic]
     )
-
-
-def make_results_producer(
-    settings: Settings, topic_limits: Mapping[str, int | None]
-) -> AIOKafkaProducer:
-    """`make_producer` with batches as large as the results and dead-letter topics accept
-    (`topic_limits`: from `answer_topic_limits`)."""
-    limits = [topic_limits.get(t) for t in (settings.results_topic, settings.dead_letter_topic)]
-    return make_producer(settings, max_batch_size=producer_batch_bytes(limits))
-
-
-def producer_batch_bytes(topic_limits: Sequence[int | None]) -> int:
-    """The producer's batch size for topics with these `max.message.bytes` (None: unknown).
-
-    Larger batches mean fewer produce round trips: with 1 MiB batches and jobs finishing by the
-    hundred, a job waited ~70 ms on average for a full batch to drain (mock engine, 3 KB
-    results). But aiokafka sizes a batch before compression and, unlike the Java client, does
-    not split one the broker refuses as too large: every record in it would fail. So a batch
-    never exceeds the smallest limit; when a limit is unknown, it stays at 1 MiB.
-    """
-    known = [limit for limit in topic_limits if limit is not None]
-    if not known or len(known) < len(topic_limits):
-        return DEFAULT_BATCH_BYTES
-    smallest = min(known)
-    # Room for the batch's own framing: 64 KiB, or half of a small limit.
-    return min(max(smallest - BATCH_FRAMING_BYTES, smallest // 2), MAX_BATCH_BYTES)
+    limits = RecordLimits.from_topic_limits(settings, topic_bytes)
+    for topic, value in topic_bytes.items():
+        if value is not None and value < limits.request_bytes:
+            logger.info("records for %s are limited to %d bytes (max.message.bytes)", topic, value)
+    return limits
 
 
 async def create_topics(settings: Settings) -> list[str]:
@@ -184,15 +172,6 @@ async def create_topics(settings: Settings) -> list[str]:
     finally:
         await admin.close()
     return created
-
-
-async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
-    """The broker's `max.message.bytes` for `topic`, or None when it cannot be read.
-
-    A result over it would be refused by the broker, which also breaks an idempotent producer's
-    sequence; knowing it up front lets the worker answer `result_too_large` instead.
-    """
-    return (await topics_max_message_bytes(settings, [topic]))[topic]
 
 
 async def topics_max_message_bytes(

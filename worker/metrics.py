@@ -5,10 +5,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import prometheus_client as prom
-from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -41,7 +42,8 @@ class LoopCounter:
 
     def family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for labels, value in sorted(self.values.items()):
+        # Scraped from the server's thread while the loop updates: copy first (one C call).
+        for labels, value in sorted(list(self.values.items())):
             family.add_metric(list(labels), value)
         return family
 
@@ -62,7 +64,7 @@ class LoopHistogram:
         self.sum += value
 
     def family(self) -> HistogramMetricFamily:
-        cumulative = list(itertools.accumulate(self.counts))
+        cumulative = list(itertools.accumulate(list(self.counts)))
         bounds = [*map(floatToGoString, self.bounds), "+Inf"]
         family = HistogramMetricFamily(self.name, self.documentation)
         family.add_metric([], list(zip(bounds, cumulative, strict=True)), self.sum)
@@ -139,44 +141,69 @@ class Metrics:
 
 
 class MetricsServer:
-    """Serves /metrics, /healthz (the event loop answers) and /readyz (engine up, partitions held)."""
+    """Serves /metrics, /healthz (the process answers) and /readyz (engine up, partitions held)
+    from a thread of its own.
+
+    A thread, not the event loop: vLLM builds its engine synchronously (minutes for a large
+    model), and a liveness probe that goes unanswered meanwhile has the pod killed in a loop.
+    Started before the engine, it answers from the first moment; `is_ready` may be set later.
+    """
 
     def __init__(
-        self, metrics: Metrics, is_ready: Callable[[], bool], host: str, port: int
+        self,
+        metrics: Metrics,
+        host: str,
+        port: int,
+        is_ready: Callable[[], bool] = lambda: False,
     ) -> None:
         self._metrics = metrics
-        self._is_ready = is_ready
+        self.is_ready = is_ready
         self._host = host
         self._port = port
-        self._runner: web.AppRunner | None = None
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
         self.bound_port: int | None = None
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/metrics", self._serve_metrics)
-        app.router.add_get("/healthz", self._serve_health)
-        app.router.add_get("/readyz", self._serve_ready)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
-        await site.start()
-        server = site._server  # aiohttp exposes the bound port only through the asyncio server
-        sockets = getattr(server, "sockets", None) or []
-        self.bound_port = sockets[0].getsockname()[1] if sockets else self._port
+    def start(self) -> None:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, content_type, body = server.respond(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                return  # no access log
+
+        self._server = ThreadingHTTPServer((self._host, self._port), Handler)
+        self._server.daemon_threads = True
+        self.bound_port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="metrics-server", daemon=True
+        )
+        self._thread.start()
         logger.info("metrics on http://%s:%s/metrics", self._host, self.bound_port)
 
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
-    async def _serve_metrics(self, _: web.Request) -> web.Response:
-        body = prom.generate_latest(self._metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": prom.CONTENT_TYPE_LATEST})
-
-    async def _serve_health(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
-
-    async def _serve_ready(self, _: web.Request) -> web.Response:
-        if self._is_ready():
-            return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready\n")
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """Status, content type and body for a GET of `path`."""
+        path = path.split("?", 1)[0]
+        if path == "/metrics":
+            return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self._metrics.registry)
+        if path == "/healthz":
+            return 200, "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.is_ready():
+                return 200, "text/plain", b"ready\n"
+            return 503, "text/plain", b"not ready\n"
+        return 404, "text/plain", b"not found\n"

@@ -11,10 +11,11 @@ import msgspec
 import numpy as np
 
 from schemas import Completion, Job, RoutedExperts
+from worker.config import Settings
 from worker.engine import EngineOutput
 from worker.errors import EngineDeadError, InvalidJobError
 
-__all__ = ["MockEngine", "MockEngineSettings"]
+__all__ = ["MockEngine", "MockEngineSettings", "mock_engine_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,19 @@ class MockEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     vocab_size: int = 32_000
     max_model_len: int = 32_768
     max_num_seqs: int = 256
+
+
+def mock_engine_settings(settings: Settings) -> MockEngineSettings:
+    """The mock engine's settings from the worker's: setting `mock_x` is field `x`."""
+    prefix = "mock_"
+    return msgspec.convert(
+        {
+            name[len(prefix) :]: getattr(settings, name)
+            for name in settings.__struct_fields__
+            if name.startswith(prefix)
+        },
+        MockEngineSettings,
+    )
 
 
 class MockEngine:
@@ -135,10 +149,6 @@ class MockEngine:
         if self._pool is None:
             self._pool = _Pools(self._settings)
         return self._pool
-
-    async def abort(self, request_id: str) -> None:
-        # Cancelling the generate task is the abort: nothing else holds resources.
-        return
 
     async def check_health(self) -> None:
         if self._dead:
