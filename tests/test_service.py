@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import time
 import uuid
@@ -720,3 +721,112 @@ async def _metric(http: aiohttp.ClientSession, port: int, name: str) -> float | 
             if line.startswith(name + " "):
                 return float(line.split()[-1])
     return None
+
+
+async def test_an_answer_too_large_even_as_a_failure_is_shrunk_and_the_partition_moves_on(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    """A failed answer that copies ~120 KB of incompressible metadata is itself over a 64 KiB
+    results topic: it must be answered minimally, not refused (which broke the idempotent
+    producer's sequence and crash-looped the worker)."""
+    bs = kafka_bootstrap_servers
+    topics = await make_topics(new_topic, results_configs={"max.message.bytes": str(64 * 1024)})
+    # 120 KB of base64 of random bytes: within the schema's limits, and zstd cannot shrink it
+    # below the topic's limit.
+    metadata = {f"m{i}": base64.b64encode(os.urandom(6000)).decode() for i in range(15)}
+    big = job(
+        "big",
+        metadata=metadata,
+        return_routed_experts=True,
+        sampling=SamplingSpec(max_tokens=300),
+    )
+    await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    run = await start_worker(topics, engine)
+    answered = await results(bs, topics.results, 2)
+    failure = answered["big"]
+    assert isinstance(failure, Failed)
+    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert failure.metadata == {}  # dropped: with it the answer does not fit
+    assert f"max.message.bytes ({64 * 1024})" in failure.error.detail
+    assert isinstance(answered["after"], Completed)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    assert not run.task.done()
+    assert await run.stop() == 0
+
+
+async def test_a_result_the_broker_refuses_names_the_broker_and_is_answered_smaller(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    """The results topic's limit is unknown to the worker (as when describe_configs is not
+    allowed): the broker's refusal is what the answer names, and a smaller answer goes out."""
+    bs = kafka_bootstrap_servers
+    topics = await make_topics(new_topic, results_configs={"max.message.bytes": "200000"})
+    big = job("big", return_routed_experts=True, sampling=SamplingSpec(max_tokens=3000))
+    await produce(bs, topics.jobs, [job_record(big), job_record(job("after"))])
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    run = await start_worker(
+        topics,
+        engine,
+        topic_limits={topics.results: None, topics.dlq: None},
+        compression_type="none",
+        # aiokafka's idempotent producer does not recover its sequence after a refused batch
+        # (OutOfOrderSequenceNumber, then the worker stops): with idempotence the worker relies
+        # on knowing the limit, as the test above does.
+        enable_idempotence=False,
+    )
+    answered = await results(bs, topics.results, 2)
+    failure = answered["big"]
+    assert isinstance(failure, Failed)
+    assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "the broker ([Error 10] MessageSizeTooLargeError) refused it" in failure.error.detail
+    # Not a limit that had nothing to do with it (max_result_bytes and the producer's).
+    assert str(16 * 2**20) not in failure.error.detail
+    assert isinstance(answered["after"], Completed)
+    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    assert await run.stop() == 0
+
+
+async def test_a_revoke_longer_than_the_session_timeout_keeps_its_membership(
+    tansu_broker, new_topic, start_worker
+):
+    """On a broker that evicts, a member still draining its revoked jobs past the session
+    timeout must not be dropped from the group: its slow job is answered once, by it, and
+    committed. (tansu keeps such a member even with aiokafka's default rebalance timeout, the
+    session timeout, so this holds the behaviour; test_config checks the setting reaches the
+    consumer, which is what Apache Kafka needs.)"""
+    bs = tansu_broker.bootstrap_servers
+    topics = await make_topics(new_topic, jobs_partitions=2, bootstrap_servers=bs)
+    tansu = {"bootstrap_servers": bs, "enable_idempotence": False, "session_timeout_ms": 6000}
+    one = await start_worker(topics, revoke_grace_s=9, **tansu)
+    await wait_for(lambda: len(one.worker._consumer.assignment()) == 2, 60, "the first member")
+    await produce(bs, topics.jobs, [job_record(job("slow", metadata={"delay_s": "8"}))], 0)
+    await wait_for(lambda: "slow" in one.engine.started, 30, "the slow job to start")
+    revokes = 0
+    revoke = one.worker.on_partitions_revoked
+
+    async def counting(revoked: set[TopicPartition]) -> None:
+        nonlocal revokes
+        revokes += 1
+        await revoke(revoked)
+
+    one.worker.on_partitions_revoked = counting  # type: ignore[method-assign]
+    two = await start_worker(topics, **tansu)  # joining revokes the slow job's partition
+    await wait_for(
+        lambda: (
+            len(one.worker._consumer.assignment()) == len(two.worker._consumer.assignment()) == 1
+        ),
+        90,
+        "one partition each",
+    )
+    answered = await collect(bs, topics.results, 1, timeout_s=30)
+    await asyncio.sleep(8)  # a second rebalance, or a redelivered slow job, would show by now
+    assert revokes == 1
+    assert [r.key for r in await collect(bs, topics.results, 1)] == [b"slow"]
+    assert answered[0].key == b"slow"
+    assert "slow" not in two.engine.started
+
+    async def slow_committed() -> bool:
+        return (await committed(bs, topics.group, topics.jobs)).get(0) == 1
+
+    await wait_for(slow_committed, 30, "the slow job committed")

@@ -170,10 +170,13 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         if settings.create_topics:
             await create_topics(settings)
         limits = await read_record_limits(settings)
+        # The producer first: its settings can still be refused (a missing codec), and a
+        # client built before that would be left unclosed.
+        producer = make_producer(settings, limits)
         worker = Worker(
             settings,
             consumer=make_consumer(settings, limits),
-            producer=make_producer(settings, limits),
+            producer=producer,
             engine=engine,
             limits=limits,
             metrics=metrics,

@@ -97,11 +97,13 @@ class Worker:
         """Serve until stopped; return the exit status."""
         s = self._settings
         async with AsyncExitStack() as stack:
+            # Closed however far the start got, in reverse: the consumer leaves the group first.
+            stack.push_async_callback(self._bounded, self._close_engine, "engine close")
+            stack.push_async_callback(self._bounded, self._producer.stop, "producer stop")
+            stack.push_async_callback(self._bounded, self._consumer.stop, "consumer stop")
             await self._engine.start()
-            stack.push_async_callback(self._bounded, self._engine.close(), "engine close")
             self._engine_ready = True
             await self._producer.start()
-            stack.push_async_callback(self._bounded, self._producer.stop(), "producer stop")
             self._delivery.start()
             stack.push_async_callback(self._delivery.close)
             stack.push_async_callback(self._committer.close)
@@ -109,7 +111,6 @@ class Worker:
                 self._on_serving()
             self._consumer.subscribe([s.jobs_topic], listener=_RebalanceListener(self))
             await self._consumer.start()
-            stack.push_async_callback(self._bounded, self._consumer.stop(), "consumer stop")
             logger.info(
                 "worker %s serving %s -> %s (group %s, max_in_flight %d, engine %s)",
                 s.worker_id,
@@ -264,9 +265,9 @@ class Worker:
         if busy := self._jobs.busy():
             logger.info("draining %d jobs (grace %.1fs)", busy, grace)
         await self._settle(None, grace)
-        await self._bounded(self._producer.flush(), "flush")
+        await self._bounded(self._producer.flush, "flush")
         await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
-        await self._bounded(self._committer.commit_now(), "final commit")
+        await self._bounded(self._committer.commit_now, "final commit")
         self._delivery.stop_resending()
 
     async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
@@ -282,10 +283,14 @@ class Worker:
                 aborted,
             )
 
-    async def _bounded(self, step: Awaitable[object], what: str) -> None:
+    async def _close_engine(self) -> None:
+        if self._engine_ready:  # an engine that failed to start has released what it took
+            await self._engine.close()
+
+    async def _bounded(self, step: Callable[[], Awaitable[object]], what: str) -> None:
         """Run one shutdown step for at most `close_timeout_s`: a dead broker must not hang exit."""
         try:
-            await asyncio.wait_for(step, self._settings.close_timeout_s)
+            await asyncio.wait_for(step(), self._settings.close_timeout_s)
         except TimeoutError:
             logger.warning(
                 "%s did not finish in %.1fs; going on", what, self._settings.close_timeout_s

@@ -1,0 +1,85 @@
+"""`serve` as a process entry: health endpoints from the first moment, one-line errors."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.fakes import ScriptedEngine
+from worker import cli
+from worker.config import Settings, settings_from
+from worker.errors import EngineDeadError
+from worker.limits import RecordLimits
+
+
+class SlowLoadingEngine(ScriptedEngine):
+    """Builds its model synchronously, as vLLM's AsyncLLM does, blocking the event loop."""
+
+    def __init__(self, load_s: float) -> None:
+        super().__init__()
+        self._load_s = load_s
+
+    async def start(self) -> None:
+        time.sleep(self._load_s)  # noqa: ASYNC251 - the point: the loop is blocked
+        raise EngineDeadError("the model did not load (on purpose)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:  # noqa: S310 - our own server
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0  # no answer
+
+
+async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypatch):
+    port = _free_port()
+    settings = settings_from(
+        {"engine": "mock", "metrics_port": str(port), "metrics_host": "127.0.0.1"}, {}
+    )
+    monkeypatch.setattr(cli, "build_engine", lambda *_: SlowLoadingEngine(load_s=3.0))
+
+    async def no_broker(s: Settings) -> Any:
+        return RecordLimits.from_topic_limits(s, {})
+
+    monkeypatch.setattr("worker.kafka.read_record_limits", no_broker)
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            seen.append(
+                (
+                    _status(f"http://127.0.0.1:{port}/healthz"),
+                    _status(f"http://127.0.0.1:{port}/readyz"),
+                )
+            )
+            time.sleep(0.1)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        with pytest.raises(EngineDeadError):
+            await cli._serve(settings, [])
+    finally:
+        done.set()
+        prober.join()
+    answered = [s for s in seen if s[0] != 0]
+    # The load took 3 s; the probe asked every 0.1 s and was answered throughout.
+    assert len(answered) >= 10
+    assert all(s == (200, 503) for s in answered)
