@@ -810,7 +810,7 @@ async def test_a_revoke_longer_than_the_session_timeout_keeps_its_membership(
         revokes += 1
         await revoke(revoked)
 
-    one.worker.on_partitions_revoked = counting  # type: ignore[method-assign]
+    one.worker.on_partitions_revoked = counting
     two = await start_worker(topics, **tansu)  # joining revokes the slow job's partition
     await wait_for(
         lambda: (
