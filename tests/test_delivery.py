@@ -1,0 +1,98 @@
+"""Delivery against an in-memory producer: acknowledgements finish offsets, refusals shrink."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import ConsumerRecord, TopicPartition
+
+from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
+from tests.fakes import MemoryProducer, ScriptedEngine
+from tests.kafka_helpers import wait_for
+from worker.answers import AnswerBuilder
+from worker.config import settings_from
+from worker.delivery import Delivery, Ticket
+from worker.errors import FatalError
+from worker.limits import RecordLimits
+from worker.metrics import Metrics
+from worker.offsets import PartitionOffsets
+
+TP = TopicPartition("jobs", 0)
+RESULTS, DLQ = "results", "dlq"
+
+
+class Harness:
+    def __init__(self, broker_limit: int | None) -> None:
+        self.settings = settings_from(
+            {"results_topic": RESULTS, "dead_letter_topic": DLQ, "engine": "mock"}, {}
+        )
+        # The worker could not read the topics' limits: only the broker knows them.
+        limits = RecordLimits.from_topic_limits(self.settings, {})
+        self.metrics = Metrics()
+        self.answers = AnswerBuilder(self.settings, ScriptedEngine(), limits, self.metrics)
+        self.producer = MemoryProducer({RESULTS: 1, DLQ: 1}, broker_limit=broker_limit)
+        self.fatal: list[FatalError] = []
+        self.delivery = Delivery(
+            self.producer,
+            self.settings,
+            limits,
+            self.metrics,
+            smaller=self.answers.smaller,
+            on_free=lambda: None,
+            on_fatal=self.fatal.append,
+        )
+        self.offsets = PartitionOffsets()
+
+    async def post(self, offset: int, job: Job) -> None:
+        value = encode(job)
+        record = ConsumerRecord("jobs", 0, offset, 0, 0, b"k", value, None, 1, len(value), ())
+        self.offsets.start(offset)
+        answer = await self.answers.answer(TP, record)
+        await self.delivery.post(Ticket(TP, self.offsets, offset, answer))
+
+
+def job(job_id: str, metadata_chars: int = 0) -> Job:
+    return Job(
+        job_id=job_id,
+        prompt="hello",
+        sampling=SamplingSpec(max_tokens=2),
+        metadata={"pad": "x" * metadata_chars} if metadata_chars else {},
+    )
+
+
+async def test_acknowledged_answers_finish_their_offsets():
+    h = Harness(broker_limit=None)
+    h.delivery.start()
+    for offset in range(3):
+        await h.post(offset, job(f"j{offset}"))
+    await wait_for(lambda: h.offsets.commit_position() == 3, 5, "all three acknowledged")
+    assert [key for _, key, _, _ in h.producer.sent] == [b"j0", b"j1", b"j2"]
+    assert h.metrics.jobs.values[("completed", "")] == 3
+    await h.delivery.close()
+
+
+async def test_a_record_the_broker_refuses_is_sent_again_smaller_and_its_offset_finishes():
+    h = Harness(broker_limit=4000)
+    h.delivery.start()
+    await h.post(0, job("big", metadata_chars=8000))
+    await h.post(1, job("small"))
+    await wait_for(lambda: h.offsets.commit_position() == 2, 5, "both answered")
+    assert h.producer.refusals >= 2  # the batch, then the record alone
+    answers = {key: decode_result(value or b"") for _, key, value, _ in h.producer.sent}
+    big = answers[b"big"]
+    assert isinstance(big, Failed) and big.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "the broker" in big.error.detail and big.metadata == {}
+    assert h.metrics.jobs.values[("failed", "result_too_large")] == 1
+    assert h.fatal == []
+    await h.delivery.close()
+
+
+async def test_a_broker_that_refuses_even_the_smallest_answer_is_fatal_not_a_lost_task():
+    h = Harness(broker_limit=10)
+    h.delivery.start()
+    await h.post(0, job("any"))
+    await wait_for(lambda: bool(h.fatal), 5, "the fatal error")
+    assert "refused even the smallest answer" in str(h.fatal[0])
+    assert h.offsets.commit_position() == 0  # unanswered: left for redelivery
+    await asyncio.sleep(0)
+    await h.delivery.close()
