@@ -4,9 +4,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from schemas import Completed, Completion, RoutedExperts, decode_job, encode
+from schemas import (
+    Completed,
+    Completion,
+    ErrorCode,
+    ErrorInfo,
+    Failed,
+    RoutedExperts,
+    decode_job,
+    encode,
+)
 from tests.kafka_helpers import collect, produce
 
 pytestmark = pytest.mark.broker
@@ -100,3 +110,27 @@ async def test_results_summarises_routed_experts_and_writes_json_lines(
     )
     assert "1 completed, 0 failed, 1 undecodable" in proc.stderr
     assert out.read_bytes() == encode(result) + b"\n"
+
+
+def test_the_demo_prints_one_row_per_result_with_routing_shapes():
+    from worker.demo import results_table  # noqa: PLC0415
+
+    routed = RoutedExperts.from_array(np.zeros((4, 2, 2), dtype=np.uint8), start=1)
+    completed = Completed(
+        job_id="a",
+        completions=[
+            Completion(
+                index=0,
+                token_ids=[1, 2, 3],
+                text="x",
+                finish_reason="length",
+                routed_experts=routed,
+            )
+        ],
+        prompt_token_count=3,
+    )
+    failed = Failed(job_id="b", error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="start 10"))
+    lines = results_table([encode(completed), encode(failed)]).splitlines()
+    assert len(lines) == 3
+    assert lines[1].split()[:2] == ["a", "completed"] and "3 tokens, 4x2x2" in lines[1]
+    assert lines[2].split()[:3] == ["b", "failed:", "invalid_job"] and "start 10" in lines[2]

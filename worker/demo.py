@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+from schemas import Failed, decode_result
 from worker.tiny_model import build_tiny_model, tiny_model_engine_args
 
 DEMO_DIR: Final = Path(".demo")
@@ -49,41 +50,48 @@ JOBS: Final = [
 def main() -> int:
     """Run the demo end to end; return the exit status."""
     DEMO_DIR.mkdir(exist_ok=True)
+    log_path = DEMO_DIR / "worker.log"
     with _broker() as bootstrap:
         model_dir = _tiny_model()
         jobs_file = DEMO_DIR / "jobs.jsonl"
         jobs_file.write_text("".join(json.dumps(job) + "\n" for job in JOBS))
+        results_file = DEMO_DIR / "results.jsonl"
         broker = ["--bootstrap-servers", bootstrap]
         jobs_topic = ["--jobs-topic", "demo.jobs"]
         results_topic = ["--results-topic", "demo.results"]
         port = _free_port()
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "worker",
-                "serve",
-                *broker,
-                *jobs_topic,
-                *results_topic,
-                "--dead-letter-topic",
-                "demo.dlq",
-                "--create-topics",
-                "--topic-partitions",
-                "2",
-                "--metrics-port",
-                str(port),
-                "--metrics-host",
-                "127.0.0.1",
-                "--shutdown-grace-s",
-                "10",
-                "--",
-                *tiny_model_engine_args(model_dir),
-            ],
-            env=_engine_env(),
-        )
+        _step(3, f"worker: starting vLLM on the tiny model (worker and vLLM logs: {log_path})")
+        with log_path.open("wb") as log:
+            worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "worker",
+                    "serve",
+                    *broker,
+                    *jobs_topic,
+                    *results_topic,
+                    "--dead-letter-topic",
+                    "demo.dlq",
+                    "--create-topics",
+                    "--topic-partitions",
+                    "2",
+                    "--metrics-port",
+                    str(port),
+                    "--metrics-host",
+                    "127.0.0.1",
+                    "--shutdown-grace-s",
+                    "10",
+                    "--",
+                    *tiny_model_engine_args(model_dir),
+                ],
+                env=_engine_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
-            _wait_ready(worker, port)
+            _wait_ready(worker, port, log_path)
+            _step(4, f"jobs: submitting {len(JOBS)} jobs from {jobs_file}")
             _run(
                 [
                     sys.executable,
@@ -96,7 +104,7 @@ def main() -> int:
                     *jobs_topic,
                 ]
             )
-            print("\n--- results (job, completions, routed experts rows x layers x top_k) ---")
+            _step(5, "results: reading them back")
             _run(
                 [
                     sys.executable,
@@ -106,15 +114,15 @@ def main() -> int:
                     *broker,
                     *results_topic,
                     "--follow",
+                    "--quiet",
                     "--max",
                     str(len(JOBS)),
                     "--out",
-                    str(DEMO_DIR / "results.jsonl"),
+                    str(results_file),
                 ]
             )
-            print(
-                f"\nfull results in {DEMO_DIR / 'results.jsonl'}; metrics were on :{port}/metrics"
-            )
+            print(results_table(results_file.read_bytes().splitlines()))
+            print(f"\nfull results in {results_file}; metrics were on :{port}/metrics")
         finally:
             worker.send_signal(signal.SIGTERM)
             try:
@@ -122,28 +130,53 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 status = worker.wait()
-        print(f"worker exited with status {status}")
+        print(f"worker stopped with status {status}; its log is {log_path}")
         return 0 if status == 0 else 1
+
+
+def results_table(lines: list[bytes]) -> str:
+    """One row per result: job, outcome, and per completion its tokens and routed experts."""
+    rows = [("job", "outcome", "completions (tokens, routed experts rows x layers x top_k)")]
+    for line in lines:
+        result = decode_result(line)
+        if isinstance(result, Failed):
+            rows.append((result.job_id or "?", f"failed: {result.error.code}", result.error.detail))
+            continue
+        parts = []
+        for c in result.completions:
+            routed = (
+                "none" if c.routed_experts is None else "x".join(map(str, c.routed_experts.shape))
+            )
+            parts.append(f"[{c.index}] {len(c.token_ids)} tokens, {routed}")
+        rows.append((result.job_id, "completed", "; ".join(parts)))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    return "\n".join(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows)
+
+
+def _step(number: int, text: str) -> None:
+    print(f"[{number}/5] {text}", flush=True)
 
 
 @contextlib.contextmanager
 def _broker() -> Iterator[str]:
     if bootstrap := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        print(f"using the broker at {bootstrap}")
+        _step(1, f"broker: using the one at {bootstrap}")
         yield bootstrap
         return
     from worker.dev_broker import LocalBroker  # noqa: PLC0415 - only when no broker is given
 
     with LocalBroker() as broker:
-        print(f"started a local broker at {broker.bootstrap_servers}")
+        _step(1, f"broker: started a local one at {broker.bootstrap_servers}")
         yield broker.bootstrap_servers
 
 
 def _tiny_model() -> Path:
     model_dir = DEMO_DIR / "tiny-model"
     if not (model_dir / "config.json").exists():
-        print("building the tiny MoE model ...")
         build_tiny_model(model_dir, seed=0)
+        _step(2, f"model: built a tiny random-weight MoE in {model_dir}")
+    else:
+        _step(2, f"model: the tiny random-weight MoE in {model_dir}")
     return model_dir.resolve()
 
 
@@ -159,21 +192,25 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
-def _wait_ready(worker: subprocess.Popen[bytes], port: int, timeout_s: float = 600) -> None:
-    print("waiting for the worker (vLLM start and capture self-check) ...")
-    deadline = time.monotonic() + timeout_s
+def _wait_ready(
+    worker: subprocess.Popen[bytes], port: int, log_path: Path, timeout_s: float = 600
+) -> None:
+    started = time.monotonic()
+    deadline = started + timeout_s
     while time.monotonic() < deadline:
         if worker.poll() is not None:
-            raise SystemExit(f"the worker exited with status {worker.returncode}")
+            raise SystemExit(f"the worker exited with status {worker.returncode}; see {log_path}")
         with (
             contextlib.suppress(OSError),
             urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as reply,
         ):
             if reply.status == 200:
-                print("worker ready")
+                print(
+                    f"      ready after {time.monotonic() - started:.0f} s (model loaded, routing checked)"
+                )
                 return
         time.sleep(1)
-    raise SystemExit("the worker did not become ready in time")
+    raise SystemExit(f"the worker did not become ready in time; see {log_path}")
 
 
 def _run(command: list[str]) -> None:
