@@ -57,7 +57,7 @@ async def test_a_completed_job_is_one_result_record_keyed_by_job_id():
     (out,) = answer.records
     assert (out.kind, out.topic, out.key) == (RecordKind.RESULT, RESULTS, b"j")
     assert isinstance(decode_result(value_of(out)), Completed)
-    assert answer.metric_labels() == [("completed", "")]
+    assert answer.metric_labels() == (("completed", ""),)
 
 
 async def test_an_unreadable_record_is_dead_lettered_and_a_readable_id_is_answered_too():
@@ -68,7 +68,7 @@ async def test_an_unreadable_record_is_dead_lettered_and_a_readable_id_is_answer
     assert headers["vkw.source.offset"] == b"7" and headers["vkw.error.code"] == b"invalid_job"
     both = await builder().answer(TP, record(b'{"job_id": "x", "prompt": 5}'))
     assert [r.kind for r in both.records] == [RecordKind.DEAD_LETTER, RecordKind.RESULT]
-    assert both.metric_labels() == [("dead_lettered", "invalid_job"), ("failed", "invalid_job")]
+    assert both.metric_labels() == (("dead_lettered", "invalid_job"), ("failed", "invalid_job"))
 
 
 async def test_too_large_result_with_huge_metadata_falls_back_to_a_minimal_failed_answer():

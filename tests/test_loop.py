@@ -128,9 +128,9 @@ async def test_a_job_task_that_dies_of_a_bug_stops_the_worker_uncommitted(start_
     consumer.assign({P0})
     loop = await start_loop(consumer, ScriptedEngine())
 
-    async def broken_post(ticket: Any) -> None:
+    def broken_queue(ticket: Any) -> bool:
         raise RuntimeError("a bug in delivery")
 
-    monkeypatch.setattr(loop.worker._delivery, "post", broken_post)
+    monkeypatch.setattr(loop.worker._delivery, "queue", broken_queue)
     assert await asyncio.wait_for(loop.task, 10) == 1
     assert all(commit.get(P0, 0) == 0 for commit in consumer.commits)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
 from typing import Final, Literal
 
+import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from schemas import (
     Completed,
@@ -53,6 +54,11 @@ _MINIMAL_DETAIL_CHARS: Final = 300
 
 Headers = list[tuple[str, bytes]]
 
+# `record_bytes` without the call around it, for the one record every job makes.
+_estimate_size: Final = DefaultRecordBatchBuilder.estimate_size_in_bytes
+
+_COMPLETED_LABELS: Final = (("completed", ""),)
+
 
 class Outcome(enum.Enum):
     """What a job record came to, as the metrics count it."""
@@ -68,8 +74,7 @@ class RecordKind(enum.Enum):
     DEAD_LETTER = enum.auto()
 
 
-@dataclass(frozen=True, slots=True)
-class OutRecord:
+class OutRecord(msgspec.Struct, frozen=True):
     """One record to produce. `size` is as the producer measures it (`record_bytes`)."""
 
     kind: RecordKind
@@ -82,8 +87,7 @@ class OutRecord:
     minimal: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
+class Answer(msgspec.Struct, frozen=True):
     """What one job record turns into: a dead-letter copy, a result, or both (in that order)."""
 
     job_id: str | None
@@ -92,15 +96,17 @@ class Answer:
     #: Why it failed (None when completed).
     code: ErrorCode | None = None
 
-    def metric_labels(self) -> list[tuple[str, str]]:
+    def metric_labels(self) -> tuple[tuple[str, str], ...]:
         """`vkw_jobs_total` labels: one per record kind this answer holds."""
+        if self.outcome is Outcome.COMPLETED:
+            return _COMPLETED_LABELS
         code = self.code.value if self.code is not None else ""
         labels = []
         if any(r.kind is RecordKind.DEAD_LETTER for r in self.records):
             labels.append(("dead_lettered", code))
         if self.outcome is not Outcome.DEAD_LETTERED:
             labels.append((self.outcome.value, code))
-        return labels
+        return tuple(labels)
 
 
 class AnswerBuilder:
@@ -121,16 +127,87 @@ class AnswerBuilder:
         self._worker_id = settings.worker_id
         self._results_topic = settings.results_topic
         self._dead_letter_topic = settings.dead_letter_topic
+        # A result record this size or smaller fits every limit: one comparison per job.
+        self._results_fit_bytes = min(
+            limit
+            for limit in (limits.topic_bytes.get(self._results_topic), limits.request_bytes)
+            if limit is not None
+        )
 
     async def answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
+        """The answer to one record; raises only `FatalError` (and cancellation)."""
         try:
-            return await self._answer(tp, record)
+            started = time.time()
+            raw = record.value
+            if raw is None:
+                return self._invalid(
+                    tp, record, SchemaError("the record has no value (a tombstone)")
+                )
+            try:
+                job = decode_job(raw)
+            except SchemaError as exc:
+                return self._invalid(tp, record, exc)
+            if job.deadline is not None and job.deadline < started:
+                logger.info(
+                    "job %s at %s expired before it started", job.job_id, _where(tp, record)
+                )
+                return self._failed(
+                    job,
+                    ErrorCode.EXPIRED,
+                    f"deadline {job.deadline:.3f} passed before the job started ({started:.3f})",
+                )
+            if job.return_routed_experts and not self._engine.supports_routed_experts:
+                return self._failed(
+                    job,
+                    ErrorCode.INVALID_JOB,
+                    f"engine {self._engine.model_name} cannot return routed experts",
+                )
+            queue_wait = max(started - record.timestamp / 1000, 0.0)
+            t0 = time.perf_counter()
+            try:
+                output = await self._engine.generate(
+                    job, f"{job.job_id}@{tp.topic}-{tp.partition}@{record.offset}"
+                )
+            except JobError as exc:
+                self._metrics.queue_wait.observe(queue_wait)
+                logger.info(
+                    "job %s at %s failed: %s %s",
+                    job.job_id,
+                    _where(tp, record),
+                    exc.code,
+                    exc.detail,
+                )
+                return self._failed(job, exc.code, exc.detail, retryable=exc.retryable)
+            engine_s = time.perf_counter() - t0
+            result = Completed(
+                job_id=job.job_id,
+                completions=output.completions,
+                prompt_token_count=len(output.prompt_token_ids),
+                prompt_token_ids=output.prompt_token_ids if job.prompt is not None else None,
+                metadata=job.metadata,
+                model=self._engine.model_name,
+                worker=self._worker_id,
+                timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
+            )
+            value = encode_result(result)
+            out = self._result_record(job.job_id, value)
+            if out.size > self._results_fit_bytes or len(value) > self._limits.max_result_bytes:
+                refused = self._limits.refusal(out.topic, out.size, result_value_bytes=len(value))
+                if refused is not None:
+                    return self._failed(
+                        job, ErrorCode.RESULT_TOO_LARGE, f"result is {len(value)} bytes; {refused}"
+                    )
+            tokens = routed_bytes = 0
+            for c in output.completions:
+                tokens += len(c.token_ids)
+                if c.routed_experts is not None:
+                    routed_bytes += len(c.routed_experts.data)
+            self._metrics.job_generated(queue_wait, engine_s, tokens, routed_bytes)
+            return Answer(job.job_id, (out,), Outcome.COMPLETED)
         except FatalError:
             raise
         except Exception as exc:  # The one broad catch: one job's bug must not stop the worker.
-            logger.exception(
-                "unexpected error answering %s-%s@%s", tp.topic, tp.partition, record.offset
-            )
+            logger.exception("unexpected error answering %s", _where(tp, record))
             detail = f"internal error: {type(exc).__name__}: {exc}"
             # A readable job gets a failed result; only an unreadable one needs the copy.
             return self._reject(
@@ -152,66 +229,6 @@ class AnswerBuilder:
         return Answer(updated.job_id, updated.records, Outcome.FAILED, ErrorCode.RESULT_TOO_LARGE)
 
     # ---- building ------------------------------------------------------------------------
-
-    async def _answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
-        started = time.time()
-        raw = record.value
-        if raw is None:
-            return self._invalid(tp, record, SchemaError("the record has no value (a tombstone)"))
-        try:
-            job = decode_job(raw)
-        except SchemaError as exc:
-            return self._invalid(tp, record, exc)
-        where = f"{tp.topic}-{tp.partition}@{record.offset}"
-        if job.deadline is not None and job.deadline < started:
-            logger.info("job %s at %s expired before it started", job.job_id, where)
-            return self._failed(
-                job,
-                ErrorCode.EXPIRED,
-                f"deadline {job.deadline:.3f} passed before the job started ({started:.3f})",
-            )
-        if job.return_routed_experts and not self._engine.supports_routed_experts:
-            return self._failed(
-                job,
-                ErrorCode.INVALID_JOB,
-                f"engine {self._engine.model_name} cannot return routed experts",
-            )
-        queue_wait = max(started - record.timestamp / 1000, 0.0)
-        self._metrics.queue_wait.observe(queue_wait)
-        t0 = time.perf_counter()
-        try:
-            output = await self._engine.generate(job, f"{job.job_id}@{where}")
-        except JobError as exc:
-            logger.info("job %s at %s failed: %s %s", job.job_id, where, exc.code, exc.detail)
-            return self._failed(job, exc.code, exc.detail, retryable=exc.retryable)
-        engine_s = time.perf_counter() - t0
-        self._metrics.engine_time.observe(engine_s)
-        result = Completed(
-            job_id=job.job_id,
-            completions=output.completions,
-            prompt_token_count=len(output.prompt_token_ids),
-            prompt_token_ids=output.prompt_token_ids if job.prompt is not None else None,
-            metadata=job.metadata,
-            model=self._engine.model_name,
-            worker=self._worker_id,
-            timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
-        )
-        value = encode_result(result)
-        out = self._result_record(job.job_id, value)
-        refused = self._limits.refusal(out.topic, out.size, result_value_bytes=len(value))
-        if refused is not None:
-            return self._failed(
-                job, ErrorCode.RESULT_TOO_LARGE, f"result is {len(value)} bytes; {refused}"
-            )
-        self._metrics.generated_tokens.inc(sum(len(c.token_ids) for c in output.completions))
-        self._metrics.routed_experts_bytes.inc(
-            sum(
-                len(c.routed_experts.data)
-                for c in output.completions
-                if c.routed_experts is not None
-            )
-        )
-        return Answer(job.job_id, (out,), Outcome.COMPLETED)
 
     def _failed(self, job: Job, code: ErrorCode, detail: str, *, retryable: bool = False) -> Answer:
         """A failed result that echoes the job's metadata, or the minimal one when that does
@@ -250,7 +267,7 @@ class AnswerBuilder:
             key,
             value,
             [],
-            record_bytes(key, value, []),
+            _estimate_size(key, value, []),
             minimal,
         )
 
@@ -341,6 +358,10 @@ class AnswerBuilder:
         return OutRecord(
             RecordKind.DEAD_LETTER, copy.topic, key, None, ours, record_bytes(key, None, ours), True
         )
+
+
+def _where(tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> str:
+    return f"{tp.topic}-{tp.partition}@{record.offset}"
 
 
 def _replace(answer: Answer, index: int, record: OutRecord) -> Answer:

@@ -36,9 +36,9 @@ class Committer:
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, tp: TopicPartition, offset: int) -> PartitionOffsets:
-        """A record was fetched and is being answered; finish it on the object returned."""
-        return self.tracker.start(tp, offset)
+    def partition(self, tp: TopicPartition) -> PartitionOffsets:
+        """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
+        return self.tracker.partition(tp)
 
     def tick(self) -> None:
         """Start a commit in the background when the interval has passed and none is running."""

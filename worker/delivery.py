@@ -114,15 +114,26 @@ class Delivery:
             return 0.0
         return time.monotonic() - next(iter(self._deliveries.values()))[0]
 
-    async def post(self, ticket: Ticket) -> None:
-        """Hand each record of the answer to the producer. The job does not wait for the
+    def queue(self, ticket: Ticket) -> bool:
+        """Queue the answer's records in the outbox, which batches them; False when some are too
+        large for a batch and must go through `send_alone`. The job does not wait for the
         acknowledgement: it arrives as a callback and finishes the offset."""
+        alone = False
+        max_batched = self._limits.batched_record_max_bytes
         for index, record in enumerate(ticket.answer.records):
-            if record.size <= self._limits.batched_record_max_bytes:
+            if record.size <= max_batched:
                 self._outbox.add(
                     record.topic, record.key, record.value, record.headers, (ticket, index)
                 )
             else:
+                alone = True
+        return alone is False
+
+    async def send_alone(self, ticket: Ticket) -> None:
+        """Hand the records `queue` left out to the producer one by one."""
+        max_batched = self._limits.batched_record_max_bytes
+        for index in range(len(ticket.answer.records)):
+            if ticket.answer.records[index].size > max_batched:
                 delivery = await self._enqueue_fitting(ticket, index)
                 self._watch([(ticket, index)], delivery)
 
@@ -189,9 +200,9 @@ class Delivery:
         if ticket.left:
             return
         ticket.partition.finish(ticket.offset)
-        for labels in ticket.answer.metric_labels():
-            self._metrics.jobs.inc(labels=labels)
-        self._metrics.publish_time.observe(time.perf_counter() - ticket.started)
+        self._metrics.job_answered(
+            ticket.answer.metric_labels(), time.perf_counter() - ticket.started
+        )
 
     def _outbox_crashed(self, exc: BaseException) -> None:
         self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))

@@ -59,16 +59,21 @@ class OffsetTracker:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
 
     def start(self, tp: TopicPartition, offset: int) -> PartitionOffsets:
-        """Mark `offset` started; return the partition's offsets, to finish it on later.
+        """Mark `offset` started; return the partition's offsets, to finish it on later."""
+        partition = self.partition(tp)
+        partition.start(offset)
+        return partition
 
-        Finishing on the object returned, not by `tp`, keeps an answer acknowledged after its
-        partition was revoked (and maybe assigned back) from marking the new assignment's
-        records answered.
+    def partition(self, tp: TopicPartition) -> PartitionOffsets:
+        """The offsets of `tp` as held now, to start and finish records on.
+
+        Finishing on this object, not by `tp`, keeps an answer acknowledged after its partition
+        was revoked (and maybe assigned back) from marking the new assignment's records
+        answered.
         """
         partition = self._partitions.get(tp)
         if partition is None:
             partition = self._partitions[tp] = PartitionOffsets()
-        partition.start(offset)
         return partition
 
     def to_commit(self, partitions: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:

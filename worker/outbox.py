@@ -74,10 +74,14 @@ class Outbox(Generic[M]):
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers, member: M
     ) -> None:
         """Queue one record; it is submitted within the next turns of the event loop."""
-        self._queued.append((topic, key, value, headers, member))
+        queued = self._queued
+        queued.append((topic, key, value, headers, member))
         self._pending += 1
-        self._idle.clear()
-        self._wake.set()
+        if len(queued) == 1:
+            # The first since the task took the last lot: wake it. Later ones it finds itself
+            # (it takes what is queued until nothing is), so they cost no event calls.
+            self._idle.clear()
+            self._wake.set()
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been submitted (not acknowledged)."""

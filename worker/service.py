@@ -8,6 +8,7 @@ The worker coordinates: the in-flight cap, the rebalance listener, the fatal fla
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -174,19 +175,27 @@ class Worker:
         for tp, records in batch.items():
             if tp not in assigned:
                 continue  # revoked between the fetch and now: the next owner reads them
+            partition = self._committer.partition(tp)
             for record in records:
-                partition = self._committer.start(tp, record.offset)
-                self._jobs.start(tp, self._job(tp, partition, record))
+                partition.start(record.offset)
+                self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
     async def _job(
-        self, tp: TopicPartition, partition: PartitionOffsets, record: ConsumerRecord[bytes, bytes]
+        self,
+        tp: TopicPartition,
+        partition: PartitionOffsets,
+        record: ConsumerRecord[bytes, bytes],
+        slot: int,
     ) -> None:
         """Answer one record and hand the answer on. Only cancellation and fatal errors leave
         without an answer; both leave the offset unfinished, so the record is redelivered."""
         try:
             answer = await self._answers.answer(tp, record)
-            await self._delivery.post(Ticket(tp, partition, record.offset, answer))
-            self._jobs.release_current()
+            ticket = Ticket(tp, partition, record.offset, answer)
+            if not self._delivery.queue(ticket):
+                await self._delivery.send_alone(ticket)
+            # The answer is counted in the outbox now; counted here too, it would count twice.
+            self._jobs.release(slot)
         except asyncio.CancelledError:
             logger.info(
                 "job at %s-%s@%s cancelled; left uncommitted for redelivery",
