@@ -18,6 +18,7 @@ from schemas import (
     encode,
 )
 from tests.kafka_helpers import collect, produce
+from tests.test_schemas import completed_with
 
 pytestmark = pytest.mark.broker
 
@@ -116,21 +117,9 @@ def test_the_demo_prints_one_row_per_result_with_routing_shapes():
     from worker.demo import results_table  # noqa: PLC0415
 
     routed = RoutedExperts.from_array(np.zeros((4, 2, 2), dtype=np.uint8), start=1)
-    completed = Completed(
-        job_id="a",
-        completions=[
-            Completion(
-                index=0,
-                token_ids=[1, 2, 3],
-                text="x",
-                finish_reason="length",
-                routed_experts=routed,
-            )
-        ],
-        prompt_token_count=3,
-    )
+    completed = completed_with(routed)
     failed = Failed(job_id="b", error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="start 10"))
     lines = results_table([encode(completed), encode(failed)]).splitlines()
     assert len(lines) == 3
-    assert lines[1].split()[:2] == ["a", "completed"] and "3 tokens, 4x2x2" in lines[1]
+    assert lines[1].split()[:2] == ["job-1", "completed"] and "3 tokens, 4x2x2" in lines[1]
     assert lines[2].split()[:3] == ["b", "failed:", "invalid_job"] and "start 10" in lines[2]

@@ -120,7 +120,6 @@ class AnswerBuilder:
     def __init__(
         self, settings: Settings, engine: Engine, limits: RecordLimits, metrics: Metrics
     ) -> None:
-        self._settings = settings
         self._engine = engine
         self._limits = limits
         self._metrics = metrics
@@ -227,8 +226,6 @@ class AnswerBuilder:
         failed = self._minimal_failed(answer.job_id, ErrorCode.RESULT_TOO_LARGE, detail)
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, ErrorCode.RESULT_TOO_LARGE)
-
-    # ---- building ------------------------------------------------------------------------
 
     def _failed(self, job: Job, code: ErrorCode, detail: str, *, retryable: bool = False) -> Answer:
         """A failed result that echoes the job's metadata, or the minimal one when that does

@@ -167,8 +167,6 @@ class Delivery:
             logger.info("cancelled %d re-sends; their jobs will be redelivered", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
 
-    # ---- acknowledgements ----------------------------------------------------------------
-
     def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
         self._deliveries[delivery] = (time.monotonic(), members)
@@ -206,8 +204,6 @@ class Delivery:
 
     def _outbox_crashed(self, exc: BaseException) -> None:
         self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))
-
-    # ---- sending one record --------------------------------------------------------------
 
     async def _resend(self, ticket: Ticket, index: int) -> None:
         where = f"{ticket.tp.topic}-{ticket.tp.partition}@{ticket.offset}"

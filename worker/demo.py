@@ -214,7 +214,9 @@ def _wait_ready(
 
 
 def _run(command: list[str]) -> None:
-    subprocess.run(command, check=True, timeout=600)
+    # The client commands' INFO lines (aiokafka's) would interrupt the story.
+    env = {**os.environ, "VKW_LOG_LEVEL": "WARNING"}
+    subprocess.run(command, check=True, timeout=600, env=env)
 
 
 def _free_port() -> int:

@@ -131,8 +131,6 @@ class Worker:
         logger.info("stopped cleanly")
         return 0
 
-    # ---- the loop --------------------------------------------------------------------------
-
     async def _consume_loop(self) -> None:
         s = self._settings
         consumer = self._consumer
@@ -246,8 +244,6 @@ class Worker:
 
     def _job_crashed(self, exc: BaseException) -> None:
         self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")
-
-    # ---- rebalance and shutdown ------------------------------------------------------------
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         """Let the revoked partitions' jobs finish for a bounded time, abort the rest, commit."""
