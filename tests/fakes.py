@@ -8,7 +8,11 @@ from collections.abc import Callable
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
-from aiokafka.errors import MessageSizeTooLargeError, UnknownTopicOrPartitionError
+from aiokafka.errors import (
+    MessageSizeTooLargeError,
+    OffsetMetadataTooLargeError,
+    UnknownTopicOrPartitionError,
+)
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from schemas import Job
@@ -215,7 +219,8 @@ class FakeConsumer:
 
     `assign(tps)` schedules a rebalance that the next `getmany` carries out, calling the
     listener; like aiokafka, every partition of the new assignment starts unpaused.
-    `commit` waits for `commit_gate` when one is set.
+    `commit` waits for `commit_gate` when one is set and refuses metadata over `metadata_limit`
+    as a broker does.
     """
 
     def __init__(self) -> None:
@@ -228,6 +233,9 @@ class FakeConsumer:
         self.commits: list[dict[TopicPartition, int]] = []
         self.commit_gate: asyncio.Event | None = None
         self.commits_started = 0
+        #: Each commit's metadata by partition; the broker's offset.metadata.max.bytes.
+        self.metadata: list[dict[TopicPartition, str]] = []
+        self.metadata_limit: int | None = None
 
     def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
         records = self.records.setdefault(tp, [])
@@ -301,8 +309,12 @@ class FakeConsumer:
             await asyncio.sleep(min(timeout_ms, 10) / 1000)
         return out
 
-    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+    async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
         self.commits_started += 1
         if self.commit_gate is not None:
             await self.commit_gate.wait()
-        self.commits.append(dict(offsets))
+        limit = self.metadata_limit
+        if limit is not None and any(len(meta) > limit for _, meta in offsets.values()):
+            raise OffsetMetadataTooLargeError()
+        self.commits.append({tp: position for tp, (position, _) in offsets.items()})
+        self.metadata.append({tp: meta for tp, (_, meta) in offsets.items()})

@@ -864,3 +864,58 @@ async def test_deeply_nested_record_is_answered_and_does_not_block_commits(
         finally:
             worker.signal(signal.SIGTERM)
             await worker.wait(20)
+
+
+async def _kill_behind_a_slow_job(
+    bootstrap: str, topics: Topics, spawn: Any, **flags: Any
+) -> tuple[int, int, int]:
+    """One slow job at the front, 500 short ones of mixed lengths behind it; SIGKILL once 300
+    short ones are answered (all past the contiguous commit, which the slow job holds at 0);
+    restart. Returns (answered at the kill, duplicates, duplicates of jobs answered at the kill).
+    """
+    prefix = uuid.uuid4().hex[:6]
+    jobs = [Job(job_id=f"{prefix}-slow", prompt="hi", sampling=SamplingSpec(max_tokens=160))]
+    jobs += [
+        Job(
+            job_id=f"{prefix}-{i}",
+            prompt="hi",
+            sampling=SamplingSpec(max_tokens=2 + i % 5),
+        )
+        for i in range(500)
+    ]
+    await produce(bootstrap, topics.jobs, [job_record(j) for j in jobs])
+    job_ids = {j.job_id for j in jobs}
+    async with watching(bootstrap, topics.results) as watch:
+        worker = spawn(topics, max_in_flight=256, **flags)
+        await wait_for(lambda: len(watch.answered) >= 300, 60, "300 short jobs answered")
+        answered_at_kill = set(watch.answered)
+        worker.signal(signal.SIGKILL)
+        assert await worker.wait(10) == -signal.SIGKILL
+        assert f"{prefix}-slow" not in answered_at_kill, "the slow job finished before the kill"
+        worker = spawn(topics, max_in_flight=256, **flags)
+        await wait_for(lambda: watch.answered >= job_ids, 90, "every job answered")
+        await wait_for(lambda: _committed_is(bootstrap, topics, len(jobs)), 20, "commit of all")
+        worker.signal(signal.SIGTERM)
+        assert await worker.wait(15) == 0
+        assert job_ids <= watch.answered  # nothing lost
+        counts = Counter(r.job_id for r in watch.records)
+        redone = {j for j, n in counts.items() if n > 1}
+        return len(answered_at_kill), watch.duplicates, len(redone & answered_at_kill)
+
+
+async def test_sigkill_does_not_run_again_what_was_answered_out_of_order(
+    kafka_bootstrap_servers, topics, spawn
+):
+    answered, duplicates, redone_answered = await _kill_behind_a_slow_job(
+        kafka_bootstrap_servers, topics, spawn
+    )
+    print(
+        f"\noffset map: answered at kill {answered}, duplicates {duplicates}, "
+        f"of which jobs answered before the kill {redone_answered}"
+    )
+    # At most the jobs unfinished at the kill run twice (without the map: every job past the
+    # contiguous commit, which the slow job held at 0).
+    assert duplicates <= 501 - answered
+    # Answered jobs run again only when their acknowledgement came after the last commit (one
+    # commit's round trip); without the map all of them would.
+    assert redone_answered < answered / 2

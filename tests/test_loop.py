@@ -13,8 +13,10 @@ from aiokafka import TopicPartition
 from schemas import Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
+from worker.commits import CommittedReader
 from worker.config import Settings, settings_from
 from worker.limits import RecordLimits
+from worker.offset_map import decode_offset_map, encode_offset_map
 from worker.service import Worker
 
 JOBS, RESULTS, DLQ = "jobs", "results", "dlq"
@@ -55,7 +57,12 @@ def settings(**overrides: Any) -> Settings:
 async def start_loop() -> AsyncIterator[Callable[..., Any]]:
     loops: list[Loop] = []
 
-    async def start(consumer: FakeConsumer, engine: ScriptedEngine, **overrides: Any) -> Loop:
+    async def start(
+        consumer: FakeConsumer,
+        engine: ScriptedEngine,
+        read_committed: CommittedReader | None = None,
+        **overrides: Any,
+    ) -> Loop:
         s = settings(**overrides)
         producer = MemoryProducer({RESULTS: 1, DLQ: 1})
         worker = Worker(
@@ -64,6 +71,7 @@ async def start_loop() -> AsyncIterator[Callable[..., Any]]:
             producer=producer,
             engine=engine,
             limits=RecordLimits.from_topic_limits(s, {}),
+            read_committed=read_committed,
         )
         loop = Loop(worker, consumer, producer, engine, asyncio.create_task(worker.run()))
         loops.append(loop)
@@ -134,3 +142,108 @@ async def test_a_job_task_that_dies_of_a_bug_stops_the_worker_uncommitted(start_
     monkeypatch.setattr(loop.worker._delivery, "queue", broken_queue)
     assert await asyncio.wait_for(loop.task, 10) == 1
     assert all(commit.get(P0, 0) == 0 for commit in consumer.commits)
+
+
+def committed_as(commit: tuple[int, str]) -> CommittedReader:
+    async def read(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {tp: commit for tp in tps}
+
+    return read
+
+
+async def test_records_the_committed_map_names_are_skipped_not_run_again(start_loop):
+    consumer = FakeConsumer()
+    for i in range(5):
+        consumer.add(P0, job(f"j{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    answered_before = committed_as((0, encode_offset_map(0, {1, 2, 4})))
+    loop = await start_loop(consumer, engine, read_committed=answered_before)
+    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 5}, what="commit")
+    assert engine.started == ["j0", "j3"]
+    assert sorted(loop.answered()) == ["j0", "j3"]
+    assert loop.worker.metrics.skipped.values[()] == 3
+
+
+async def test_metadata_that_is_not_a_map_is_ignored_and_every_record_runs(start_loop, caplog):
+    consumer = FakeConsumer()
+    for i in range(3):
+        consumer.add(P0, job(f"j{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine, read_committed=committed_as((0, "vkw1:!!corrupt")))
+    await wait_for(lambda: len(loop.answered()) == 3, what="all three answered")
+    assert engine.started == ["j0", "j1", "j2"]
+    assert "ignoring the committed metadata" in caplog.text
+
+
+async def test_a_map_near_its_cap_holds_the_partition_until_the_gap_closes(start_loop):
+    consumer = FakeConsumer()
+    consumer.add(P0, job("front", gate="front"))
+    for i in range(1, 60):  # every other job waits too: the map fragments into short runs
+        consumer.add(P0, job(f"j{i}", gate="odd") if i % 2 else job(f"j{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine(max_concurrency=100)
+    loop = await start_loop(consumer, engine, offset_map_max_bytes=40, max_in_flight=16)
+    await wait_for(lambda: P0 in loop.worker._committer.held, what="the partition held")
+    await asyncio.sleep(0.2)  # polls go on; no record of the held partition is taken
+    started = len(engine.started)
+    await asyncio.sleep(0.2)
+    assert len(engine.started) == started < 60
+    assert all(len(m) <= 40 for commit in consumer.metadata for m in commit.values())
+    engine.release("front")
+    engine.release("odd")
+    await wait_for(lambda: len(loop.answered()) == 60, what="every job answered")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all")
+    assert P0 not in loop.worker._committer.held
+
+
+async def test_a_broker_refusing_the_map_gets_positions_alone(start_loop, caplog):
+    consumer = FakeConsumer()
+    consumer.metadata_limit = 4  # any map is too large for this broker
+    consumer.add(P0, job("slow", gate="g"))
+    consumer.add(P0, job("fast"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine)
+    await wait_for(lambda: "fast" in loop.answered(), what="the fast job")
+    await wait_for(lambda: bool(consumer.commits), what="a commit")
+    assert consumer.metadata[-1] == {P0: ""}
+    assert "refuses offset maps" in caplog.text
+    engine.release("g")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 2}, what="the commit of both")
+
+
+async def test_each_commit_carries_the_map_of_what_finished_out_of_order(start_loop):
+    consumer = FakeConsumer()
+    consumer.add(P0, job("slow", gate="g"))
+    for i in range(3):
+        consumer.add(P0, job(f"fast{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine)
+    await wait_for(lambda: len(loop.answered()) == 3, what="the fast jobs")
+    await wait_for(
+        lambda: consumer.metadata and decode_offset_map(0, consumer.metadata[-1][P0]) == {1, 2, 3},
+        what="a map of the three",
+    )
+    assert consumer.commits[-1] == {P0: 0}
+    engine.release("g")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 4}, what="the commit past all")
+
+
+async def test_a_map_over_its_cap_is_left_out_of_the_commit_with_a_warning(start_loop, caplog):
+    consumer = FakeConsumer()
+    consumer.add(P0, job("front", gate="front"))
+    for i in range(1, 60):  # fetched at once: the map overshoots before the hold can act
+        consumer.add(P0, job(f"j{i}", gate="odd") if i % 2 else job(f"j{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine(max_concurrency=100)
+    loop = await start_loop(consumer, engine, offset_map_max_bytes=40)
+    await wait_for(lambda: len(loop.answered()) == 29, what="the even jobs")
+    await wait_for(lambda: bool(consumer.metadata), what="a commit")
+    assert consumer.metadata[-1] == {P0: ""}
+    assert "is over --offset-map-max-bytes" in caplog.text
+    engine.release("front")
+    engine.release("odd")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all")

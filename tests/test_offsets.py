@@ -3,6 +3,7 @@
 import pytest
 from aiokafka import TopicPartition
 
+from worker.offset_map import decode_offset_map, encode_offset_map
 from worker.offsets import OffsetTracker, PartitionOffsets
 
 TP0 = TopicPartition("jobs", 0)
@@ -55,20 +56,37 @@ def test_tracker_reports_only_moved_positions_and_forgets_revoked_partitions():
     assert t.start(TP0, 1) is p0
     p1 = t.start(TP1, 100)
     p0.finish(1)
-    assert t.to_commit() == {TP0: 0, TP1: 100}
-    t.committed({TP0: 0, TP1: 100})
+    one_done = encode_offset_map(0, [1])
+    assert t.to_commit() == {TP0: (0, one_done), TP1: (100, "")}
+    t.committed({TP0: (0, one_done), TP1: (100, "")})
     assert t.to_commit() == {}
     p0.finish(0)
     p1.finish(100)
-    assert t.to_commit() == {TP0: 2, TP1: 101}
-    assert t.to_commit({TP1}) == {TP1: 101}
+    assert t.to_commit() == {TP0: (2, ""), TP1: (101, "")}
+    assert t.to_commit({TP1}) == {TP1: (101, "")}
     t.forget({TP1})
     p1.finish(101)  # a job of a revoked partition finishing late changes nothing
-    assert t.to_commit() == {TP0: 2}
+    assert t.to_commit() == {TP0: (2, "")}
     # Nor once the partition is assigned back: the new assignment's offsets are its own.
     t.start(TP1, 101)
     p1.finish(101)
-    assert t.to_commit() == {TP0: 2, TP1: 101}
+    assert t.to_commit() == {TP0: (2, ""), TP1: (101, "")}
+
+
+def test_the_map_names_what_finished_behind_a_gap_and_what_was_answered_before():
+    t = OffsetTracker()
+    t.assigned(TP0, answered_before={12, 13})
+    p = t.partition(TP0)
+    assert [p.start(o) for o in (10, 11, 12)] == [True, True, False]  # 12 is not run again
+    p.finish(11)
+    position, metadata = t.to_commit()[TP0]
+    assert position == 10
+    # 11 finished here, 12 before (and now passed again), 13 before and not fetched yet.
+    assert decode_offset_map(position, metadata) == {11, 12, 13}
+    p.finish(10)
+    assert t.to_commit()[TP0] == (13, encode_offset_map(13, [13]))
+    assert p.start(13) is False
+    assert t.to_commit()[TP0] == (14, "")
 
 
 def test_memory_holds_only_the_unfinished_window():

@@ -35,7 +35,7 @@ from tests.kafka_helpers import (
     wait_for,
 )
 from worker.config import Settings, settings_from
-from worker.kafka import make_consumer, make_producer, read_record_limits
+from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
 from worker.limits import RecordLimits
 from worker.metrics import MetricsServer
 from worker.mock_engine import MockEngineSettings
@@ -89,6 +89,7 @@ async def make_topics(
 @pytest.fixture
 async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
     running: list[Running] = []
+    readers: list[GroupOffsetsReader] = []
 
     async def start(
         topics: Topics,
@@ -119,12 +120,15 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
             if topic_limits is None
             else RecordLimits.from_topic_limits(settings, topic_limits)
         )
+        reader = GroupOffsetsReader(settings)
+        readers.append(reader)
         worker = Worker(
             settings,
             consumer=make_consumer(settings, limits),
             producer=wrap_producer(make_producer(settings, limits)),
             engine=engine,
             limits=limits,
+            read_committed=reader,
         )
         task = asyncio.create_task(worker.run())
         handle = Running(worker, engine, task, settings)
@@ -136,6 +140,8 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         if not handle.task.done():
             handle.worker.request_stop()
             await asyncio.wait_for(handle.task, 60)
+    for reader in readers:
+        await reader.close()
 
 
 async def produce_jobs(bs: str, topics: Topics, prefix: str, count: int, **kwargs: Any) -> None:
@@ -830,3 +836,22 @@ async def test_a_revoke_longer_than_the_session_timeout_keeps_its_membership(
         return (await committed(bs, topics.group, topics.jobs)).get(0) == 1
 
     await wait_for(slow_committed, 30, "the slow job committed")
+
+
+async def test_the_next_owner_skips_what_the_last_one_answered_out_of_order(
+    kafka_bootstrap_servers, topics, start_worker
+):
+    bs = kafka_bootstrap_servers
+    slow = job("slow", metadata={"gate": "never"})
+    await produce(bs, topics.jobs, [job_record(slow)])
+    await produce_jobs(bs, topics, "f", 20)
+    first = await start_worker(topics, shutdown_grace_s=0)
+    await results(bs, topics.results, 20)
+    # Leaving the group revokes the partition: the slow job is aborted, the rest is answered.
+    assert await first.stop() == 0
+    second = await start_worker(topics)
+    await wait_for(lambda: "slow" in second.engine.started, what="the slow job to run again")
+    second.engine.release("never")
+    await wait_for(lambda: _committed_is(bs, topics, {0: 21}), what="commit past all")
+    assert second.engine.started == ["slow"]  # the 20 answered jobs were not generated again
+    assert second.worker.metrics.skipped.values[()] == 20

@@ -151,6 +151,7 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
     from aiokafka.errors import KafkaError  # noqa: PLC0415
 
     from worker.kafka import (  # noqa: PLC0415
+        GroupOffsetsReader,
         create_topics,
         make_consumer,
         make_producer,
@@ -173,6 +174,7 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         # The producer first: its settings can still be refused (a missing codec), and a
         # client built before that would be left unclosed.
         producer = make_producer(settings, limits)
+        read_committed = GroupOffsetsReader(settings)
         worker = Worker(
             settings,
             consumer=make_consumer(settings, limits),
@@ -180,12 +182,16 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
             engine=engine,
             limits=limits,
             metrics=metrics,
+            read_committed=read_committed,
             on_serving=tune_gc_for_serving,
         )
         if server is not None:
             server.is_ready = lambda: worker.ready
-        with _stop_on_signals(worker):
-            return await worker.run()
+        try:
+            with _stop_on_signals(worker):
+                return await worker.run()
+        finally:
+            await read_committed.close()
     except KafkaError as exc:
         raise BrokerError(f"Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
     finally:

@@ -2,7 +2,9 @@
 
 Commits on the interval run in a task of their own, so a slow coordinator (aiokafka waits for a
 lost one indefinitely) never holds up fetching; a revoke or the shutdown commits at once and
-waits, for at most `commit_timeout_s`.
+waits, for at most `commit_timeout_s`. Each commit carries the partition's offset map (answered
+offsets above it, `worker.offset_map`) in its metadata; on assignment the map is read back, so
+the records it names are not generated again.
 """
 
 from __future__ import annotations
@@ -11,30 +13,58 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaError,
+    OffsetMetadataTooLargeError,
+)
 
 from worker.config import Settings
 from worker.metrics import Metrics
-from worker.offsets import OffsetTracker, PartitionOffsets
+from worker.offset_map import OffsetMapError, decode_offset_map
+from worker.offsets import Commit, OffsetTracker, PartitionOffsets
 
-__all__ = ["Committer"]
+__all__ = ["CommittedReader", "Committer"]
 
 logger = logging.getLogger(__name__)
+
+#: Reads the group's committed offsets and metadata of some partitions (the admin client's
+#: `list_consumer_group_offsets`, as `worker.kafka.committed_reader` builds it).
+CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
+
+# Above this share of `offset_map_max_bytes`, a partition takes no new records until its map
+# shrinks: the gap closes instead of the map growing past what the broker stores.
+_HOLD_AT: Final = 0.75
 
 
 class Committer:
     """Commits, per partition, the highest offset below which every record is answered."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        settings: Settings,
+        metrics: Metrics,
+        read_committed: CommittedReader | None = None,
+    ) -> None:
         self._consumer = consumer
         self._interval_s = settings.commit_interval_ms / 1000
         self._timeout_s = settings.commit_timeout_s
+        self._map_max_bytes = settings.offset_map_max_bytes
         self._metrics = metrics
+        self._read_committed = read_committed
         self.tracker = OffsetTracker()
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
+        #: Partitions whose offset map is near its cap: the loop fetches no more of them.
+        self.held: set[TopicPartition] = set()
+        self._maps_refused = False
+        self._stripped: set[TopicPartition] = set()  # warned: committed without their map
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -63,9 +93,53 @@ class Committer:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
 
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Read the assigned partitions' offset maps, so what they name is skipped. A map that
+        cannot be read or decoded is ignored with a warning: plain at-least-once."""
+        if self._read_committed is None or not partitions:
+            return
+        # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
+        # assignment meanwhile, and a record started before its map is known would run again.
+        self.held |= partitions
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                committed = await self._read_committed(sorted(partitions))
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offset maps (%r); answered records may run again", exc
+            )
+            return
+        finally:
+            self.held -= partitions
+        for tp, (position, metadata) in committed.items():
+            if tp not in partitions or position < 0:
+                continue
+            try:
+                answered = decode_offset_map(position, metadata)
+            except OffsetMapError as exc:
+                logger.warning(
+                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
+                    "offset will run again",
+                    tp.topic,
+                    tp.partition,
+                    position,
+                    exc,
+                )
+                continue
+            if answered:
+                logger.info(
+                    "%s-%s: %d records past offset %d were answered before; skipping them",
+                    tp.topic,
+                    tp.partition,
+                    len(answered),
+                    position,
+                )
+            self.tracker.assigned(tp, answered)
+
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
         self.tracker.forget(partitions)
+        self.held -= partitions
         for tp in partitions:
             with contextlib.suppress(KeyError):
                 self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
@@ -85,7 +159,7 @@ class Committer:
             logger.error("background commit failed", exc_info=exc)
 
     async def _commit(self, partitions: set[TopicPartition] | None) -> None:
-        offsets = self.tracker.to_commit(partitions)
+        offsets = self._with_maps_in_bounds(self.tracker.to_commit(partitions))
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
             return
@@ -95,6 +169,17 @@ class Committer:
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit of %s timed out; retrying at the next commit", _fmt(offsets))
+            return
+        except OffsetMetadataTooLargeError:
+            # The broker's offset.metadata.max.bytes is below offset_map_max_bytes: commit the
+            # positions alone, now and from now on (answered records may then run again).
+            self._metrics.commits.labels("retry").inc()
+            logger.warning(
+                "the broker refuses offset maps this large; committing positions only "
+                "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
+            )
+            self._maps_refused = True
+            await self._commit(partitions)
             return
         except (CommitFailedError, IllegalStateError) as exc:
             # The group rebalanced under us: these records will be redelivered to the new owner.
@@ -114,6 +199,32 @@ class Committer:
         logger.debug("committed %s", _fmt(offsets))
         self._update_lag()
 
+    def _with_maps_in_bounds(
+        self, offsets: dict[TopicPartition, Commit]
+    ) -> dict[TopicPartition, Commit]:
+        """Hold partitions whose map nears its cap; commit a map over it without the map."""
+        limit = 0 if self._maps_refused else self._map_max_bytes
+        for tp, (position, metadata) in offsets.items():
+            size = len(metadata)
+            if size > limit:
+                if metadata and limit and tp not in self._stripped:
+                    self._stripped.add(tp)
+                    logger.warning(
+                        "%s-%s: the offset map (%d bytes) is over --offset-map-max-bytes; "
+                        "committing the position alone",
+                        tp.topic,
+                        tp.partition,
+                        size,
+                    )
+                offsets[tp] = (position, "")
+            else:
+                self._stripped.discard(tp)
+            if limit and size >= _HOLD_AT * limit:
+                self.held.add(tp)
+            else:
+                self.held.discard(tp)
+        return offsets
+
     def _update_lag(self) -> None:
         # Lag is measured from the committed position, so it moves only with commits.
         for tp in self._consumer.assignment():
@@ -125,5 +236,5 @@ class Committer:
                 )
 
 
-def _fmt(offsets: dict[TopicPartition, int]) -> str:
-    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, o in sorted(offsets.items()))
+def _fmt(offsets: dict[TopicPartition, Commit]) -> str:
+    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, (o, _) in sorted(offsets.items()))

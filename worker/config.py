@@ -119,6 +119,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     commit_interval_ms: Annotated[
         int, Meta(ge=0, le=60_000), _d("least time between offset commits")
     ] = 500
+    offset_map_max_bytes: Annotated[
+        int,
+        Meta(ge=0, le=1_048_576),
+        _d(
+            "largest offset map in a commit's metadata (answered jobs past the committed "
+            "offset, skipped after a restart); below the broker's offset.metadata.max.bytes; "
+            "0: no map"
+        ),
+    ] = 3072
     poll_timeout_ms: Annotated[int, Meta(ge=1, le=60_000), _d("longest wait of one fetch")] = 200
     session_timeout_ms: Annotated[int, Meta(ge=1000), _d("group session timeout")] = 10_000
     heartbeat_interval_ms: Annotated[int, Meta(ge=100), _d("group heartbeat interval")] = 3_000

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
@@ -15,9 +15,11 @@ from aiokafka.helpers import create_ssl_context
 from worker.config import Settings
 from worker.errors import BrokerError, ConfigError
 from worker.limits import RECORD_OVERHEAD_BYTES, RecordLimits
+from worker.offsets import Commit
 
 __all__ = [
     "RECORD_OVERHEAD_BYTES",
+    "GroupOffsetsReader",
     "client_kwargs",
     "create_topics",
     "make_consumer",
@@ -118,6 +120,29 @@ def make_producer(
     }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)
+
+
+class GroupOffsetsReader:
+    """Reads the group's committed offsets with their metadata (the offset maps) through the
+    admin client: aiokafka's consumer returns committed offsets without their metadata."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._admin = AIOKafkaAdminClient(**client_kwargs(settings))
+        self._group_id = settings.group_id
+        self._started = False
+
+    async def __call__(self, partitions: list[TopicPartition]) -> dict[TopicPartition, Commit]:
+        if not self._started:
+            await self._admin.start()
+            self._started = True
+        committed = await self._admin.list_consumer_group_offsets(
+            self._group_id, partitions=partitions
+        )
+        return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
+
+    async def close(self) -> None:
+        if self._started:
+            await self._admin.close()
 
 
 async def read_record_limits(settings: Settings) -> RecordLimits:

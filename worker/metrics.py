@@ -109,6 +109,10 @@ class Metrics:
         self.routed_experts_bytes = LoopCounter(
             "vkw_routed_experts_bytes", "Raw bytes of routed-expert arrays published"
         )
+        self.skipped = LoopCounter(
+            "vkw_records_skipped",
+            "Records not run again: answered before a crash or rebalance (the offset map)",
+        )
         r.register(
             _LoopMetrics(
                 [
@@ -118,6 +122,7 @@ class Metrics:
                     self.publish_time,
                     self.generated_tokens,
                     self.routed_experts_bytes,
+                    self.skipped,
                 ]
             )
         )

@@ -1,4 +1,5 @@
-"""The commit rule: per partition, the highest contiguous answered offset + 1."""
+"""The commit rule: per partition, the highest contiguous answered offset + 1, and above it the
+offsets answered out of order (the offset map, carried in the commit's metadata)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ from collections import deque
 
 from aiokafka import TopicPartition
 
+from worker.offset_map import encode_offset_map
+
 __all__ = ["OffsetTracker", "PartitionOffsets"]
+
+#: What a commit sends for one partition: the position and its metadata (the offset map).
+Commit = tuple[int, str]
 
 
 class PartitionOffsets:
@@ -14,25 +20,33 @@ class PartitionOffsets:
 
     Records of a partition arrive in offset order, so the commit position is the first started
     offset that has not finished (or one past the last started when all did). Offsets may skip
-    (compaction, transaction markers); only started ones count.
+    (compaction, transaction markers); only started ones count. `answered_before` are offsets a
+    previous owner answered (read from the committed offset map): they finish as they start.
     """
 
-    __slots__ = ("_done", "_order", "committed", "last_started")
+    __slots__ = ("_done", "_order", "answered_before", "committed", "last_started")
 
-    def __init__(self) -> None:
+    def __init__(self, answered_before: set[int] | None = None) -> None:
         self._order: deque[int] = deque()
         self._done: set[int] = set()
+        self.answered_before: set[int] = answered_before or set()
         self.last_started: int | None = None
-        #: The position last committed for this partition (None until a commit).
-        self.committed: int | None = None
+        #: The position and metadata last committed for this partition (None until a commit).
+        self.committed: Commit | None = None
 
-    def start(self, offset: int) -> None:
+    def start(self, offset: int) -> bool:
+        """Mark `offset` started; False when it was answered before and must not run again."""
         if self.last_started is not None and offset <= self.last_started:
             raise ValueError(
                 f"offset {offset} started after {self.last_started}: records must be in order"
             )
         self._order.append(offset)
         self.last_started = offset
+        if self.answered_before and offset in self.answered_before:
+            self.answered_before.discard(offset)
+            self.finish(offset)
+            return False
+        return True
 
     def finish(self, offset: int) -> None:
         self._done.add(offset)
@@ -51,12 +65,31 @@ class PartitionOffsets:
             return self._order[0]
         return None if self.last_started is None else self.last_started + 1
 
+    def to_commit(self) -> Commit | None:
+        """Position and offset map, or None when nothing was started.
+
+        The map holds what finished behind an unfinished offset, and what a previous owner
+        answered that was not fetched yet: the next owner must skip both.
+        """
+        position = self.commit_position()
+        if position is None:
+            return None
+        above = [o for o in self.answered_before if o >= position]
+        return position, encode_offset_map(position, [*self._done, *above])
+
 
 class OffsetTracker:
     """`PartitionOffsets` for every partition this worker holds."""
 
     def __init__(self) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
+
+    def assigned(self, tp: TopicPartition, answered_before: set[int]) -> None:
+        """A partition was assigned whose previous owner had answered `answered_before`."""
+        partition = self.partition(tp)
+        # Offsets started already (only if a fetch raced the assignment) are running anyway.
+        last = -1 if partition.last_started is None else partition.last_started
+        partition.answered_before |= {o for o in answered_before if o > last}
 
     def start(self, tp: TopicPartition, offset: int) -> PartitionOffsets:
         """Mark `offset` started; return the partition's offsets, to finish it on later."""
@@ -76,22 +109,25 @@ class OffsetTracker:
             partition = self._partitions[tp] = PartitionOffsets()
         return partition
 
-    def to_commit(self, partitions: set[TopicPartition] | None = None) -> dict[TopicPartition, int]:
-        """Positions that moved since the last commit, for all held partitions or those given."""
-        out: dict[TopicPartition, int] = {}
+    def to_commit(
+        self, partitions: set[TopicPartition] | None = None
+    ) -> dict[TopicPartition, Commit]:
+        """Positions and maps that moved since the last commit, for all held partitions or
+        those given."""
+        out: dict[TopicPartition, Commit] = {}
         for tp, partition in self._partitions.items():
             if partitions is not None and tp not in partitions:
                 continue
-            position = partition.commit_position()
-            if position is not None and position != partition.committed:
-                out[tp] = position
+            commit = partition.to_commit()
+            if commit is not None and commit != partition.committed:
+                out[tp] = commit
         return out
 
-    def committed(self, offsets: dict[TopicPartition, int]) -> None:
+    def committed(self, offsets: dict[TopicPartition, Commit]) -> None:
         """Record a successful commit."""
-        for tp, position in offsets.items():
+        for tp, commit in offsets.items():
             if (partition := self._partitions.get(tp)) is not None:
-                partition.committed = position
+                partition.committed = commit
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Drop revoked partitions: their next owner starts from the committed position."""
@@ -100,4 +136,4 @@ class OffsetTracker:
 
     def committed_position(self, tp: TopicPartition) -> int | None:
         partition = self._partitions.get(tp)
-        return None if partition is None else partition.committed
+        return None if partition is None or partition.committed is None else partition.committed[0]

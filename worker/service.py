@@ -19,7 +19,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answers import DLQ_HEADERS, AnswerBuilder
-from worker.commits import Committer
+from worker.commits import CommittedReader, Committer
 from worker.config import Settings
 from worker.delivery import Delivery, Ticket
 from worker.engine import Engine
@@ -40,7 +40,9 @@ class Worker:
     """Consumes jobs, runs them on an engine, publishes answers, commits answered offsets.
 
     The consumer, producer and engine are given, not built here, so tests pass fakes or clients
-    pointed at a test broker; `limits` are the record limits the producer was built with.
+    pointed at a test broker; `limits` are the record limits the producer was built with, and
+    `read_committed` reads the group's committed offset maps on assignment (without it, records
+    answered out of order before a crash run again).
     `run()` starts them, calls `on_serving` once everything is up (where `serve` tunes the
     process), serves until `request_stop()` or a fatal error, drains, and returns the process
     exit status (0 clean, 1 fatal).
@@ -55,6 +57,7 @@ class Worker:
         engine: Engine,
         limits: RecordLimits,
         metrics: Metrics | None = None,
+        read_committed: CommittedReader | None = None,
         on_serving: Callable[[], None] | None = None,
     ) -> None:
         self._settings = settings
@@ -70,7 +73,7 @@ class Worker:
         self._engine_ready = False
         self._last_health_check = time.monotonic()
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
-        self._committer = Committer(consumer, settings, self.metrics)
+        self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._delivery = Delivery(
             producer,
@@ -151,8 +154,12 @@ class Worker:
                     # like any other (dropping them would skip their offsets).
                     self._start_jobs(await consumer.getmany(timeout_ms=0))
             else:
-                if paused := consumer.paused():
-                    consumer.resume(*paused)
+                # Partitions whose offset map nears its cap stay paused until the gap closes.
+                held = self._committer.held
+                if resumable := consumer.paused() - held:
+                    consumer.resume(*resumable)
+                if held:
+                    consumer.pause(*(held & consumer.assignment()))
                 try:
                     batch = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=free)
                 except KafkaError as exc:
@@ -175,8 +182,10 @@ class Worker:
                 continue  # revoked between the fetch and now: the next owner reads them
             partition = self._committer.partition(tp)
             for record in records:
-                partition.start(record.offset)
-                self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+                if partition.start(record.offset):
+                    self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+                else:  # answered before a crash or rebalance, as the committed map says
+                    self.metrics.skipped.inc()
 
     async def _job(
         self,
@@ -256,11 +265,14 @@ class Worker:
         await self._committer.commit_now(revoked)
         self._committer.forget(revoked)
 
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        # aiokafka builds fresh, unpaused state for every assigned partition: at the cap they
-        # must be paused again before the next fetch.
-        if assigned and self._in_flight() >= self.max_in_flight:
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
+        # offset maps are read, and paused again after that while at the cap.
+        if assigned:
             self._consumer.pause(*assigned)
+        await self._committer.assigned(assigned)
+        if assigned and self._in_flight() < self.max_in_flight:
+            self._consumer.resume(*(assigned - self._committer.held))
         self.metrics.assigned_partitions.set(len(self._consumer.assignment()))
         logger.info("assigned %s", sorted(map(str, assigned)))
 
@@ -319,4 +331,4 @@ class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._worker.on_partitions_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._worker.on_partitions_assigned(set(assigned))
+        await self._worker.on_partitions_assigned(set(assigned))
