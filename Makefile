@@ -33,6 +33,7 @@ bench: setup
 	$(BIN)/python bench/serialize.py
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/engine_overhead.py
+	$(BIN)/python bench/offset_map.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
