@@ -1,4 +1,5 @@
-"""Helpers for the process-level chaos tests: metrics scraping, RSS sampling, spread producing."""
+"""Helpers for the process-level chaos tests: metrics scraping, RSS sampling, spread producing,
+and the history checker."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import asyncio
 import contextlib
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +135,32 @@ async def produce_spread(
 
 def mib(n: int) -> str:
     return f"{n / MiB:.0f}MiB"
+
+
+@dataclass
+class History:
+    """What a chaos test did and saw, checked in the manner of Jepsen's Kafka workload.
+
+    `produced` are the job ids written to the jobs topic, `answers` every job id read back from
+    the results topic (in order, repeats kept), `dead_lettered` the job ids copied to the
+    dead-letter topic, `kills` the worker processes the test killed. A job is lost when it has
+    neither a result nor a dead-letter copy; every answer beyond a job's first is a duplicate.
+    """
+
+    produced: set[str] = field(default_factory=set)
+    answers: list[str] = field(default_factory=list)
+    dead_lettered: set[str] = field(default_factory=set)
+    kills: int = 0
+
+    @property
+    def lost(self) -> set[str]:
+        return self.produced - set(self.answers) - self.dead_lettered
+
+    @property
+    def duplicates(self) -> int:
+        return sum(n - 1 for n in Counter(self.answers).values())
+
+    def check(self) -> int:
+        """Assert nothing was lost; return the duplicates."""
+        assert not self.lost, f"{len(self.lost)} jobs lost, e.g. {sorted(self.lost)[:5]}"
+        return self.duplicates

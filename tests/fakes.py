@@ -279,6 +279,9 @@ class FakeConsumer:
     def paused(self) -> set[TopicPartition]:
         return set(self._paused)
 
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._positions[tp] = offset
+
     def highwater(self, tp: TopicPartition) -> int:
         return len(self.records.get(tp, []))
 

@@ -27,6 +27,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import Completed, Failed, Job, SamplingSpec, decode_job, decode_result, encode
 from tests.chaos_helpers import (
+    History,
     InBackground,
     MiB,
     RssSampler,
@@ -236,14 +237,15 @@ async def _crash_and_restart(
         worker.signal(signal.SIGTERM)
         assert await worker.wait(15) == 0
         seconds = time.monotonic() - t0
-        lost = len(job_ids - watch.answered)
+        history = History(produced=job_ids, answers=[r.job_id or "" for r in watch.records])
+        history.kills = kills
+        duplicates = history.check()
         print(
-            f"\ncrash x{kills}: jobs={jobs} answered={len(watch.answered & job_ids)} lost={lost} "
-            f"duplicates={watch.duplicates} records={len(watch.records)} seconds={seconds:.1f}"
+            f"\ncrash x{kills}: jobs={jobs} answered={len(watch.answered & job_ids)} "
+            f"duplicates={duplicates} records={len(watch.records)} seconds={seconds:.1f}"
         )
-        assert lost == 0
         assert all(isinstance(r, Completed) for r in watch.records)
-        assert watch.duplicates <= kills * MAX_IN_FLIGHT
+        assert duplicates <= kills * MAX_IN_FLIGHT
 
 
 async def _committed_is(bootstrap: str, topics: Topics, offset: int) -> bool:
@@ -885,22 +887,24 @@ async def _kill_behind_a_slow_job(
     ]
     await produce(bootstrap, topics.jobs, [job_record(j) for j in jobs])
     job_ids = {j.job_id for j in jobs}
+    history = History(produced=job_ids)
     async with watching(bootstrap, topics.results) as watch:
         worker = spawn(topics, max_in_flight=256, **flags)
         await wait_for(lambda: len(watch.answered) >= 300, 60, "300 short jobs answered")
         answered_at_kill = set(watch.answered)
         worker.signal(signal.SIGKILL)
         assert await worker.wait(10) == -signal.SIGKILL
+        history.kills += 1
         assert f"{prefix}-slow" not in answered_at_kill, "the slow job finished before the kill"
         worker = spawn(topics, max_in_flight=256, **flags)
         await wait_for(lambda: watch.answered >= job_ids, 90, "every job answered")
         await wait_for(lambda: _committed_is(bootstrap, topics, len(jobs)), 20, "commit of all")
         worker.signal(signal.SIGTERM)
         assert await worker.wait(15) == 0
-        assert job_ids <= watch.answered  # nothing lost
-        counts = Counter(r.job_id for r in watch.records)
-        redone = {j for j, n in counts.items() if n > 1}
-        return len(answered_at_kill), watch.duplicates, len(redone & answered_at_kill)
+        history.answers = [r.job_id or "" for r in watch.records]
+        duplicates = history.check()
+        redone = {j for j, n in Counter(history.answers).items() if n > 1}
+        return len(answered_at_kill), duplicates, len(redone & answered_at_kill)
 
 
 async def test_sigkill_does_not_run_again_what_was_answered_out_of_order(
@@ -919,3 +923,47 @@ async def test_sigkill_does_not_run_again_what_was_answered_out_of_order(
     # Answered jobs run again only when their acknowledgement came after the last commit (one
     # commit's round trip); without the map all of them would.
     assert redone_answered < answered / 2
+
+
+async def test_a_job_that_kills_the_worker_is_answered_failed_after_three_deaths(
+    kafka_bootstrap_servers, topics, spawn
+):
+    bs = kafka_bootstrap_servers
+    prefix = uuid.uuid4().hex[:6]
+    crash_token = 99_999
+    jobs = [
+        Job(job_id=f"{prefix}-{i}", prompt="hello", sampling=SamplingSpec(max_tokens=2 + i % 3))
+        for i in range(500)
+    ]
+    killer = Job(job_id=f"{prefix}-killer", prompt_token_ids=[1, crash_token, 2])
+    jobs.insert(137, killer)
+    await produce(bs, topics.jobs, [job_record(j) for j in jobs])
+    history = History(produced={j.job_id for j in jobs})
+    deaths = 0
+    async with watching(bs, topics.results) as watch:
+        worker = spawn(topics, mock_crash_token_id=crash_token, max_crash_attempts=3)
+        while len(watch.latest) < len(jobs):
+            try:
+                rc = await worker.wait(1)
+            except AssertionError:
+                continue  # still running
+            assert rc == -signal.SIGKILL, worker.text()[-2000:]
+            deaths += 1
+            assert deaths <= 3, "the breaker did not stop the crash loop"
+            worker = spawn(topics, mock_crash_token_id=crash_token, max_crash_attempts=3)
+        dead_letters = await collect(bs, topics.dlq, 1)
+        await wait_for(lambda: _committed_is(bs, topics, len(jobs)), 30, "commit of every job")
+        worker.signal(signal.SIGTERM)
+        assert await worker.wait(15) == 0
+    history.kills = deaths
+    history.answers = [r.job_id or "" for r in watch.records]
+    history.dead_lettered = {(r.key or b"").decode() for r in dead_letters}
+    duplicates = history.check()
+    print(f"\ncrash loop: deaths={deaths} duplicates={duplicates} records={len(watch.records)}")
+    assert deaths == 3
+    answer = watch.latest[killer.job_id]
+    assert isinstance(answer, Failed) and not answer.error.retryable
+    assert "in flight at 3 worker process deaths" in answer.error.detail
+    assert [r.key for r in dead_letters] == [killer.job_id.encode()]
+    innocent = {j.job_id for j in jobs} - {killer.job_id}
+    assert all(isinstance(watch.latest[j], Completed) for j in innocent)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
-from schemas import Job, SamplingSpec, decode_result, encode
+from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
 from worker.commits import CommittedReader
@@ -224,7 +224,10 @@ async def test_each_commit_carries_the_map_of_what_finished_out_of_order(start_l
     loop = await start_loop(consumer, engine)
     await wait_for(lambda: len(loop.answered()) == 3, what="the fast jobs")
     await wait_for(
-        lambda: consumer.metadata and decode_offset_map(0, consumer.metadata[-1][P0]) == {1, 2, 3},
+        lambda: (
+            consumer.metadata
+            and decode_offset_map(0, consumer.metadata[-1][P0]).answered == {1, 2, 3}
+        ),
         what="a map of the three",
     )
     assert consumer.commits[-1] == {P0: 0}
@@ -247,3 +250,61 @@ async def test_a_map_over_its_cap_is_left_out_of_the_commit_with_a_warning(start
     engine.release("front")
     engine.release("odd")
     await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all")
+
+
+def _died_with(running: set[int], deaths: dict[int, int], clean: bool = False) -> CommittedReader:
+    return committed_as((0, encode_offset_map(0, [], running=running, deaths=deaths, clean=clean)))
+
+
+async def test_after_a_death_suspects_run_alone_and_a_repeat_killer_is_not_run(start_loop):
+    consumer = FakeConsumer()
+    for i in range(6):
+        consumer.add(P0, job(f"j{i}", delay_s="0.05"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    alone: dict[str, int] = {}
+    engine.on_start = lambda j: alone.__setitem__(j.job_id, engine.running)
+    # The last owner died with j1 and j3 in flight; j3 had been in flight at 2 deaths before.
+    loop = await start_loop(
+        consumer, engine, read_committed=_died_with({1, 3}, {3: 2}), max_crash_attempts=3
+    )
+    await wait_for(lambda: len(loop.answered()) == 6, what="every record answered")
+    assert "j3" not in engine.started  # in flight at its third death: not run again
+    assert alone["j1"] == 1  # the suspect ran alone
+    failed = [
+        decode_result(v) for t, _, v, _ in loop.producer.sent if t == RESULTS and v is not None
+    ]
+    (crashed,) = [r for r in failed if r.job_id == "j3"]
+    assert isinstance(crashed, Failed) and not crashed.error.retryable
+    assert "in flight at 3 worker process deaths" in crashed.error.detail
+    copies = [h for t, _, _, h in loop.producer.sent if t == DLQ]
+    assert [dict(h)["vkw.source.offset"] for h in copies] == [b"3"]
+    await wait_for(lambda: consumer.commits[-1] == {P0: 6}, what="the commit past all")
+
+
+async def test_after_a_clean_hand_over_nothing_is_suspected(start_loop):
+    consumer = FakeConsumer()
+    for i in range(4):
+        consumer.add(P0, job(f"j{i}", delay_s="0.05"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine, read_committed=_died_with({1, 2}, {}, clean=True))
+    await wait_for(lambda: len(loop.answered()) == 4, what="every record answered")
+    assert engine.peak_running == 4  # all at once: nobody was blamed
+
+
+async def test_jobs_are_named_running_in_a_commit_before_they_start(start_loop):
+    consumer = FakeConsumer()
+    consumer.add(P0, job("j0", gate="g"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    seen: list[frozenset[int]] = []
+
+    def on_start(_: Job) -> None:
+        seen.append(decode_offset_map(0, consumer.metadata[-1][P0]).running)
+
+    engine.on_start = on_start
+    await start_loop(consumer, engine)
+    await wait_for(lambda: bool(seen), what="the job to start")
+    assert seen == [frozenset({0})]
+    engine.release("g")

@@ -3,7 +3,7 @@
 import pytest
 from aiokafka import TopicPartition
 
-from worker.offset_map import decode_offset_map, encode_offset_map
+from worker.offset_map import OffsetMap, decode_offset_map, encode_offset_map
 from worker.offsets import OffsetTracker, PartitionOffsets
 
 TP0 = TopicPartition("jobs", 0)
@@ -50,15 +50,19 @@ def test_records_out_of_order_are_refused():
         p.start(5)
 
 
+def positions(commits: dict[TopicPartition, tuple[int, str]]) -> dict[TopicPartition, int]:
+    return {tp: position for tp, (position, _) in commits.items()}
+
+
 def test_tracker_reports_only_moved_positions_and_forgets_revoked_partitions():
     t = OffsetTracker()
     p0 = t.start(TP0, 0)
     assert t.start(TP0, 1) is p0
     p1 = t.start(TP1, 100)
     p0.finish(1)
-    one_done = encode_offset_map(0, [1])
-    assert t.to_commit() == {TP0: (0, one_done), TP1: (100, "")}
-    t.committed({TP0: (0, one_done), TP1: (100, "")})
+    commits = t.to_commit()
+    assert positions(commits) == {TP0: 0, TP1: 100}
+    t.committed(commits)
     assert t.to_commit() == {}
     p0.finish(0)
     p1.finish(100)
@@ -70,23 +74,41 @@ def test_tracker_reports_only_moved_positions_and_forgets_revoked_partitions():
     # Nor once the partition is assigned back: the new assignment's offsets are its own.
     t.start(TP1, 101)
     p1.finish(101)
-    assert t.to_commit() == {TP0: (2, ""), TP1: (101, "")}
+    assert positions(t.to_commit()) == {TP0: 2, TP1: 101}
 
 
 def test_the_map_names_what_finished_behind_a_gap_and_what_was_answered_before():
     t = OffsetTracker()
-    t.assigned(TP0, answered_before={12, 13})
+    t.assigned(TP0, OffsetMap(answered=frozenset({12, 13}), clean=True))
     p = t.partition(TP0)
     assert [p.start(o) for o in (10, 11, 12)] == [True, True, False]  # 12 is not run again
     p.finish(11)
     position, metadata = t.to_commit()[TP0]
     assert position == 10
+    state = decode_offset_map(position, metadata)
     # 11 finished here, 12 before (and now passed again), 13 before and not fetched yet.
-    assert decode_offset_map(position, metadata) == {11, 12, 13}
+    assert state.answered == {11, 12, 13}
+    assert state.running == {10}
+    assert not state.clean
     p.finish(10)
     assert t.to_commit()[TP0] == (13, encode_offset_map(13, [13]))
     assert p.start(13) is False
     assert t.to_commit()[TP0] == (14, "")
+
+
+def test_records_in_flight_at_an_unclean_end_count_a_death_each():
+    t = OffsetTracker()
+    died = OffsetMap(answered=frozenset({5}), running=frozenset({4, 6}), deaths={6: 1})
+    t.assigned(TP0, died)
+    assert t.partition(TP0).deaths == {4: 1, 6: 2}
+    handed_over = OffsetMap(running=frozenset({4, 6}), deaths={6: 2}, clean=True)
+    t.forget({TP0})
+    t.assigned(TP0, handed_over)
+    assert t.partition(TP0).deaths == {6: 2}  # a clean hand-over blames nobody
+    p = t.partition(TP0)
+    p.start(6)
+    p.finish(6)
+    assert p.deaths == {}
 
 
 def test_memory_holds_only_the_unfinished_window():

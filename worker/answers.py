@@ -213,6 +213,18 @@ class AnswerBuilder:
                 tp, record, ErrorCode.INTERNAL_ERROR, detail, dead_letter="if_no_id"
             )
 
+    def crash_looped(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], deaths: int
+    ) -> Answer:
+        """The answer to a record that was in flight at `deaths` process deaths: it is not run
+        again. A failed result (not retryable) when its job_id can be read, and a dead-letter
+        copy either way, so it can be looked at and replayed by hand."""
+        detail = (
+            f"not run again: the job was in flight at {deaths} worker process deaths "
+            "(--max-crash-attempts); it may crash the engine"
+        )
+        return self._reject(tp, record, ErrorCode.ENGINE_ERROR, detail, dead_letter="always")
+
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
         """`answer` with record `index` replaced by a smaller one, after `refused_by` refused
         it for its size; None when it was minimal already."""

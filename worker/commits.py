@@ -41,6 +41,9 @@ CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition
 # shrinks: the gap closes instead of the map growing past what the broker stores.
 _HOLD_AT: Final = 0.75
 
+# The longest a batch of jobs waits for the commit that names them as running.
+_WRITE_AHEAD_WAIT_S: Final = 1.0
+
 
 class Committer:
     """Commits, per partition, the highest offset below which every record is answered."""
@@ -64,6 +67,8 @@ class Committer:
         #: Partitions whose offset map is near its cap: the loop fetches no more of them.
         self.held: set[TopicPartition] = set()
         self._maps_refused = False
+        self._slow_commits_warned = False
+        self._stuck: asyncio.Task[None] | None = None
         self._stripped: set[TopicPartition] = set()  # warned: committed without their map
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
@@ -81,14 +86,43 @@ class Committer:
         self._task = asyncio.create_task(self._commit(None), name="commit")
         self._task.add_done_callback(self._commit_done)
 
-    async def commit_now(self, partitions: set[TopicPartition] | None = None) -> None:
+    async def write_ahead(self, partitions: set[TopicPartition]) -> None:
+        """Commit what runs now before jobs start, so that if one kills the process the next
+        owner knows it was in flight (the crash-loop breaker).
+
+        Waits at most `_WRITE_AHEAD_WAIT_S` in all, for a commit already on its way and then for
+        this one: a slow coordinator delays the breaker's record, not the jobs for long.
+        """
+        started = time.monotonic()
+        if self._task is not None and self._task is not self._stuck:
+            # The commit on its way may be quick: wait for it first.
+            await asyncio.wait([self._task], timeout=_WRITE_AHEAD_WAIT_S)
+            await asyncio.sleep(0)  # its done-callback clears `_task`
+        if self._task is not None:
+            self._stuck = self._task  # not waited for again
+            if not self._slow_commits_warned:
+                self._slow_commits_warned = True
+                logger.warning(
+                    "commits are slow; jobs start before the commit that names them lands, so "
+                    "the crash-loop breaker may not see a job that kills the process"
+                )
+            return
+        self._task = asyncio.create_task(self._commit(partitions), name="write-ahead commit")
+        self._task.add_done_callback(self._commit_done)
+        remaining = _WRITE_AHEAD_WAIT_S - (time.monotonic() - started)
+        await asyncio.wait([self._task], timeout=max(remaining, 0.01))
+
+    async def commit_now(
+        self, partitions: set[TopicPartition] | None = None, *, clean: bool = False
+    ) -> None:
         """Commit `partitions` (all when None) and wait, after any commit still running; both
-        within one `commit_timeout_s`."""
+        within one `commit_timeout_s`. `clean`: the partitions are being handed over, so what
+        runs now is not suspected of killing the process."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 if self._task is not None:
                     await asyncio.shield(self._task)
-                await self._commit(partitions)
+                await self._commit(partitions, clean=clean)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
@@ -115,7 +149,7 @@ class Committer:
             if tp not in partitions or position < 0:
                 continue
             try:
-                answered = decode_offset_map(position, metadata)
+                previous = decode_offset_map(position, metadata)
             except OffsetMapError as exc:
                 logger.warning(
                     "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
@@ -126,15 +160,23 @@ class Committer:
                     exc,
                 )
                 continue
-            if answered:
+            if previous.answered:
                 logger.info(
                     "%s-%s: %d records past offset %d were answered before; skipping them",
                     tp.topic,
                     tp.partition,
-                    len(answered),
+                    len(previous.answered),
                     position,
                 )
-            self.tracker.assigned(tp, answered)
+            if previous.running and not previous.clean:
+                logger.warning(
+                    "%s-%s: the last owner died with %d records in flight; they run one at a "
+                    "time now",
+                    tp.topic,
+                    tp.partition,
+                    len(previous.running - previous.answered),
+                )
+            self.tracker.assigned(tp, previous)
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
@@ -158,8 +200,8 @@ class Committer:
             # _commit handles every Kafka error; anything else is a bug worth a traceback.
             logger.error("background commit failed", exc_info=exc)
 
-    async def _commit(self, partitions: set[TopicPartition] | None) -> None:
-        offsets = self._with_maps_in_bounds(self.tracker.to_commit(partitions))
+    async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
+        offsets = self._with_maps_in_bounds(self.tracker.to_commit(partitions, clean=clean))
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
             return
@@ -179,7 +221,7 @@ class Committer:
                 "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
             )
             self._maps_refused = True
-            await self._commit(partitions)
+            await self._commit(partitions, clean=clean)
             return
         except (CommitFailedError, IllegalStateError) as exc:
             # The group rebalanced under us: these records will be redelivered to the new owner.

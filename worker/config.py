@@ -98,6 +98,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         int, Meta(ge=1, le=65_536), _d("mock engine: simulated batch size")
     ] = 256
     mock_max_model_len: Annotated[int, Meta(ge=2), _d("mock engine: context length")] = 32_768
+    mock_crash_token_id: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _d("mock engine: a job whose prompt holds this token id kills the process (SIGKILL)"),
+    ] = None
 
     # Delivery
     max_result_bytes: Annotated[
@@ -119,6 +123,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     commit_interval_ms: Annotated[
         int, Meta(ge=0, le=60_000), _d("least time between offset commits")
     ] = 500
+    max_crash_attempts: Annotated[
+        int,
+        Meta(ge=0, le=100),
+        _d(
+            "process deaths a job may be in flight at before it is answered failed and "
+            "dead-lettered instead of run again; 0: no breaker"
+        ),
+    ] = 3
     offset_map_max_bytes: Annotated[
         int,
         Meta(ge=0, le=1_048_576),

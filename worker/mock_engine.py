@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import zlib
 from typing import Final
 
@@ -30,6 +32,8 @@ class MockEngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     vocab_size: int = 32_000
     max_model_len: int = 32_768
     max_num_seqs: int = 256
+    #: A job whose prompt holds this token id kills the process, as an engine crash would.
+    crash_token_id: int | None = None
 
 
 def mock_engine_settings(settings: Settings) -> MockEngineSettings:
@@ -86,6 +90,11 @@ class MockEngine:
             else list((job.prompt or "").encode("utf-8"))
         )
         prompt_len = len(prompt_ids)
+        if s.crash_token_id is not None and s.crash_token_id in prompt_ids:
+            logger.error(
+                "job %s holds the crash token %d: killing the process", job.job_id, s.crash_token_id
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
         if prompt_len == 0:
             raise InvalidJobError("the prompt is empty")
         if prompt_len >= s.max_model_len:

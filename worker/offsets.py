@@ -7,7 +7,7 @@ from collections import deque
 
 from aiokafka import TopicPartition
 
-from worker.offset_map import encode_offset_map
+from worker.offset_map import OffsetMap, encode_offset_map
 
 __all__ = ["OffsetTracker", "PartitionOffsets"]
 
@@ -24,12 +24,14 @@ class PartitionOffsets:
     previous owner answered (read from the committed offset map): they finish as they start.
     """
 
-    __slots__ = ("_done", "_order", "answered_before", "committed", "last_started")
+    __slots__ = ("_done", "_order", "answered_before", "committed", "deaths", "last_started")
 
-    def __init__(self, answered_before: set[int] | None = None) -> None:
+    def __init__(self) -> None:
         self._order: deque[int] = deque()
         self._done: set[int] = set()
-        self.answered_before: set[int] = answered_before or set()
+        self.answered_before: set[int] = set()
+        #: Offsets that were in flight when a worker process died, and at how many deaths.
+        self.deaths: dict[int, int] = {}
         self.last_started: int | None = None
         #: The position and metadata last committed for this partition (None until a commit).
         self.committed: Commit | None = None
@@ -49,10 +51,17 @@ class PartitionOffsets:
         return True
 
     def finish(self, offset: int) -> None:
+        if self.deaths:
+            self.deaths.pop(offset, None)
         self._done.add(offset)
         # Pop the finished prefix now, so memory holds only the window of unfinished jobs.
         while self._order and self._order[0] in self._done:
             self._done.discard(self._order.popleft())
+
+    @property
+    def idle(self) -> bool:
+        """Every record started is answered and acknowledged."""
+        return not self._order
 
     @property
     def pending(self) -> int:
@@ -65,17 +74,24 @@ class PartitionOffsets:
             return self._order[0]
         return None if self.last_started is None else self.last_started + 1
 
-    def to_commit(self) -> Commit | None:
+    def to_commit(self, *, clean: bool = False) -> Commit | None:
         """Position and offset map, or None when nothing was started.
 
-        The map holds what finished behind an unfinished offset, and what a previous owner
-        answered that was not fetched yet: the next owner must skip both.
+        The map holds what finished behind an unfinished offset and what a previous owner
+        answered that was not fetched yet (the next owner skips both), what is running now and
+        the deaths of earlier suspects (for the crash-loop breaker), and whether this is a
+        clean hand-over.
         """
         position = self.commit_position()
         if position is None:
             return None
+        done = self._done
         above = [o for o in self.answered_before if o >= position]
-        return position, encode_offset_map(position, [*self._done, *above])
+        running = [o for o in self._order if o not in done]
+        metadata = encode_offset_map(
+            position, [*done, *above], running=running, deaths=self.deaths, clean=clean
+        )
+        return position, metadata
 
 
 class OffsetTracker:
@@ -84,12 +100,19 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
 
-    def assigned(self, tp: TopicPartition, answered_before: set[int]) -> None:
-        """A partition was assigned whose previous owner had answered `answered_before`."""
+    def assigned(self, tp: TopicPartition, previous: OffsetMap) -> None:
+        """A partition was assigned; `previous` is what its last commit said. When that commit
+        was not a clean hand-over, its writer died with `previous.running` in flight."""
         partition = self.partition(tp)
         # Offsets started already (only if a fetch raced the assignment) are running anyway.
         last = -1 if partition.last_started is None else partition.last_started
-        partition.answered_before |= {o for o in answered_before if o > last}
+        partition.answered_before |= {o for o in previous.answered if o > last}
+        deaths = {o: n for o, n in previous.deaths.items() if o > last}
+        if not previous.clean:
+            for offset in previous.running - previous.answered:
+                if offset > last:
+                    deaths[offset] = deaths.get(offset, 0) + 1
+        partition.deaths.update(deaths)
 
     def start(self, tp: TopicPartition, offset: int) -> PartitionOffsets:
         """Mark `offset` started; return the partition's offsets, to finish it on later."""
@@ -110,7 +133,7 @@ class OffsetTracker:
         return partition
 
     def to_commit(
-        self, partitions: set[TopicPartition] | None = None
+        self, partitions: set[TopicPartition] | None = None, *, clean: bool = False
     ) -> dict[TopicPartition, Commit]:
         """Positions and maps that moved since the last commit, for all held partitions or
         those given."""
@@ -118,7 +141,7 @@ class OffsetTracker:
         for tp, partition in self._partitions.items():
             if partitions is not None and tp not in partitions:
                 continue
-            commit = partition.to_commit()
+            commit = partition.to_commit(clean=clean)
             if commit is not None and commit != partition.committed:
                 out[tp] = commit
         return out

@@ -72,6 +72,8 @@ class Worker:
         self._fatal: FatalError | None = None
         self._engine_ready = False
         self._last_health_check = time.monotonic()
+        # Partitions running a suspect of a crash alone: paused until it is answered.
+        self._careful: set[TopicPartition] = set()
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
@@ -152,10 +154,15 @@ class Worker:
                     consumer.pause(*consumer.assignment())
                     # A rebalance can complete inside this call; records it returns are jobs
                     # like any other (dropping them would skip their offsets).
-                    self._start_jobs(await consumer.getmany(timeout_ms=0))
+                    await self._start_jobs(await consumer.getmany(timeout_ms=0))
             else:
-                # Partitions whose offset map nears its cap stay paused until the gap closes.
-                held = self._committer.held
+                # Paused: partitions whose offset map nears its cap (until the gap closes), and
+                # those running a suspect of a crash (until it is answered).
+                if self._careful:
+                    self._careful = {
+                        tp for tp in self._careful if not self._committer.partition(tp).idle
+                    }
+                held = self._committer.held | self._careful
                 if resumable := consumer.paused() - held:
                     consumer.resume(*resumable)
                 if held:
@@ -168,24 +175,78 @@ class Worker:
                         continue
                     self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
                     break
-                self._start_jobs(batch)
+                await self._start_jobs(batch)
             self._committer.tick()
             await self._maybe_check_engine()
             self._check_deliveries()
 
-    def _start_jobs(self, batch: Batch) -> None:
+    async def _start_jobs(self, batch: Batch) -> None:
         if not batch:
             return
         assigned = self._consumer.assignment()
+        breaker = self._settings.max_crash_attempts > 0
+        runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
         for tp, records in batch.items():
             if tp not in assigned:
                 continue  # revoked between the fetch and now: the next owner reads them
             partition = self._committer.partition(tp)
+            if breaker and partition.deaths:
+                runnable += self._take_after_deaths(tp, partition, records)
+                continue
             for record in records:
                 if partition.start(record.offset):
-                    self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+                    runnable.append((tp, partition, record))
                 else:  # answered before a crash or rebalance, as the committed map says
                     self.metrics.skipped.inc()
+        if breaker and runnable:
+            # Written ahead: the commit names these as running before any of them runs, so if
+            # one kills the process, the next owner knows which records were in flight.
+            await self._committer.write_ahead({tp for tp, _, _ in runnable})
+        for tp, partition, record in runnable:
+            self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+
+    def _take_after_deaths(
+        self,
+        tp: TopicPartition,
+        partition: PartitionOffsets,
+        records: list[ConsumerRecord[bytes, bytes]],
+    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
+        """Records of a partition whose last owner died with some of them in flight.
+
+        Each suspect runs alone, once everything before it is acknowledged, so the one that
+        kills the process is the only one blamed; one that was in flight at
+        `max_crash_attempts` deaths is answered failed and dead-lettered, not run.
+        """
+        limit = self._settings.max_crash_attempts
+        out: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
+        for record in records:
+            deaths = partition.deaths.get(record.offset, 0)
+            if deaths >= limit:
+                if partition.start(record.offset):
+                    answer = functools.partial(self._job, tp, partition, record, deaths=deaths)
+                    self._jobs.start(tp, answer)
+                continue
+            if deaths:
+                self._careful.add(tp)  # paused until this partition is idle again
+                if out or not partition.idle:
+                    self._consumer.seek(tp, record.offset)  # fetched again once idle
+                    return out
+                logger.info(
+                    "%s-%s@%d was in flight at %d worker deaths: running it alone",
+                    tp.topic,
+                    tp.partition,
+                    record.offset,
+                    deaths,
+                )
+                partition.start(record.offset)
+                out.append((tp, partition, record))
+                self._consumer.seek(tp, record.offset + 1)
+                return out
+            if partition.start(record.offset):
+                out.append((tp, partition, record))
+            else:
+                self.metrics.skipped.inc()
+        return out
 
     async def _job(
         self,
@@ -193,11 +254,18 @@ class Worker:
         partition: PartitionOffsets,
         record: ConsumerRecord[bytes, bytes],
         slot: int,
+        *,
+        deaths: int = 0,
     ) -> None:
         """Answer one record and hand the answer on. Only cancellation and fatal errors leave
-        without an answer; both leave the offset unfinished, so the record is redelivered."""
+        without an answer; both leave the offset unfinished, so the record is redelivered.
+        `deaths`: the record is not run but answered as having been in flight at that many
+        process deaths."""
         try:
-            answer = await self._answers.answer(tp, record)
+            if deaths:
+                answer = self._answers.crash_looped(tp, record, deaths)
+            else:
+                answer = await self._answers.answer(tp, record)
             ticket = Ticket(tp, partition, record.offset, answer)
             if not self._delivery.queue(ticket):
                 await self._delivery.send_alone(ticket)
@@ -262,8 +330,9 @@ class Worker:
                 "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
             )
         await self._settle(revoked, grace)
-        await self._committer.commit_now(revoked)
+        await self._committer.commit_now(revoked, clean=True)
         self._committer.forget(revoked)
+        self._careful -= revoked
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
@@ -284,7 +353,11 @@ class Worker:
         await self._settle(None, grace)
         await self._bounded(self._producer.flush, "flush")
         await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
-        await self._bounded(self._committer.commit_now, "final commit")
+        # Clean unless fatal: after a fatal error the jobs cut off may be what caused it.
+        clean = self._fatal is None
+        await self._bounded(
+            functools.partial(self._committer.commit_now, clean=clean), "final commit"
+        )
         self._delivery.stop_resending()
 
     async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
