@@ -19,6 +19,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answers import DLQ_HEADERS, AnswerBuilder
+from worker.breaker import CrashLoopBreaker
 from worker.commits import CommittedReader, Committer
 from worker.config import Settings
 from worker.delivery import Delivery, Ticket
@@ -72,11 +73,10 @@ class Worker:
         self._fatal: FatalError | None = None
         self._engine_ready = False
         self._last_health_check = time.monotonic()
-        # Partitions running a suspect of a crash alone: paused until it is answered.
-        self._careful: set[TopicPartition] = set()
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
+        self._breaker = CrashLoopBreaker(consumer, settings.max_crash_attempts, self.metrics)
         self._delivery = Delivery(
             producer,
             settings,
@@ -158,11 +158,8 @@ class Worker:
             else:
                 # Paused: partitions whose offset map nears its cap (until the gap closes), and
                 # those running a suspect of a crash (until it is answered).
-                if self._careful:
-                    self._careful = {
-                        tp for tp in self._careful if not self._committer.partition(tp).idle
-                    }
-                held = self._committer.held | self._careful
+                self._breaker.release_idle(self._committer.partition)
+                held = self._committer.held | self._breaker.held
                 if resumable := consumer.paused() - held:
                     consumer.resume(*resumable)
                 if held:
@@ -184,69 +181,30 @@ class Worker:
         if not batch:
             return
         assigned = self._consumer.assignment()
-        breaker = self._settings.max_crash_attempts > 0
+        breaker = self._breaker
         runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
         for tp, records in batch.items():
             if tp not in assigned:
                 continue  # revoked between the fetch and now: the next owner reads them
             partition = self._committer.partition(tp)
-            if breaker and partition.deaths:
-                runnable += self._take_after_deaths(tp, partition, records)
+            if breaker.enabled and partition.deaths:
+                run, crash_looped = breaker.take(tp, partition, records)
+                runnable += [(tp, partition, record) for record in run]
+                for record, deaths in crash_looped:
+                    job = functools.partial(self._job, tp, partition, record, deaths=deaths)
+                    self._jobs.start(tp, job)
                 continue
             for record in records:
                 if partition.start(record.offset):
                     runnable.append((tp, partition, record))
                 else:  # answered before a crash or rebalance, as the committed map says
                     self.metrics.skipped.inc()
-        if breaker and runnable:
+        if breaker.enabled and runnable:
             # Written ahead: the commit names these as running before any of them runs, so if
             # one kills the process, the next owner knows which records were in flight.
             await self._committer.write_ahead({tp for tp, _, _ in runnable})
         for tp, partition, record in runnable:
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
-
-    def _take_after_deaths(
-        self,
-        tp: TopicPartition,
-        partition: PartitionOffsets,
-        records: list[ConsumerRecord[bytes, bytes]],
-    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
-        """Records of a partition whose last owner died with some of them in flight.
-
-        Each suspect runs alone, once everything before it is acknowledged, so the one that
-        kills the process is the only one blamed; one that was in flight at
-        `max_crash_attempts` deaths is answered failed and dead-lettered, not run.
-        """
-        limit = self._settings.max_crash_attempts
-        out: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
-        for record in records:
-            deaths = partition.deaths.get(record.offset, 0)
-            if deaths >= limit:
-                if partition.start(record.offset):
-                    answer = functools.partial(self._job, tp, partition, record, deaths=deaths)
-                    self._jobs.start(tp, answer)
-                continue
-            if deaths:
-                self._careful.add(tp)  # paused until this partition is idle again
-                if out or not partition.idle:
-                    self._consumer.seek(tp, record.offset)  # fetched again once idle
-                    return out
-                logger.info(
-                    "%s-%s@%d was in flight at %d worker deaths: running it alone",
-                    tp.topic,
-                    tp.partition,
-                    record.offset,
-                    deaths,
-                )
-                partition.start(record.offset)
-                out.append((tp, partition, record))
-                self._consumer.seek(tp, record.offset + 1)
-                return out
-            if partition.start(record.offset):
-                out.append((tp, partition, record))
-            else:
-                self.metrics.skipped.inc()
-        return out
 
     async def _job(
         self,
@@ -332,7 +290,7 @@ class Worker:
         await self._settle(revoked, grace)
         await self._committer.commit_now(revoked, clean=True)
         self._committer.forget(revoked)
-        self._careful -= revoked
+        self._breaker.forget(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
