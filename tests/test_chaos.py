@@ -345,14 +345,15 @@ async def _private_topics(new_topic: Any, bootstrap: str, jobs_partitions: int =
 
 
 def _figures(name: str, jobs: int, watch: Watcher, job_ids: set[str], t0: float, **extra: Any):
-    answered = len(set(watch.latest) & job_ids)
-    lost = len(job_ids - set(watch.latest))
+    """Print the run's figures from its history; return how many jobs were lost."""
+    history = History(produced=job_ids, answers=[r.job_id for r in watch.records if r.job_id])
+    answered = len(set(history.answers) & job_ids)
     more = "".join(f" {k}={v}" for k, v in extra.items())
     print(
-        f"\n{name}: jobs={jobs} answered={answered} lost={lost} duplicates={watch.duplicates} "
-        f"seconds={time.monotonic() - t0:.1f}{more}"
+        f"\n{name}: jobs={jobs} answered={answered} lost={len(history.lost)} "
+        f"duplicates={history.duplicates} seconds={time.monotonic() - t0:.1f}{more}"
     )
-    return lost
+    return len(history.lost)
 
 
 async def test_broker_restart_mid_run_worker_recovers_by_itself(

@@ -85,6 +85,15 @@ async def start_loop() -> AsyncIterator[Callable[..., Any]]:
         await asyncio.wait_for(loop.task, 10)
 
 
+def consumer_with_jobs(count: int, **metadata: str) -> FakeConsumer:
+    """A consumer assigned P0, which holds jobs j0, j1, ... with this metadata."""
+    consumer = FakeConsumer()
+    for i in range(count):
+        consumer.add(P0, job(f"j{i}", **metadata))
+    consumer.assign({P0})
+    return consumer
+
+
 def job(job_id: str, **metadata: str) -> bytes:
     return encode(
         Job(job_id=job_id, prompt="hi", sampling=SamplingSpec(max_tokens=2), metadata=metadata)
@@ -152,10 +161,7 @@ def committed_as(commit: tuple[int, str]) -> CommittedReader:
 
 
 async def test_records_the_committed_map_names_are_skipped_not_run_again(start_loop):
-    consumer = FakeConsumer()
-    for i in range(5):
-        consumer.add(P0, job(f"j{i}"))
-    consumer.assign({P0})
+    consumer = consumer_with_jobs(5)
     engine = ScriptedEngine()
     answered_before = committed_as((0, encode_offset_map(0, {1, 2, 4})))
     loop = await start_loop(consumer, engine, read_committed=answered_before)
@@ -166,10 +172,7 @@ async def test_records_the_committed_map_names_are_skipped_not_run_again(start_l
 
 
 async def test_metadata_that_is_not_a_map_is_ignored_and_every_record_runs(start_loop, caplog):
-    consumer = FakeConsumer()
-    for i in range(3):
-        consumer.add(P0, job(f"j{i}"))
-    consumer.assign({P0})
+    consumer = consumer_with_jobs(3)
     engine = ScriptedEngine()
     loop = await start_loop(consumer, engine, read_committed=committed_as((0, "vkw1:!!corrupt")))
     await wait_for(lambda: len(loop.answered()) == 3, what="all three answered")
@@ -257,10 +260,7 @@ def _died_with(running: set[int], deaths: dict[int, int], clean: bool = False) -
 
 
 async def test_after_a_death_suspects_run_alone_and_a_repeat_killer_is_not_run(start_loop):
-    consumer = FakeConsumer()
-    for i in range(6):
-        consumer.add(P0, job(f"j{i}", delay_s="0.05"))
-    consumer.assign({P0})
+    consumer = consumer_with_jobs(6, delay_s="0.05")
     engine = ScriptedEngine()
     alone: dict[str, int] = {}
     engine.on_start = lambda j: alone.__setitem__(j.job_id, engine.running)
@@ -283,10 +283,7 @@ async def test_after_a_death_suspects_run_alone_and_a_repeat_killer_is_not_run(s
 
 
 async def test_after_a_clean_hand_over_nothing_is_suspected(start_loop):
-    consumer = FakeConsumer()
-    for i in range(4):
-        consumer.add(P0, job(f"j{i}", delay_s="0.05"))
-    consumer.assign({P0})
+    consumer = consumer_with_jobs(4, delay_s="0.05")
     engine = ScriptedEngine()
     loop = await start_loop(consumer, engine, read_committed=_died_with({1, 2}, {}, clean=True))
     await wait_for(lambda: len(loop.answered()) == 4, what="every record answered")
