@@ -76,6 +76,9 @@ def test_boolean_flags_and_env_vars():
         (["--metrics-port", "70000"], {}, "invalid --metrics-port"),
         ([], {"VKW_MAX_IN_FLIGT": "3"}, "unknown environment variable VKW_MAX_IN_FLIGT"),
         (["--heartbeat-interval-ms", "20000"], {}, "heartbeat_interval_ms must be lower"),
+        (["--max-crash-attempts", "-1"], {}, "invalid --max-crash-attempts: Expected `int` >= 0"),
+        ([], {"VKW_OFFSET_MAP_MAX_BYTES": "many"}, "invalid VKW_OFFSET_MAP_MAX_BYTES"),
+        (["--mock-crash-token-id", "-3"], {}, "invalid --mock-crash-token-id"),
         (
             ["--revoke-grace-s", "20", "--rebalance-timeout-ms", "25000"],
             {},
