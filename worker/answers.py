@@ -15,7 +15,6 @@ from typing import Final, Literal
 
 import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
-from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from schemas import (
     Completed,
@@ -54,8 +53,6 @@ _MINIMAL_DETAIL_CHARS: Final = 300
 
 Headers = list[tuple[str, bytes]]
 
-# `record_bytes` without the call around it, for the one record every job makes.
-_estimate_size: Final = DefaultRecordBatchBuilder.estimate_size_in_bytes
 
 _COMPLETED_LABELS: Final = (("completed", ""),)
 
@@ -276,7 +273,7 @@ class AnswerBuilder:
             key,
             value,
             [],
-            _estimate_size(key, value, []),
+            record_bytes(key, value, []),
             minimal,
         )
 

@@ -14,7 +14,7 @@ from aiokafka.helpers import create_ssl_context
 
 from worker.config import Settings
 from worker.errors import BrokerError, ConfigError
-from worker.limits import RECORD_OVERHEAD_BYTES, RecordLimits
+from worker.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
 from worker.offsets import Commit
 
 __all__ = [
@@ -30,11 +30,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def record_size_limit(settings: Settings) -> int:
-    """The largest record the worker writes or reads: a result plus its framing."""
-    return settings.max_result_bytes + RECORD_OVERHEAD_BYTES
 
 
 def client_kwargs(settings: Settings) -> dict[str, Any]:

@@ -7,7 +7,7 @@ checked, and shrunk, before it goes out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final
 
 import msgspec
@@ -20,6 +20,7 @@ __all__ = [
     "RECORD_OVERHEAD_BYTES",
     "RecordLimits",
     "record_bytes",
+    "record_size_limit",
 ]
 
 # Room for the key, headers and batch framing around a result of `max_result_bytes`.
@@ -38,10 +39,17 @@ BATCHED_RECORD_MAX_BYTES: Final = 256 * 1024
 Headers = list[tuple[str, bytes]]
 
 
-def record_bytes(key: bytes | None, value: bytes | None, headers: Headers) -> int:
-    """A record's size as aiokafka's producer measures it against `max_request_size`: key,
-    value, headers and the batch framing around one record, uncompressed."""
-    return int(DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers))
+#: A record's size as aiokafka's producer measures it against `max_request_size`: key, value,
+#: headers and the batch framing around one record, uncompressed. `record_bytes(key, value,
+#: headers)`; aiokafka's own (C) function, called directly on the path every result takes.
+record_bytes: Final[Callable[[bytes | None, bytes | None, Headers], int]] = (
+    DefaultRecordBatchBuilder.estimate_size_in_bytes
+)
+
+
+def record_size_limit(settings: Settings) -> int:
+    """The largest record the worker writes or reads: a result plus its framing."""
+    return settings.max_result_bytes + RECORD_OVERHEAD_BYTES
 
 
 class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,7 +74,7 @@ class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
         cls, settings: Settings, topic_bytes: Mapping[str, int | None]
     ) -> RecordLimits:
         """The limits for these settings and the answer topics' `max.message.bytes`."""
-        request = settings.max_result_bytes + RECORD_OVERHEAD_BYTES
+        request = record_size_limit(settings)
         answer_topics = (settings.results_topic, settings.dead_letter_topic)
         return cls(
             max_result_bytes=settings.max_result_bytes,
