@@ -6,11 +6,20 @@ import enum
 from typing import Annotated
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 from schemas.routed_experts import RoutedExperts
 
-__all__ = ["Completed", "Completion", "ErrorCode", "ErrorInfo", "Failed", "Result", "Timings"]
+__all__ = [
+    "Completed",
+    "Completion",
+    "ErrorCode",
+    "ErrorInfo",
+    "Failed",
+    "Part",
+    "Result",
+    "Timings",
+]
 
 
 class ErrorCode(enum.StrEnum):
@@ -23,7 +32,9 @@ class ErrorCode(enum.StrEnum):
     EXPIRED = "expired"
     #: The engine failed on this job; `retryable` says whether resubmitting may succeed.
     ENGINE_ERROR = "engine_error"
-    #: The encoded result exceeds the worker's `max_result_bytes`; `detail` gives both sizes.
+    #: One completion does not fit a record (`max_result_bytes` or the results topic's limit) and
+    #: the worker has no payload store for its routed experts; `detail` gives both sizes.
+    #: `retryable` when there is a store but writing to it failed.
     RESULT_TOO_LARGE = "result_too_large"
     #: An unexpected error in the worker itself while handling this job.
     INTERNAL_ERROR = "internal_error"
@@ -60,8 +71,26 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     engine_s: float
 
 
+class Part(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one record of a result split by completion belongs.
+
+    A result too large for one record is published as `count` records, each a `Completed` with
+    whole completions and the same job-level fields. `attempt` names one generation of the job:
+    a job redelivered after a crash is generated again under a new attempt, so parts of two
+    attempts are never mixed (`schemas.ResultAssembler` does this).
+    """
+
+    index: Annotated[int, Meta(ge=0)]
+    count: Annotated[int, Meta(ge=1)]
+    attempt: Annotated[str, Meta(min_length=1, max_length=64)]
+
+    def __post_init__(self) -> None:
+        if self.index >= self.count:
+            raise ValueError(f"part index {self.index} is not below its count {self.count}")
+
+
 class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_field="type"):
-    """A job that ran to completion."""
+    """A job that ran to completion, or one part of it (`part` is then set)."""
 
     job_id: str
     completions: list[Completion]
@@ -72,6 +101,13 @@ class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_
     model: str = ""
     worker: str = ""
     timings: Timings | None = None
+    # Absent from the wire (not null) when the result is whole, as it was before results split.
+    part: Part | UnsetType = UNSET
+
+    @property
+    def is_part(self) -> bool:
+        """Whether this record holds only some of the job's completions."""
+        return self.part is not UNSET
 
 
 class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field="type"):

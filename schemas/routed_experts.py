@@ -10,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.errors import RoutedExpertsError
+from schemas.payloads import read_payload
 
 __all__ = ["WIRE_DTYPES", "RoutedExperts"]
 
@@ -48,6 +49,37 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
     ]
     dtype: str
     start: Annotated[int, msgspec.Meta(ge=0)] = 0
+    uri: Annotated[str, msgspec.Meta(min_length=1)] | msgspec.UnsetType = msgspec.UNSET
+    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | msgspec.UnsetType = (
+        msgspec.UNSET
+    )
+    nbytes: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        given = [f for f in ("uri", "sha256", "nbytes") if getattr(self, f) is not msgspec.UNSET]
+        if given and len(given) < 3:
+            raise ValueError(f"a payload reference needs uri, sha256 and nbytes; got only {given}")
+        if given and self.data:
+            raise ValueError("a payload reference carries no inline data")
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether the bytes are in a payload store (`uri`) rather than in `data`."""
+        return self.uri is not msgspec.UNSET
+
+    def as_reference(self, uri: str, sha256: str) -> RoutedExperts:
+        """This array as a reference to `uri`, which holds exactly `data` (hex `sha256`)."""
+        return msgspec.structs.replace(
+            self, data=b"", uri=uri, sha256=sha256, nbytes=len(self.data)
+        )
+
+    def payload(self) -> bytes:
+        """The C-order bytes: `data`, or for a reference the checked bytes at `uri`."""
+        uri, sha256, nbytes = self.uri, self.sha256, self.nbytes
+        # All three or none (`__post_init__`).
+        if isinstance(uri, str) and isinstance(sha256, str) and isinstance(nbytes, int):
+            return read_payload(uri, sha256, nbytes)
+        return self.data
 
     @classmethod
     def from_array(cls, array: npt.ArrayLike, start: int = 0) -> RoutedExperts:
@@ -69,7 +101,8 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         return cls(data=data, shape=list(arr.shape), dtype=_NAMES[narrow], start=start)
 
     def to_array(self) -> npt.NDArray[np.integer]:
-        """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length."""
+        """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length
+        (and for a reference, that the payload is there and unaltered: `PayloadError`)."""
         if self.dtype not in WIRE_DTYPES:
             raise RoutedExpertsError(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(WIRE_DTYPES)}"
@@ -81,11 +114,12 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         dtype = np.dtype(self.dtype)
         rows, layers, top_k = self.shape
         expected = rows * layers * top_k * dtype.itemsize
-        if len(self.data) != expected:
+        data = self.payload()
+        if len(data) != expected:
             raise RoutedExpertsError(
-                f"data is {len(self.data)} bytes but shape {self.shape} of {self.dtype} needs {expected}"
+                f"data is {len(data)} bytes but shape {self.shape} of {self.dtype} needs {expected}"
             )
-        return np.frombuffer(self.data, dtype=dtype).reshape(rows, layers, top_k)
+        return np.frombuffer(data, dtype=dtype).reshape(rows, layers, top_k)
 
     @property
     def rows(self) -> int:

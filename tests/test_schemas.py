@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -1092,3 +1093,31 @@ def test_deeply_nested_json_is_a_schema_error_not_a_recursion_error():
     assert peek_job_id(deep) is None
     with pytest.raises(SchemaError, match="nested too deeply"):
         decode_result(b'{"type": "failed", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}")
+
+
+def test_a_payload_reference_needs_all_three_fields_and_no_inline_data(tmp_path: Path):
+    array = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    inline = RoutedExperts.from_array(array, start=5)
+    payload = tmp_path / "p.bin"
+    payload.write_bytes(inline.data)
+    sha = hashlib.sha256(inline.data).hexdigest()
+    ref = inline.as_reference(payload.as_uri(), sha)
+    assert ref.is_reference and not inline.is_reference
+    decoded = msgspec.json.decode(encode(ref), type=RoutedExperts)
+    np.testing.assert_array_equal(decoded.to_array(), array)
+    assert decoded.rows_for_positions(6).tolist() == array[1:].tolist()
+    raw = msgspec.json.decode(encode(ref))
+    for drop in ("uri", "sha256", "nbytes"):
+        partial = {k: v for k, v in raw.items() if k != drop}
+        with pytest.raises(msgspec.ValidationError, match="needs uri, sha256 and nbytes"):
+            msgspec.json.decode(encode(partial), type=RoutedExperts)
+    with pytest.raises(msgspec.ValidationError, match="no inline data"):
+        msgspec.json.decode(encode({**raw, "data": "AQ=="}), type=RoutedExperts)
+    with pytest.raises(msgspec.ValidationError, match="sha256"):
+        msgspec.json.decode(encode({**raw, "sha256": "xyz"}), type=RoutedExperts)
+    for uri, message in (
+        ("s3://bucket/key", "only file://"),
+        ("file://elsewhere/p.bin", "not a host"),
+    ):
+        with pytest.raises(schemas.PayloadError, match=message):
+            msgspec.structs.replace(ref, uri=uri).to_array()

@@ -32,7 +32,9 @@ from worker.engine import Engine
 from worker.errors import FatalError, JobError
 from worker.limits import RecordLimits, record_bytes
 from worker.metrics import Metrics
+from worker.payload_store import open_payload_store
 from worker.result_encoder import encode_result
+from worker.result_split import ResultSplitter, SplitRefused
 
 __all__ = ["DLQ_HEADERS", "Answer", "AnswerBuilder", "OutRecord", "Outcome", "RecordKind"]
 
@@ -50,6 +52,8 @@ DLQ_HEADERS: Final = (
 # A dead-letter copy's detail header, and the detail of the last-resort failed result.
 _DLQ_DETAIL_BYTES: Final = 4096
 _MINIMAL_DETAIL_CHARS: Final = 300
+# A record's value length is a varint: up to this many bytes more than for an empty value.
+_VALUE_LENGTH_VARINT_BYTES: Final = 5
 
 Headers = list[tuple[str, bytes]]
 
@@ -123,12 +127,14 @@ class AnswerBuilder:
         self._worker_id = settings.worker_id
         self._results_topic = settings.results_topic
         self._dead_letter_topic = settings.dead_letter_topic
-        # A result record this size or smaller fits every limit: one comparison per job.
+        # A result record this size or smaller fits every limit.
         self._results_fit_bytes = min(
             limit
             for limit in (limits.topic_bytes.get(self._results_topic), limits.request_bytes)
             if limit is not None
         )
+        store = open_payload_store(settings.payload_store) if settings.payload_store else None
+        self._splitter = ResultSplitter(store, metrics)
 
     async def answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
         """The answer to one record; raises only `FatalError` (and cancellation)."""
@@ -185,21 +191,21 @@ class AnswerBuilder:
                 worker=self._worker_id,
                 timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
             )
-            value = encode_result(result)
-            out = self._result_record(job.job_id, value)
-            if out.size > self._results_fit_bytes or len(value) > self._limits.max_result_bytes:
-                refused = self._limits.refusal(out.topic, out.size, result_value_bytes=len(value))
-                if refused is not None:
-                    return self._failed(
-                        job, ErrorCode.RESULT_TOO_LARGE, f"result is {len(value)} bytes; {refused}"
-                    )
+            try:
+                values = await self._splitter.encode(result, *self._value_budget(job.job_id))
+            except SplitRefused as exc:
+                logger.warning("job %s at %s: %s", job.job_id, _where(tp, record), exc.detail)
+                return self._failed(
+                    job, ErrorCode.RESULT_TOO_LARGE, exc.detail, retryable=exc.retryable
+                )
+            records = tuple(self._result_record(job.job_id, value) for value in values)
             tokens = routed_bytes = 0
             for c in output.completions:
                 tokens += len(c.token_ids)
                 if c.routed_experts is not None:
                     routed_bytes += len(c.routed_experts.data)
             self._metrics.job_generated(queue_wait, engine_s, tokens, routed_bytes)
-            return Answer(job.job_id, (out,), Outcome.COMPLETED)
+            return Answer(job.job_id, records, Outcome.COMPLETED)
         except FatalError:
             raise
         except Exception as exc:  # The one broad catch: one job's bug must not stop the worker.
@@ -235,6 +241,17 @@ class AnswerBuilder:
         failed = self._minimal_failed(answer.job_id, ErrorCode.RESULT_TOO_LARGE, detail)
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, ErrorCode.RESULT_TOO_LARGE)
+
+    def _value_budget(self, job_id: str) -> tuple[int, str]:
+        """The largest result value a record keyed `job_id` may carry, and the limit that sets
+        it: `max_result_bytes`, or the results topic's (or the producer's) less the framing."""
+        framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
+        budget = self._limits.max_result_bytes
+        if self._results_fit_bytes - framing >= budget:
+            return budget, f"max_result_bytes ({budget})"
+        size = self._results_fit_bytes + 1
+        reason = self._limits.refusal(self._results_topic, size) or ""
+        return self._results_fit_bytes - framing, reason.removeprefix("the limit is ")
 
     def _failed(self, job: Job, code: ErrorCode, detail: str, *, retryable: bool = False) -> Answer:
         """A failed result that echoes the job's metadata, or the minimal one when that does

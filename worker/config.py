@@ -109,6 +109,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Meta(ge=64 * 1024, le=1024 * MiB),
         _d("largest encoded result; sizes producer and fetches"),
     ] = DEFAULT_MAX_RESULT_BYTES
+    payload_store: Annotated[
+        str | None,
+        _d(
+            "file:///dir shared with the trainers: routed experts of a completion too large for "
+            "one record are written there and referenced (unset: answered result_too_large)"
+        ),
+    ] = None
     enable_idempotence: Annotated[
         bool, _d("idempotent producer (no duplicates from producer retries)")
     ] = True
@@ -190,6 +197,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.payload_store is not None and not self.payload_store.startswith("file:///"):
+            raise ValueError(
+                f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"
+            )
         revoke_ms = (self.revoke_grace_s + self.commit_timeout_s) * 1000
         if self.rebalance_timeout_ms <= revoke_ms:
             # A revoke drains for revoke_grace_s and then commits; a member that takes longer

@@ -109,6 +109,12 @@ class Metrics:
         self.routed_experts_bytes = LoopCounter(
             "vkw_routed_experts_bytes", "Raw bytes of routed-expert arrays published"
         )
+        self.result_parts = LoopCounter(
+            "vkw_result_parts", "Records of results split by completion (results too large for one)"
+        )
+        self.payload_bytes = LoopCounter(
+            "vkw_payload_bytes", "Routed-expert bytes written to the payload store"
+        )
         self.skipped = LoopCounter(
             "vkw_records_skipped",
             "Records not run again: answered before a crash or rebalance (the offset map)",
@@ -122,6 +128,8 @@ class Metrics:
                     self.publish_time,
                     self.generated_tokens,
                     self.routed_experts_bytes,
+                    self.result_parts,
+                    self.payload_bytes,
                     self.skipped,
                 ]
             )

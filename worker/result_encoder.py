@@ -14,9 +14,9 @@ from typing import Final
 import msgspec
 import pybase64
 
-from schemas import Completed, Failed, encode
+from schemas import Completed, Completion, Failed, encode
 
-__all__ = ["encode_result"]
+__all__ = ["encode_completion", "encode_result"]
 
 # Below this many bytes of routed experts, msgspec's base64 costs less than a second pass.
 SPLICE_MIN_BYTES: Final = 64 * 1024
@@ -39,26 +39,39 @@ def encode_result(result: Completed | Failed) -> bytes:
     payloads = [c.routed_experts.data for c in result.completions if c.routed_experts is not None]
     if sum(len(p) for p in payloads) < SPLICE_MIN_BYTES:
         return encode(result)
-    skeleton = _ENCODER.encode(
-        msgspec.structs.replace(
-            result,
-            completions=[
-                c
-                if c.routed_experts is None
-                else msgspec.structs.replace(
-                    c, routed_experts=msgspec.structs.replace(c.routed_experts, data=b"")
-                )
-                for c in result.completions
-            ],
-        )
+    stripped = msgspec.structs.replace(
+        result, completions=[_without_data(c) for c in result.completions]
     )
+    return _splice(_ENCODER.encode(stripped), payloads) or encode(result)
+
+
+def encode_completion(completion: Completion) -> bytes:
+    """One completion's bytes as they appear inside its result's `completions` list."""
+    routed = completion.routed_experts
+    if routed is None or len(routed.data) < SPLICE_MIN_BYTES:
+        return encode(completion)
+    return _splice(_ENCODER.encode(_without_data(completion)), [routed.data]) or encode(completion)
+
+
+def _without_data(completion: Completion) -> Completion:
+    routed = completion.routed_experts
+    if routed is None:
+        return completion
+    return msgspec.structs.replace(
+        completion, routed_experts=msgspec.structs.replace(routed, data=b"")
+    )
+
+
+def _splice(skeleton: bytes, payloads: list[bytes]) -> bytes | None:
+    """`skeleton` with each payload's base64 in its routed experts' empty `data`, in order;
+    None if the structure is not where it should be."""
     view = memoryview(skeleton)
     pieces: list[bytes | memoryview] = []
     done = 0
     for payload in payloads:
         at = skeleton.find(_EMPTY_DATA, done)
         if at < 0:  # only if the schema's field order changed; the tests pin it
-            return encode(result)
+            return None
         at += len(_EMPTY_DATA)
         pieces += (view[done:at], pybase64.b64encode(payload))
         done = at
