@@ -9,7 +9,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
-from schemas import Completed, Failed, Job, decode_result, encode
+from schemas import Completed, Failed, Job, ResultAssembler, decode_result, encode
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
@@ -72,6 +72,45 @@ async def results(
         assert record.key == result.job_id.encode()
         out[result.job_id] = result
     return out
+
+
+async def assembled(
+    bootstrap: str, topic: str, jobs: int, timeout_s: float = 60.0
+) -> tuple[dict[str, Completed | Failed], list[ConsumerRecord[Any, Any]]]:
+    """Read `topic` from the beginning until `ResultAssembler` has yielded `jobs` results; those
+    results by job_id (each job once, or the test fails) and every record read."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_partition_fetch_bytes=64 * 1024 * 1024,
+        fetch_max_bytes=128 * 1024 * 1024,
+    )
+    await consumer.start()
+    assembler = ResultAssembler()
+    whole: dict[str, Completed | Failed] = {}
+    seen: list[ConsumerRecord[Any, Any]] = []
+    try:
+        partitions = await _partitions(consumer, topic)
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        deadline = time.monotonic() + timeout_s
+        while len(whole) < jobs:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"only {len(whole)} of {jobs} results assembled from {len(seen)} records "
+                    f"on {topic}; incomplete: {assembler.incomplete()}"
+                )
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for record in records:
+                    seen.append(record)
+                    result = assembler.add(decode_result(record.value))
+                    if result is not None:
+                        assert result.job_id is not None and result.job_id not in whole
+                        whole[result.job_id] = result
+        return whole, seen
+    finally:
+        await consumer.stop()
 
 
 async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:

@@ -12,14 +12,11 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,104 +42,15 @@ from tests.kafka_helpers import (
     produce,
     wait_for,
 )
+from tests.workers import MAX_IN_FLIGHT, Topics
 from worker.service import DLQ_HEADERS
 
 pytestmark = [pytest.mark.chaos, pytest.mark.broker]
-
-MAX_IN_FLIGHT = 32
-_REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Topics:
-    jobs: str
-    results: str
-    dlq: str
-    group: str = field(default_factory=lambda: f"chaos-{uuid.uuid4().hex[:8]}")
-    instance: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture
 async def topics(new_topic: Any) -> Topics:
     return Topics(jobs=await new_topic(1), results=await new_topic(1), dlq=await new_topic(1))
-
-
-class WorkerProcess:
-    """`python -m worker serve --engine mock ...` in a subprocess, stderr to a file."""
-
-    def __init__(self, bootstrap: str, topics: Topics, log: Path, **flags: Any) -> None:
-        args = {
-            "bootstrap-servers": bootstrap,
-            "jobs-topic": topics.jobs,
-            "results-topic": topics.results,
-            "dead-letter-topic": topics.dlq,
-            "group-id": topics.group,
-            "group-instance-id": topics.instance,
-            "engine": "mock",
-            "max-in-flight": MAX_IN_FLIGHT,
-            "commit-interval-ms": 0,
-            "poll-timeout-ms": 50,
-            "session-timeout-ms": 6000,
-            "heartbeat-interval-ms": 500,
-            "shutdown-grace-s": 10,
-            "mock-per-token-latency-ms": 50,
-            "mock-num-layers": 4,
-        }
-        args.update({k.replace("_", "-"): v for k, v in flags.items()})
-        argv = [sys.executable, "-m", "worker", "serve"]
-        for name, value in args.items():
-            if value is None:  # None leaves a setting at its default (e.g. no instance id)
-                continue
-            if isinstance(value, bool):
-                argv.append(f"--{name}" if value else f"--no-{name}")
-            else:
-                argv += [f"--{name}", str(value)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
-        self.log = log
-        self._log_file = log.open("ab")
-        self.proc = subprocess.Popen(
-            argv, cwd=_REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
-
-    def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    async def wait(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while (rc := self.proc.poll()) is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker still running after {timeout_s}s; log {self.log}")
-            await asyncio.sleep(0.02)
-        self._log_file.close()
-        return rc
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop_now(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log_file.close()
-
-
-@pytest.fixture
-def spawn(kafka_bootstrap_servers: str, tmp_path: Path) -> Iterator[Any]:
-    started: list[WorkerProcess] = []
-
-    def start(topics: Topics, bootstrap: str | None = None, **flags: Any) -> WorkerProcess:
-        worker = WorkerProcess(
-            bootstrap or kafka_bootstrap_servers,
-            topics,
-            tmp_path / f"worker-{len(started)}.log",
-            **flags,
-        )
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop_now()
 
 
 class Watcher(InBackground):

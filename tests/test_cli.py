@@ -1,9 +1,11 @@
-"""`submit` and `results` against a real broker, and their bad input."""
+"""`submit`, `results` and `payloads gc`, and their bad input."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,12 +15,14 @@ from schemas import (
     ErrorCode,
     ErrorInfo,
     Failed,
+    Part,
     RoutedExperts,
     decode_job,
     encode,
 )
 from tests.kafka_helpers import collect, produce
 from tests.test_schemas import completed_with
+from worker.payload_store import FilePayloadStore
 
 pytestmark = pytest.mark.broker
 
@@ -111,6 +115,74 @@ async def test_results_summarises_routed_experts_and_writes_json_lines(
     )
     assert "1 completed, 0 failed, 1 undecodable" in proc.stderr
     assert out.read_bytes() == encode(result) + b"\n"
+
+
+async def test_results_reassembles_split_results_and_raw_shows_the_parts(
+    kafka_bootstrap_servers, new_topic, tmp_path: Path
+):
+    topic = await new_topic(1)
+
+    def completion(i: int) -> Completion:
+        return Completion(index=i, token_ids=[i], text=str(i), finish_reason="length")
+
+    whole = Completed(
+        job_id="g", completions=[completion(i) for i in range(3)], prompt_token_count=2
+    )
+    parts = [
+        msgspec.structs.replace(
+            whole, completions=[completion(i)], part=Part(index=i, count=3, attempt="a2")
+        )
+        for i in range(3)
+    ]
+    cut_short = msgspec.structs.replace(
+        whole, completions=[completion(0)], part=Part(index=0, count=2, attempt="a1")
+    )
+    left_over = msgspec.structs.replace(
+        whole, job_id="h", completions=[completion(0)], part=Part(index=0, count=2, attempt="b")
+    )
+    records = [cut_short, parts[2], parts[0], parts[0], parts[1], left_over]
+    await produce(
+        kafka_bootstrap_servers, topic, [(r.job_id.encode(), encode(r), []) for r in records]
+    )
+    out = tmp_path / "whole.jsonl"
+    common = ["--bootstrap-servers", kafka_bootstrap_servers, "--results-topic", topic]
+    proc = cli("results", *common, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "g completed prompt=2 [0] tokens=1 finish=length [1] tokens=1 finish=length "
+        "[2] tokens=1 finish=length"
+    ]
+    assert "h incomplete: parts [0] of 2 (attempt b)" in proc.stderr
+    assert "1 completed, 0 failed, 0 undecodable, 1 incomplete" in proc.stderr
+    assert out.read_bytes() == encode(whole) + b"\n"
+    raw = cli("results", *common, "--raw")
+    assert raw.returncode == 0, raw.stderr
+    lines = raw.stdout.splitlines()
+    assert len(lines) == len(records)
+    assert lines[0].startswith("g completed prompt=2 part=1/2 attempt=a1")
+    assert "6 completed, 0 failed, 0 undecodable" in raw.stderr
+
+
+def test_payloads_gc_removes_old_payloads_and_refuses_bad_arguments(tmp_path: Path):
+    store = FilePayloadStore(tmp_path)
+    uri, _ = store.put("ab", 0, b"payload")
+    path = Path(uri.removeprefix("file://"))
+    long_ago = path.stat().st_mtime - 7200
+    os.utime(path, (long_ago, long_ago))
+    kept_uri, _ = store.put("ab", 1, b"recent")
+    proc = cli("payloads", "gc", "--older-than", "1h", "--payload-store", tmp_path.as_uri())
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 1 payloads (7 bytes)" in proc.stdout
+    assert not path.exists() and Path(kept_uri.removeprefix("file://")).exists()
+    for args, message in (
+        (["--older-than", "1 hour", "--payload-store", tmp_path.as_uri()], "duration '1 hour'"),
+        (["--older-than", "1h"], "needs --payload-store"),
+        (["--older-than", "1h", "--payload-store", "s3://b/k"], "file:///absolute/dir"),
+        (["--older-than", "1h", "--payload-store", (tmp_path / "nope").as_uri()], "no directory"),
+    ):
+        bad = cli("payloads", "gc", *args)
+        assert bad.returncode == 2, (args, bad.stderr)
+        assert message in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_the_demo_prints_one_row_per_result_with_routing_shapes():

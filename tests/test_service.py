@@ -6,9 +6,6 @@ import asyncio
 import base64
 import os
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -34,114 +31,17 @@ from tests.kafka_helpers import (
     results,
     wait_for,
 )
-from worker.config import Settings, settings_from
-from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
-from worker.limits import RecordLimits
+from tests.workers import Topics, committed_is, make_topics
 from worker.metrics import MetricsServer
 from worker.mock_engine import MockEngineSettings
-from worker.service import DLQ_HEADERS, Worker
+from worker.service import DLQ_HEADERS
 
 pytestmark = pytest.mark.broker
-
-
-@dataclass
-class Topics:
-    jobs: str
-    results: str
-    dlq: str
-    group: str = field(default_factory=lambda: f"group-{uuid.uuid4().hex[:8]}")
-
-
-@dataclass
-class Running:
-    worker: Worker
-    engine: ScriptedEngine
-    task: asyncio.Task[int]
-    settings: Settings
-
-    async def stop(self) -> int:
-        self.worker.request_stop()
-        return await asyncio.wait_for(self.task, 60)
 
 
 @pytest.fixture
 async def topics(new_topic: Any) -> Topics:
     return await make_topics(new_topic)
-
-
-async def make_topics(
-    new_topic: Any,
-    *,
-    jobs_partitions: int = 1,
-    results_partitions: int = 1,
-    results_configs: dict[str, str] | None = None,
-    bootstrap_servers: str | None = None,
-) -> Topics:
-    """Fresh jobs, results and dead-letter topics (on the shared broker unless told otherwise)."""
-    on = {"bootstrap_servers": bootstrap_servers}
-    return Topics(
-        jobs=await new_topic(jobs_partitions, **on),
-        results=await new_topic(results_partitions, configs=results_configs, **on),
-        dlq=await new_topic(1, **on),
-    )
-
-
-@pytest.fixture
-async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
-    running: list[Running] = []
-    readers: list[GroupOffsetsReader] = []
-
-    async def start(
-        topics: Topics,
-        engine: ScriptedEngine | None = None,
-        wrap_producer: Callable[[AIOKafkaProducer], Any] = lambda producer: producer,
-        topic_limits: dict[str, int | None] | None = None,
-        **overrides: Any,
-    ) -> Running:
-        values = {
-            "bootstrap_servers": kafka_bootstrap_servers,
-            "jobs_topic": topics.jobs,
-            "results_topic": topics.results,
-            "dead_letter_topic": topics.dlq,
-            "group_id": topics.group,
-            "engine": "mock",
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-            "shutdown_grace_s": 5,
-            "revoke_grace_s": 2,
-            "session_timeout_ms": 6000,
-            "heartbeat_interval_ms": 500,
-        }
-        values.update(overrides)
-        settings = settings_from(values, {})
-        engine = engine or ScriptedEngine()
-        limits = (
-            await read_record_limits(settings)
-            if topic_limits is None
-            else RecordLimits.from_topic_limits(settings, topic_limits)
-        )
-        reader = GroupOffsetsReader(settings)
-        readers.append(reader)
-        worker = Worker(
-            settings,
-            consumer=make_consumer(settings, limits),
-            producer=wrap_producer(make_producer(settings, limits)),
-            engine=engine,
-            limits=limits,
-            read_committed=reader,
-        )
-        task = asyncio.create_task(worker.run())
-        handle = Running(worker, engine, task, settings)
-        running.append(handle)
-        return handle
-
-    yield start
-    for handle in running:
-        if not handle.task.done():
-            handle.worker.request_stop()
-            await asyncio.wait_for(handle.task, 60)
-    for reader in readers:
-        await reader.close()
 
 
 async def produce_jobs(bs: str, topics: Topics, prefix: str, count: int, **kwargs: Any) -> None:
@@ -169,7 +69,7 @@ async def test_out_of_order_completion_commits_only_contiguous_prefix(
     # Offset 0 is a hole: nothing past it may be committed.
     assert (await committed(bs, topics.group, topics.jobs))[0] in (None, 0)
     run.engine.release("slow")
-    await wait_for(lambda: _committed_is(bs, topics, {0: 5}), what="commit past the released job")
+    await wait_for(lambda: committed_is(bs, topics, {0: 5}), what="commit past the released job")
     assert await run.stop() == 0
 
 
@@ -181,7 +81,7 @@ async def test_results_go_to_the_partition_of_their_key_as_send_would_put_them(
     await produce_jobs(bs, topics, "p", 30)
     run = await start_worker(topics)
     records = await collect(bs, topics.results, 30)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 30}), what="commit of all 30")
+    await wait_for(lambda: committed_is(bs, topics, {0: 30}), what="commit of all 30")
     assert await run.stop() == 0
     placed = {record.key: record.partition for record in records}
     assert len(placed) == 30
@@ -202,12 +102,8 @@ async def test_a_free_slot_is_filled_while_the_other_jobs_still_run(
     assert set(late) == {"late"}
     assert run.engine.running == 7
     run.engine.release("held")
-    await wait_for(lambda: _committed_is(bs, topics, {0: 8}), what="commit of all eight")
+    await wait_for(lambda: committed_is(bs, topics, {0: 8}), what="commit of all eight")
     assert await run.stop() == 0
-
-
-async def _committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:
-    return await committed(bs, topics.group, topics.jobs) == expected
 
 
 async def test_bad_records_are_answered_and_valid_jobs_around_them_complete(
@@ -284,7 +180,7 @@ async def test_bad_records_are_answered_and_valid_jobs_around_them_complete(
     assert headers["vkw.source.offset"] == b"1"
     assert by_key[b"k-tomb"].value is None
     await wait_for(
-        lambda: _committed_is(bs, topics, {0: len(records)}), what="commit of all records"
+        lambda: committed_is(bs, topics, {0: len(records)}), what="commit of all records"
     )
     assert await run.stop() == 0
 
@@ -311,11 +207,11 @@ async def test_a_dead_letter_copy_too_large_to_produce_goes_without_its_value(
     assert headers["vkw.source.offset"] == b"0"
     assert headers["trace"] == b"t"
     assert isinstance((await results(bs, topics.results, 1))["after"], Completed)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    await wait_for(lambda: committed_is(bs, topics, {0: 2}), what="commit past both")
     assert await run.stop() == 0
 
 
-async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
+async def test_a_completion_larger_than_max_result_bytes_is_answered_result_too_large(
     kafka_bootstrap_servers, topics, start_worker
 ):
     bs = kafka_bootstrap_servers
@@ -328,11 +224,15 @@ async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
     failure = answered["big"]
     assert isinstance(failure, Failed)
     assert failure.error.code == ErrorCode.RESULT_TOO_LARGE
-    assert "the limit is 262144 (max_result_bytes)" in failure.error.detail
-    size = int(failure.error.detail.split("result is ")[1].split(" bytes")[0])
+    # One completion over the limit on its own cannot be split; without a payload store the
+    # answer says which limit and which option would publish it.
+    assert "a record holds" in failure.error.detail
+    assert "max_result_bytes (262144)" in failure.error.detail
+    assert "--payload-store" in failure.error.detail
+    size = int(failure.error.detail.split("completion 0: ")[1].split(" bytes")[0])
     assert size > 4000 * 48 * 8  # the routed experts alone
     assert isinstance(answered["small"], Completed)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit")
+    await wait_for(lambda: committed_is(bs, topics, {0: 2}), what="commit")
     assert await run.stop() == 0
 
 
@@ -345,7 +245,7 @@ async def test_result_larger_than_max_result_bytes_is_answered_result_too_large(
         "caller",
     ],
 )
-async def test_result_over_the_results_topics_limit_is_answered_result_too_large(
+async def test_a_completion_over_the_results_topics_limit_is_answered_result_too_large(
     kafka_bootstrap_servers, new_topic, start_worker, limit_from
 ):
     bs = kafka_bootstrap_servers
@@ -450,7 +350,7 @@ async def test_a_failed_delivery_is_sent_again_and_then_committed(
 
     run = await start_worker(topics, wrap_producer=wrap)
     answered = await results(bs, topics.results, 3)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 3}), what="commit of all three")
+    await wait_for(lambda: committed_is(bs, topics, {0: 3}), what="commit of all three")
     assert await run.stop() == 0
     failed = answered["d-1"]
     if outcome == "completed":
@@ -554,7 +454,7 @@ async def test_restart_resumes_from_committed_offset_without_loss(
     await produce(bs, topics.jobs, [job_record(job(f"a{i}")) for i in range(10)])
     first = await start_worker(topics)
     await results(bs, topics.results, 10)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 10}), what="commit")
+    await wait_for(lambda: committed_is(bs, topics, {0: 10}), what="commit")
     assert await first.stop() == 0
     await produce(bs, topics.jobs, [job_record(job(f"b{i}")) for i in range(10)])
     second = await start_worker(topics)
@@ -653,7 +553,7 @@ async def test_backlog_keeps_in_flight_under_the_cap_and_memory_bounded(
     assert engine.peak_running <= 16
     assert len(engine.started) == count
     assert rss_after - rss_before < 150 * 1024 * 1024
-    await wait_for(lambda: _committed_is(bs, topics, {0: count}), what="commit")
+    await wait_for(lambda: committed_is(bs, topics, {0: count}), what="commit")
     assert await run.stop() == 0
 
 
@@ -756,7 +656,7 @@ async def test_an_answer_too_large_even_as_a_failure_is_shrunk_and_the_partition
     assert failure.metadata == {}  # dropped: with it the answer does not fit
     assert f"max.message.bytes ({64 * 1024})" in failure.error.detail
     assert isinstance(answered["after"], Completed)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    await wait_for(lambda: committed_is(bs, topics, {0: 2}), what="commit past both")
     assert not run.task.done()
     assert await run.stop() == 0
 
@@ -789,7 +689,7 @@ async def test_a_result_the_broker_refuses_names_the_broker_and_is_answered_smal
     # Not a limit that had nothing to do with it (max_result_bytes and the producer's).
     assert str(16 * 2**20) not in failure.error.detail
     assert isinstance(answered["after"], Completed)
-    await wait_for(lambda: _committed_is(bs, topics, {0: 2}), what="commit past both")
+    await wait_for(lambda: committed_is(bs, topics, {0: 2}), what="commit past both")
     assert await run.stop() == 0
 
 
@@ -852,6 +752,6 @@ async def test_the_next_owner_skips_what_the_last_one_answered_out_of_order(
     second = await start_worker(topics)
     await wait_for(lambda: "slow" in second.engine.started, what="the slow job to run again")
     second.engine.release("never")
-    await wait_for(lambda: _committed_is(bs, topics, {0: 21}), what="commit past all")
+    await wait_for(lambda: committed_is(bs, topics, {0: 21}), what="commit past all")
     assert second.engine.started == ["slow"]  # the 20 answered jobs were not generated again
     assert second.worker.metrics.skipped.values[()] == 20

@@ -26,8 +26,8 @@ import numpy.typing as npt
 import pytest
 import pytest_asyncio
 
-from schemas import Job, SamplingSpec
-from tests.kafka_helpers import collect, job_record, produce
+from schemas import Completed, Job, SamplingSpec, decode_result, encode
+from tests.kafka_helpers import assembled, collect, job_record, produce
 from worker.config import settings_from
 from worker.engine import BorrowedEngine, EngineOutput
 from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
@@ -146,10 +146,15 @@ def assert_real_routing(experts: npt.NDArray[np.integer]) -> None:
 
 
 async def run_through_worker(
-    engine: VllmEngine, bs: str, new_topic: Any, jobs: list[Job]
+    engine: VllmEngine,
+    bs: str,
+    new_topic: Any,
+    jobs: list[Job],
+    results_configs: dict[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Produce the jobs, serve them with a real Worker, return the results as plain JSON by id."""
-    jobs_topic, results_topic, dlq_topic = await new_topic(), await new_topic(), await new_topic()
+    jobs_topic, dlq_topic = await new_topic(), await new_topic()
+    results_topic = await new_topic(configs=results_configs)
     await produce(bs, jobs_topic, [job_record(j) for j in jobs])
     settings = settings_from(
         {
@@ -173,12 +178,12 @@ async def run_through_worker(
     )
     task = asyncio.create_task(worker.run())
     try:
-        records = await collect(bs, results_topic, len(jobs), timeout_s=120)
+        whole, _ = await assembled(bs, results_topic, len(jobs), timeout_s=120)
     finally:
         worker.request_stop()
         assert await asyncio.wait_for(task, 60) == 0
-    # Decoded as a trainer would, from the bytes on the topic.
-    return {r["job_id"]: r for r in (json.loads(record.value) for record in records)}
+    # As plain JSON, as a trainer without `schemas` reads it (parts reassembled).
+    return {job_id: json.loads(encode(result)) for job_id, result in whole.items()}
 
 
 # ---- the engine as the worker runs it ------------------------------------------------------
@@ -295,6 +300,66 @@ async def test_n2_returns_every_child_with_its_own_routed_experts_each_time(engi
             experts = routed(output, completion.index)
             assert experts.shape == (len(PROMPT) + 4 - 1, SPEC.num_layers, SPEC.top_k)
             assert_real_routing(experts)
+
+
+@pytest.mark.broker
+async def test_an_n4_result_forced_to_split_reassembles_to_what_one_record_holds(
+    engine, kafka_bootstrap_servers, new_topic
+):
+    """A 5000-byte results topic forces the 4 completions of one job (about 3 KB each, with
+    logprobs and routing) into parts; reassembled, they equal the engine's own output for the
+    same seed."""
+    bs = kafka_bootstrap_servers
+    job = Job(
+        job_id="split-n4",
+        prompt_token_ids=list(PROMPT),
+        sampling=SamplingSpec(n=4, max_tokens=48, seed=7, ignore_eos=True, logprobs=0),
+        return_routed_experts=True,
+        routed_experts_prompt_start=4,
+    )
+    direct = await engine.generate(job, "split-n4-direct")
+    jobs_topic, dlq_topic = await new_topic(), await new_topic()
+    results_topic = await new_topic(configs={"max.message.bytes": "5000"})
+    await produce(bs, jobs_topic, [job_record(job)])
+    settings = settings_from(
+        {
+            "bootstrap_servers": bs,
+            "jobs_topic": jobs_topic,
+            "results_topic": results_topic,
+            "dead_letter_topic": dlq_topic,
+            "group_id": f"group-{uuid.uuid4().hex[:8]}",
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+            "compression_type": "none",
+        },
+        {},
+    )
+    limits = await read_record_limits(settings)
+    worker = Worker(
+        settings,
+        consumer=make_consumer(settings, limits),
+        producer=make_producer(settings, limits),
+        engine=BorrowedEngine(engine),
+        limits=limits,
+    )
+    task = asyncio.create_task(worker.run())
+    try:
+        whole, records = await assembled(bs, results_topic, 1, timeout_s=120)
+    finally:
+        worker.request_stop()
+        assert await asyncio.wait_for(task, 60) == 0
+    assert len(records) >= 2, "the result should not have fitted one 5000-byte record"
+    assert all(len(r.value) <= 5000 for r in records)
+    parts = [decode_result(r.value) for r in records]
+    assert all(isinstance(p, Completed) and p.is_part for p in parts)
+    result = whole["split-n4"]
+    assert isinstance(result, Completed) and not result.is_part
+    assert result.completions == direct.completions
+    for completion in result.completions:
+        experts = completion.routed_experts
+        assert experts is not None and experts.start == 4
+        assert experts.shape[0] == len(PROMPT) + 48 - 1 - 4
+        assert_real_routing(experts.to_array())
 
 
 async def test_stop_string_and_max_tokens_1_follow_vllms_row_rule(engine):

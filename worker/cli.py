@@ -1,4 +1,4 @@
-"""Command line: `serve` the worker, `submit` jobs, read `results`, build a `tiny-model`."""
+"""Command line: `serve` the worker, `submit` jobs, read `results`, `payloads gc`, `tiny-model`."""
 
 from __future__ import annotations
 
@@ -17,11 +17,21 @@ from typing import IO, Any, Final
 
 import msgspec
 
-from schemas import Completed, Failed, SchemaError, decode_job, decode_result, encode
+from schemas import (
+    Completed,
+    Failed,
+    Part,
+    ResultAssembler,
+    SchemaError,
+    decode_job,
+    decode_result,
+    encode,
+)
 from worker import __version__
 from worker.config import Settings, add_settings_arguments, settings_from
 from worker.engine import Engine
 from worker.errors import BrokerError, ConfigError, WorkerError
+from worker.result_encoder import encode_result
 
 __all__ = ["main"]
 
@@ -88,7 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
     results.add_argument("--out", type=Path, help="also write every result as a JSON line here")
     results.add_argument("--max", type=int, default=None, help="stop after this many results")
     results.add_argument("--quiet", action="store_true", help="no per-result lines, only the total")
+    results.add_argument(
+        "--raw",
+        action="store_true",
+        help="one line per record, parts of split results as they are (default: reassembled)",
+    )
     add_settings_arguments(results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes"))
+
+    payloads = commands.add_parser(
+        "payloads",
+        help="manage the payload store",
+        description="The payload store holds routed experts too large for a record.",
+    )
+    payload_commands = payloads.add_subparsers(dest="payloads_command", required=True)
+    gc_parser = payload_commands.add_parser(
+        "gc",
+        help="remove old payloads",
+        description=(
+            "Remove payloads (and temporary files a crash left) written longer ago than "
+            "--older-than. Records naming them can no longer be resolved: keep them for as long "
+            "as a trainer may still read their results."
+        ),
+    )
+    gc_parser.add_argument(
+        "--older-than", required=True, metavar="DURATION", help="like 90s, 30m, 12h or 7d"
+    )
+    add_settings_arguments(gc_parser, ("payload_store", "log_level"))
 
     tiny = commands.add_parser(
         "tiny-model",
@@ -117,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tiny-model":
             return _tiny_model(args.dir, args.seed)
         settings = settings_from(args)
+        if args.command == "payloads":
+            return _payloads_gc(settings, args.older_than)
         logging.basicConfig(
             level=settings.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -127,7 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "submit":
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
         return asyncio.run(
-            _results(settings, follow=args.follow, out=args.out, limit=args.max, quiet=args.quiet)
+            _results(
+                settings,
+                follow=args.follow,
+                out=args.out,
+                limit=args.max,
+                quiet=args.quiet,
+                raw=args.raw,
+            )
         )
     except ConfigError as exc:
         print(f"vllm-kafka-worker: error: {exc}", file=sys.stderr)
@@ -306,11 +350,28 @@ async def _submit(settings: Settings, path: Path, *, progress: bool) -> int:
     return EXIT_OK
 
 
+def _payloads_gc(settings: Settings, older_than: str) -> int:
+    from worker.payload_store import open_payload_store, parse_duration  # noqa: PLC0415
+
+    if settings.payload_store is None:
+        raise ConfigError("payloads gc needs --payload-store (or VKW_PAYLOAD_STORE)")
+    age_s = parse_duration(older_than)
+    store = open_payload_store(settings.payload_store)
+    if not store.root.is_dir():
+        raise ConfigError(f"--payload-store {settings.payload_store}: no directory {store.root}")
+    removed, freed = store.gc(age_s)
+    print(f"removed {removed} payloads ({freed} bytes) older than {older_than} from {store.uri}")
+    return EXIT_OK
+
+
 def summarize(result: Completed | Failed) -> str:
-    """One line per result, with a routed-experts summary per completion."""
+    """One line per result (or part), with a routed-experts summary per completion."""
     if isinstance(result, Failed):
         return f"{result.job_id} failed {result.error.code}: {result.error.detail}"
     parts = [f"{result.job_id} completed prompt={result.prompt_token_count}"]
+    if isinstance(result.part, Part):
+        p = result.part
+        parts.append(f"part={p.index + 1}/{p.count} attempt={p.attempt}")
     for c in result.completions:
         text = f"[{c.index}] tokens={len(c.token_ids)} finish={c.finish_reason}"
         if c.routed_experts is not None:
@@ -320,12 +381,68 @@ def summarize(result: Completed | Failed) -> str:
                 f" routed_experts={rows}x{layers}x{top_k} {re_.dtype} start={re_.start}"
                 f" positions=[{re_.start},{re_.end})"
             )
+            if isinstance(re_.uri, str):
+                text += f" payload={re_.uri}"
         parts.append(text)
     return " ".join(parts)
 
 
+class _ResultsReport:
+    """What `results` prints and writes: whole results (reassembled), or every record (`raw`)."""
+
+    def __init__(self, *, quiet: bool, raw: bool, sink: IO[bytes] | None) -> None:
+        self.counts = {"completed": 0, "failed": 0, "undecodable": 0}
+        self.shown = 0
+        self._quiet = quiet
+        self._raw = raw
+        self._sink = sink
+        self._assembler = ResultAssembler()
+
+    def take(self, record: Any) -> None:
+        """One record from the results topic."""
+        try:
+            result = decode_result(record.value or b"")
+            shown = result if self._raw else self._assembler.add(result)
+        except SchemaError as exc:
+            self.counts["undecodable"] += 1
+            where = f"{record.topic}-{record.partition}@{record.offset}"
+            print(f"undecodable result at {where}: {exc}", file=sys.stderr)
+            return
+        if shown is None:  # a part, or a duplicate
+            return
+        self.shown += 1
+        self.counts["completed" if isinstance(shown, Completed) else "failed"] += 1
+        if not self._quiet:
+            print(summarize(shown))
+        if self._sink is not None:
+            value = record.value if self._raw else encode_result(shown)
+            self._sink.write((value or b"") + b"\n")
+
+    def finish(self) -> None:
+        incomplete = self._assembler.incomplete()
+        for attempt in incomplete:
+            print(
+                f"{attempt.job_id} incomplete: parts {attempt.received} of {attempt.count} "
+                f"(attempt {attempt.attempt})",
+                file=sys.stderr,
+            )
+        c = self.counts
+        tail = "" if self._raw else f", {len({a.job_id for a in incomplete})} incomplete"
+        print(
+            f"{c['completed']} completed, {c['failed']} failed, {c['undecodable']} undecodable"
+            + tail,
+            file=sys.stderr,
+        )
+
+
 async def _results(
-    settings: Settings, *, follow: bool, out: Path | None, limit: int | None, quiet: bool
+    settings: Settings,
+    *,
+    follow: bool,
+    out: Path | None,
+    limit: int | None,
+    quiet: bool,
+    raw: bool,
 ) -> int:
     from aiokafka import TopicPartition  # noqa: PLC0415
 
@@ -334,46 +451,28 @@ async def _results(
     # No group: a reader of results assigns partitions itself and commits nothing.
     consumer = make_consumer(settings, group_id=None, group_instance_id=None)
     await consumer.start()
-    counts = {"completed": 0, "failed": 0, "undecodable": 0}
-    sink = out.open("wb") if out is not None else None
-    try:
-        partitions = consumer.partitions_for_topic(settings.results_topic) or set()
-        if not partitions:
-            raise BrokerError(f"topic {settings.results_topic} does not exist")
-        tps = [TopicPartition(settings.results_topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        end = await consumer.end_offsets(tps)
-        seen = 0
-        while limit is None or seen < limit:
-            batch = await consumer.getmany(timeout_ms=500)
-            for records in batch.values():
-                for record in records:
-                    seen += 1
-                    try:
-                        result = decode_result(record.value or b"")
-                    except SchemaError as exc:
-                        counts["undecodable"] += 1
-                        print(
-                            f"undecodable result at offset {record.offset}: {exc}", file=sys.stderr
-                        )
-                        continue
-                    counts["completed" if isinstance(result, Completed) else "failed"] += 1
-                    if not quiet:
-                        print(summarize(result))
-                    if sink is not None:
-                        sink.write((record.value or b"") + b"\n")
-            if not follow:
-                positions = {tp: await consumer.position(tp) for tp in tps}
-                if all(positions[tp] >= end[tp] for tp in tps):
-                    break
-    finally:
-        if sink is not None:
-            sink.close()
-        await consumer.stop()
-    print(
-        f"{counts['completed']} completed, {counts['failed']} failed, "
-        f"{counts['undecodable']} undecodable",
-        file=sys.stderr,
-    )
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(out.open("wb")) if out is not None else None
+        report = _ResultsReport(quiet=quiet, raw=raw, sink=sink)
+        try:
+            partitions = consumer.partitions_for_topic(settings.results_topic) or set()
+            if not partitions:
+                raise BrokerError(f"topic {settings.results_topic} does not exist")
+            tps = [TopicPartition(settings.results_topic, p) for p in sorted(partitions)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            while limit is None or report.shown < limit:
+                batch = await consumer.getmany(timeout_ms=500)
+                for record in (r for records in batch.values() for r in records):
+                    report.take(record)
+                    if limit is not None and report.shown >= limit:
+                        break
+                if not follow:
+                    positions = {tp: await consumer.position(tp) for tp in tps}
+                    if all(positions[tp] >= end[tp] for tp in tps):
+                        break
+        finally:
+            await consumer.stop()
+    report.finish()
     return EXIT_OK

@@ -18,8 +18,8 @@ __all__ = ["ENV_PREFIX", "SECRET_FIELDS", "Settings", "add_settings_arguments", 
 
 ENV_PREFIX: Final = "VKW_"
 # VKW_* variables that are not settings: the CPU test backend's opt-in (tests/support), which
-# the engine's spawned processes must inherit.
-NOT_SETTINGS: Final = frozenset({"VKW_TRITON_CPU_SHIM"})
+# the engine's spawned processes must inherit, and the chaos tests' crash points.
+NOT_SETTINGS: Final = frozenset({"VKW_TRITON_CPU_SHIM", "VKW_FAILPOINTS"})
 MiB: Final = 1024 * 1024
 
 # Large enough for an 8k-token completion of a 94-layer, top-8 model (Qwen3-235B-A22B):

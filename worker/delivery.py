@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from worker.answers import Answer, OutRecord
 from worker.config import Settings
 from worker.errors import BrokerError, FatalError
+from worker.failpoints import crash_point
 from worker.limits import RecordLimits
 from worker.metrics import Metrics
 from worker.offsets import PartitionOffsets
@@ -196,6 +197,7 @@ class Delivery:
     def _acknowledged(self, ticket: Ticket) -> None:
         ticket.left -= 1
         if ticket.left:
+            crash_point("kill-between-parts")
             return
         ticket.partition.finish(ticket.offset)
         self._metrics.job_answered(

@@ -1,0 +1,224 @@
+"""Workers for tests on a real broker: in-process (`start_worker`) and as a real process (`spawn`).
+
+The fixtures are registered in `conftest.py`, so any test module can ask for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from tests.fakes import ScriptedEngine
+from tests.kafka_helpers import committed
+from worker.config import Settings, settings_from
+from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
+from worker.limits import RecordLimits
+from worker.service import Worker
+
+#: The in-flight cap of spawned workers: what one crash may repeat at most.
+MAX_IN_FLIGHT = 32
+_REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Topics:
+    jobs: str
+    results: str
+    dlq: str
+    group: str = field(default_factory=lambda: f"group-{uuid.uuid4().hex[:8]}")
+    #: The static member id of spawned workers: a restart with it takes the partitions back.
+    instance: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
+
+
+@dataclass
+class Running:
+    worker: Worker
+    engine: ScriptedEngine
+    task: asyncio.Task[int]
+    settings: Settings
+
+    async def stop(self) -> int:
+        self.worker.request_stop()
+        return await asyncio.wait_for(self.task, 60)
+
+
+async def make_topics(
+    new_topic: Any,
+    *,
+    jobs_partitions: int = 1,
+    results_partitions: int = 1,
+    results_configs: dict[str, str] | None = None,
+    bootstrap_servers: str | None = None,
+) -> Topics:
+    """Fresh jobs, results and dead-letter topics (on the shared broker unless told otherwise)."""
+    on = {"bootstrap_servers": bootstrap_servers}
+    return Topics(
+        jobs=await new_topic(jobs_partitions, **on),
+        results=await new_topic(results_partitions, configs=results_configs, **on),
+        dlq=await new_topic(1, **on),
+    )
+
+
+@pytest.fixture
+async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
+    running: list[Running] = []
+    readers: list[GroupOffsetsReader] = []
+
+    async def start(
+        topics: Topics,
+        engine: ScriptedEngine | None = None,
+        wrap_producer: Callable[[AIOKafkaProducer], Any] = lambda producer: producer,
+        topic_limits: dict[str, int | None] | None = None,
+        **overrides: Any,
+    ) -> Running:
+        values = {
+            "bootstrap_servers": kafka_bootstrap_servers,
+            "jobs_topic": topics.jobs,
+            "results_topic": topics.results,
+            "dead_letter_topic": topics.dlq,
+            "group_id": topics.group,
+            "engine": "mock",
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+            "shutdown_grace_s": 5,
+            "revoke_grace_s": 2,
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 500,
+        }
+        values.update(overrides)
+        settings = settings_from(values, {})
+        engine = engine or ScriptedEngine()
+        limits = (
+            await read_record_limits(settings)
+            if topic_limits is None
+            else RecordLimits.from_topic_limits(settings, topic_limits)
+        )
+        reader = GroupOffsetsReader(settings)
+        readers.append(reader)
+        worker = Worker(
+            settings,
+            consumer=make_consumer(settings, limits),
+            producer=wrap_producer(make_producer(settings, limits)),
+            engine=engine,
+            limits=limits,
+            read_committed=reader,
+        )
+        task = asyncio.create_task(worker.run())
+        handle = Running(worker, engine, task, settings)
+        running.append(handle)
+        return handle
+
+    yield start
+    for handle in running:
+        if not handle.task.done():
+            handle.worker.request_stop()
+            await asyncio.wait_for(handle.task, 60)
+    for reader in readers:
+        await reader.close()
+
+
+async def committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:
+    return await committed(bs, topics.group, topics.jobs) == expected
+
+
+class WorkerProcess:
+    """`python -m worker serve --engine mock ...` in a subprocess, stderr to a file."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Topics,
+        log: Path,
+        env: dict[str, str] | None = None,
+        **flags: Any,
+    ) -> None:
+        args = {
+            "bootstrap-servers": bootstrap,
+            "jobs-topic": topics.jobs,
+            "results-topic": topics.results,
+            "dead-letter-topic": topics.dlq,
+            "group-id": topics.group,
+            "group-instance-id": topics.instance,
+            "engine": "mock",
+            "max-in-flight": MAX_IN_FLIGHT,
+            "commit-interval-ms": 0,
+            "poll-timeout-ms": 50,
+            "session-timeout-ms": 6000,
+            "heartbeat-interval-ms": 500,
+            "shutdown-grace-s": 10,
+            "mock-per-token-latency-ms": 50,
+            "mock-num-layers": 4,
+        }
+        args.update({k.replace("_", "-"): v for k, v in flags.items()})
+        argv = [sys.executable, "-m", "worker", "serve"]
+        for name, value in args.items():
+            if value is None:  # None leaves a setting at its default (e.g. no instance id)
+                continue
+            if isinstance(value, bool):
+                argv.append(f"--{name}" if value else f"--no-{name}")
+            else:
+                argv += [f"--{name}", str(value)]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
+        env = {**clean, **(env or {})}
+        self.log = log
+        self._log_file = log.open("ab")
+        self.proc = subprocess.Popen(
+            argv, cwd=_REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
+        )
+
+    def signal(self, signum: int) -> None:
+        self.proc.send_signal(signum)
+
+    async def wait(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while (rc := self.proc.poll()) is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker still running after {timeout_s}s; log {self.log}")
+            await asyncio.sleep(0.02)
+        self._log_file.close()
+        return rc
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop_now(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log_file.close()
+
+
+@pytest.fixture
+def spawn(kafka_bootstrap_servers: str, tmp_path: Path) -> Iterator[Any]:
+    started: list[WorkerProcess] = []
+
+    def start(
+        topics: Topics,
+        bootstrap: str | None = None,
+        env: dict[str, str] | None = None,
+        **flags: Any,
+    ) -> WorkerProcess:
+        worker = WorkerProcess(
+            bootstrap or kafka_bootstrap_servers,
+            topics,
+            tmp_path / f"worker-{len(started)}.log",
+            env,
+            **flags,
+        )
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop_now()
