@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python bench/pipeline.py
 	$(BIN)/python bench/engine_overhead.py
 	$(BIN)/python bench/offset_map.py
+	$(BIN)/python bench/split.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -254,7 +254,7 @@ def broker() -> Iterator[str]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--jobs", type=int, default=24, help="jobs per run")
+    parser.add_argument("--jobs", type=int, default=48, help="jobs per run")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (alternating order)")
     args = parser.parse_args()
     with broker() as bootstrap:
