@@ -89,6 +89,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     metadata: Metadata = msgspec.field(default_factory=dict)
     # Unix seconds; a job still queued past it is answered `expired` instead of being run.
     deadline: float | None = None
+    # The oldest weights this job may run on: a worker below it holds the job (keeping its
+    # partition's place) until a weight update reaches it, or `deadline` expires the job.
+    min_weight_version: Annotated[int, Meta(ge=0)] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):

@@ -19,6 +19,7 @@ __all__ = [
     "Part",
     "Result",
     "Timings",
+    "VersionSpan",
 ]
 
 
@@ -38,6 +39,9 @@ class ErrorCode(enum.StrEnum):
     RESULT_TOO_LARGE = "result_too_large"
     #: An unexpected error in the worker itself while handling this job.
     INTERNAL_ERROR = "internal_error"
+    #: Stopped by the control plane (an `abort` command, a pause or weight update in `abort`
+    #: mode) while running; `partial` holds what was generated so far. Always retryable.
+    ABORTED = "aborted"
 
 
 class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +50,14 @@ class ErrorInfo(msgspec.Struct, frozen=True, kw_only=True):
     code: ErrorCode
     detail: str
     retryable: bool = False
+
+
+class VersionSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """Output tokens `[start, end)` of a completion were sampled with weights `version`."""
+
+    version: Annotated[int, Meta(ge=0)]
+    start: Annotated[int, Meta(ge=0)]
+    end: Annotated[int, Meta(ge=0)]
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,6 +74,9 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     routed_experts: RoutedExperts | None = None
     # The stop string or token id that ended the sequence, when one did.
     stop_reason: str | int | None = None
+    # Which weights sampled which tokens: one span, or more when weights changed mid-sequence
+    # (a `keep` update). Absent from results of workers older than the control plane.
+    weight_versions: list[VersionSpan] | UnsetType = UNSET
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +118,8 @@ class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_
     timings: Timings | None = None
     # Absent from the wire (not null) when the result is whole, as it was before results split.
     part: Part | UnsetType = UNSET
+    # The weight version the engine served when the job finished.
+    weight_version: int | UnsetType = UNSET
 
     @property
     def is_part(self) -> bool:
@@ -117,6 +134,12 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field=
     error: ErrorInfo
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
     worker: str = ""
+    # An `aborted` job's completions as far as they got (tokens, logprobs, routed experts by
+    # vLLM's row rule), so a trainer doing partial rollouts can continue them: next prompt =
+    # prompt + token_ids, `routed_experts_prompt_start` = that length - 1.
+    partial: list[Completion] | UnsetType = UNSET
+    prompt_token_count: int | UnsetType = UNSET
+    weight_version: int | UnsetType = UNSET
 
 
 Result = Completed | Failed

@@ -1013,6 +1013,7 @@ def test_error_codes_are_the_documented_closed_set() -> None:
         "engine_error",
         "result_too_large",
         "internal_error",
+        "aborted",
     }
 
 

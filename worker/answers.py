@@ -28,8 +28,8 @@ from schemas import (
     peek_job_id,
 )
 from worker.config import Settings
-from worker.engine import Engine
-from worker.errors import FatalError, JobError
+from worker.engine import Engine, EngineOutput
+from worker.errors import FatalError, JobAbortedError, JobError
 from worker.limits import RecordLimits, record_bytes
 from worker.metrics import Metrics
 from worker.payload_store import open_payload_store
@@ -179,7 +179,10 @@ class AnswerBuilder:
                     exc.code,
                     exc.detail,
                 )
-                return self._failed(job, exc.code, exc.detail, retryable=exc.retryable)
+                partial = exc.partial if isinstance(exc, JobAbortedError) else None
+                return self._failed(
+                    job, exc.code, exc.detail, retryable=exc.retryable, partial=partial
+                )
             engine_s = time.perf_counter() - t0
             result = Completed(
                 job_id=job.job_id,
@@ -190,6 +193,7 @@ class AnswerBuilder:
                 model=self._engine.model_name,
                 worker=self._worker_id,
                 timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
+                weight_version=output.weight_version,
             )
             try:
                 values = await self._splitter.encode(result, *self._value_budget(job.job_id))
@@ -253,15 +257,31 @@ class AnswerBuilder:
         reason = self._limits.refusal(self._results_topic, size) or ""
         return self._results_fit_bytes - framing, reason.removeprefix("the limit is ")
 
-    def _failed(self, job: Job, code: ErrorCode, detail: str, *, retryable: bool = False) -> Answer:
-        """A failed result that echoes the job's metadata, or the minimal one when that does
-        not fit (metadata of up to 64 x 64 KiB can outgrow a topic's limit on its own)."""
+    def _failed(
+        self,
+        job: Job,
+        code: ErrorCode,
+        detail: str,
+        *,
+        retryable: bool = False,
+        partial: EngineOutput | None = None,
+    ) -> Answer:
+        """A failed result that echoes the job's metadata (and an aborted job's partial
+        completions), or the minimal one when that does not fit (metadata of up to 64 x 64 KiB
+        can outgrow a topic's limit on its own)."""
         failed = Failed(
             job_id=job.job_id,
             error=ErrorInfo(code=code, detail=detail, retryable=retryable),
             metadata=job.metadata,
             worker=self._worker_id,
         )
+        if partial is not None:
+            failed = msgspec.structs.replace(
+                failed,
+                partial=partial.completions,
+                prompt_token_count=len(partial.prompt_token_ids),
+                weight_version=partial.weight_version,
+            )
         value = encode_result(failed)
         out = self._result_record(job.job_id, value)
         if self._limits.refusal(out.topic, out.size) is not None:

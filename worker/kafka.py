@@ -153,7 +153,8 @@ async def read_record_limits(settings: Settings) -> RecordLimits:
 
 
 async def create_topics(settings: Settings) -> list[str]:
-    """Create the jobs, results and dead-letter topics when missing; return the ones created.
+    """Create the jobs, results, dead-letter, control and status topics when missing; return
+    the ones created.
 
     Each gets `max.message.bytes` matching `max_result_bytes`, since the broker's default (~1 MiB)
     rejects an 8k-token result with routed experts.
@@ -169,13 +170,20 @@ async def create_topics(settings: Settings) -> list[str]:
     try:
         existing = set(await admin.list_topics())
         configs = {"max.message.bytes": str(record_size_limit(settings))}
-        wanted = [settings.jobs_topic, settings.results_topic, settings.dead_letter_topic]
-        for name in dict.fromkeys(wanted):
+        partitions = dict.fromkeys(
+            [settings.jobs_topic, settings.results_topic, settings.dead_letter_topic],
+            settings.topic_partitions,
+        )
+        # Every worker reads the whole control topic in order: one partition. Statuses are
+        # keyed by worker; a few partitions are plenty.
+        partitions.setdefault(settings.control_topic, 1)
+        partitions.setdefault(settings.status_topic, 1)
+        for name, count in partitions.items():
             if name in existing:
                 continue
             topic = NewTopic(
                 name=name,
-                num_partitions=settings.topic_partitions,
+                num_partitions=count,
                 replication_factor=settings.topic_replication_factor,
                 topic_configs=configs,
             )
@@ -188,7 +196,7 @@ async def create_topics(settings: Settings) -> list[str]:
                     raise BrokerError(f"cannot create topic {name}: {detail}")
             else:
                 created.append(name)
-            logger.info("created topic %s (%d partitions)", name, settings.topic_partitions)
+            logger.info("created topic %s (%d partitions)", name, count)
     finally:
         await admin.close()
     return created

@@ -1,0 +1,186 @@
+"""The control plane's wire types: commands to the fleet, and what workers say back.
+
+Commands go to the control topic (one partition, read whole by every worker, outside the jobs'
+consumer group); acknowledgements and periodic statuses go to the status topic, keyed by worker
+id. Both are JSON tagged unions: `kind` names a command, `type` a status message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from schemas.errors import SchemaError
+
+__all__ = [
+    "Abort",
+    "Command",
+    "CommandAck",
+    "ControlRecordError",
+    "InflightMode",
+    "Pause",
+    "PauseMode",
+    "ResetPrefixCache",
+    "Resume",
+    "StatusMessage",
+    "Target",
+    "UpdateWeights",
+    "WorkerStatus",
+    "decode_command",
+    "decode_status",
+]
+
+#: What a pause does to jobs in flight: `abort` answers them `aborted` (retryable, with their
+#: partial completions), `wait` lets them finish, `keep` freezes them until `resume`.
+PauseMode = Literal["abort", "wait", "keep"]
+#: What a weight update does to jobs in flight: `keep` continues them on the new weights (two
+#: version spans), `wait` lets them finish on the old ones first, `restart` runs them again on
+#: the new ones, `abort` answers them `aborted` with their partial completions.
+InflightMode = Literal["keep", "wait", "restart", "abort"]
+
+CommandId = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class Target(msgspec.Struct, frozen=True, kw_only=True):
+    """Who a command is for: workers of `group`, or the named `workers`; both unset: everyone."""
+
+    group: str | None = None
+    workers: list[str] | None = None
+
+    def matches(self, group: str, worker: str) -> bool:
+        if self.workers is not None and worker not in self.workers:
+            return False
+        return self.group is None or self.group == group
+
+
+class _Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    command_id: CommandId
+    target: Target = msgspec.field(default_factory=Target)
+    #: Unix seconds when it was issued (informational).
+    issued_at: float | None = None
+
+
+class Pause(_Command, frozen=True, kw_only=True, tag="pause"):
+    """Start no new job until `resume`; `mode` says what happens to jobs in flight."""
+
+    mode: PauseMode = "wait"
+
+
+class Resume(_Command, frozen=True, kw_only=True, tag="resume"):
+    """Undo `pause`: jobs start again, frozen ones continue."""
+
+
+class UpdateWeights(_Command, frozen=True, kw_only=True, tag="update_weights"):
+    """Serve new weights, stamped `version` (the trainer's step), without a restart.
+
+    `path` is a checkpoint directory on storage the workers share (the default `checkpoint`
+    backend). With `backend` `nccl` or `ipc`, the trainer streams the weights from its own GPU
+    memory through vLLM's weight-transfer engine: `init_info` and `update_info` are passed to
+    it as they are.
+    """
+
+    version: Annotated[int, Meta(ge=0)]
+    path: Annotated[str, Meta(min_length=1)] | None = None
+    on_inflight: InflightMode = "wait"
+    backend: Literal["checkpoint", "nccl", "ipc"] = "checkpoint"
+    init_info: dict[str, Any] | None = None
+    update_info: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend == "checkpoint" and self.path is None:
+            raise ValueError("update_weights from a checkpoint needs `path`")
+        if self.backend != "checkpoint" and self.update_info is None:
+            raise ValueError(f"update_weights over {self.backend} needs `update_info`")
+
+
+class Abort(_Command, frozen=True, kw_only=True, tag="abort"):
+    """Answer the matching jobs in flight `aborted` (retryable, with partial completions):
+    those named in `job_ids`, or whose metadata holds every entry of `metadata`."""
+
+    job_ids: list[str] | None = None
+    metadata: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.job_ids is None) == (self.metadata is None):
+            raise ValueError("abort needs exactly one of `job_ids` or `metadata`")
+
+    def matches(self, job_id: str, metadata: dict[str, str]) -> bool:
+        if self.job_ids is not None:
+            return job_id in self.job_ids
+        return all(metadata.get(k) == v for k, v in (self.metadata or {}).items())
+
+
+class ResetPrefixCache(_Command, frozen=True, kw_only=True, tag="reset_prefix_cache"):
+    """Drop the engine's prefix cache (its entries are keyed by tokens, not by weights)."""
+
+
+Command = Pause | Resume | UpdateWeights | Abort | ResetPrefixCache
+
+
+class CommandAck(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field="type"):
+    """One worker's answer to one command."""
+
+    worker: str
+    group: str
+    command_id: str
+    kind: str
+    outcome: Literal["ok", "failed"]
+    detail: str = ""
+    duration_s: float
+    #: The worker's weight version after the command.
+    weight_version: int
+    at: float
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
+    """A worker's periodic heartbeat on the status topic."""
+
+    worker: str
+    group: str
+    model: str
+    weight_version: int
+    paused: bool
+    in_flight: int
+    #: Jobs behind the end of the worker's partitions (None before the first measure).
+    lag: int | None
+    engine_healthy: bool
+    uptime_s: float
+    at: float
+    #: Seconds between heartbeats: a worker silent for a few of them is gone.
+    interval_s: float
+
+
+class ControlRecordError(
+    msgspec.Struct, frozen=True, kw_only=True, tag="control_error", tag_field="type"
+):
+    """A control record a worker could not read (skipped; the worker goes on)."""
+
+    worker: str
+    group: str
+    offset: int
+    detail: str
+    at: float
+
+
+StatusMessage = CommandAck | WorkerStatus | ControlRecordError
+
+_COMMAND_DECODER = msgspec.json.Decoder(Command)
+_STATUS_DECODER = msgspec.json.Decoder(StatusMessage)
+
+
+def decode_command(data: bytes | str) -> Command:
+    """Decode one control record; SchemaError (naming the field) when it is not a command."""
+    try:
+        return _COMMAND_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise SchemaError(f"not a control command: {exc}") from None
+
+
+def decode_status(data: bytes | str) -> StatusMessage:
+    """Decode one status-topic record; SchemaError when it is not one."""
+    try:
+        return _STATUS_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise SchemaError(f"not a status message: {exc}") from None

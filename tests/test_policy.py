@@ -1,0 +1,217 @@
+"""The control plane's engine semantics (pause, updates in every mode, aborts) on the mock engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from schemas import Abort, Job, SamplingSpec, VersionSpan
+from worker.engine import EngineOutput
+from worker.errors import JobAbortedError, JobExpiredError, WeightUpdateError
+from worker.mock_engine import MockEngine, MockEngineSettings
+from worker.policy import PolicyEngine
+
+LATENCY_MS = 2.0  # 100 tokens take 0.2 s, in 20 steps of 5 tokens
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+def checkpoint(root: Path, name: str, **config: int) -> str:
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"name": name, "num_hidden_layers": 4, **config}))
+    return str(path)
+
+
+def engine(*, in_place: bool = False) -> tuple[PolicyEngine, MockEngine]:
+    inner = MockEngine(
+        MockEngineSettings(
+            per_token_latency_ms=LATENCY_MS,
+            num_layers=4,
+            top_k=2,
+            num_experts=8,
+            in_place_updates=in_place,
+        )
+    )
+    return PolicyEngine(inner), inner
+
+
+def job(job_id: str = "j", tokens: int = 100, n: int = 1, **kwargs: object) -> Job:
+    return Job(
+        job_id=job_id,
+        prompt_token_ids=PROMPT,
+        sampling=SamplingSpec(n=n, max_tokens=tokens, seed=3, logprobs=0),
+        return_routed_experts=True,
+        routed_experts_prompt_start=2,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def fresh(path: str | None, j: Job, version: int = 0) -> EngineOutput:
+    """The same job on a fresh engine serving `path` (None: the initial weights)."""
+    policy, inner = engine()
+    if path is not None:
+        await inner.load_weights(path, version)
+    return await policy.generate(j, "fresh")
+
+
+def assert_rows_follow_the_rule(output: EngineOutput, j: Job) -> None:
+    for c in output.completions:
+        assert c.routed_experts is not None
+        rows = len(PROMPT) + len(c.token_ids) - 1 - j.routed_experts_prompt_start
+        assert c.routed_experts.to_array().shape == (rows, 4, 2)
+        assert c.routed_experts.start == j.routed_experts_prompt_start
+
+
+async def started(
+    policy: PolicyEngine, j: Job, after_s: float = 0.05
+) -> asyncio.Task[EngineOutput]:
+    task = asyncio.create_task(policy.generate(j, j.job_id))
+    await asyncio.sleep(after_s)
+    return task
+
+
+async def test_wait_lets_running_jobs_finish_on_the_old_weights_first(tmp_path):
+    policy, _ = engine()
+    new = checkpoint(tmp_path, "b")
+    running = await started(policy, job())
+    await policy.load_checkpoint(new, 1, "wait")
+    assert running.done()  # the update waited for it
+    old = running.result()
+    assert old.completions[0].weight_versions == [VersionSpan(version=0, start=0, end=100)]
+    after = await policy.generate(job("k"), "k")
+    assert after.weight_version == 1
+    assert after.completions[0].weight_versions == [VersionSpan(version=1, start=0, end=100)]
+    assert after.completions == (await fresh(new, job("k"), 1)).completions
+
+
+async def test_restart_runs_the_job_again_from_the_start_on_the_new_weights(tmp_path):
+    policy, _ = engine()
+    new = checkpoint(tmp_path, "b")
+    running = await started(policy, job())
+    await policy.load_checkpoint(new, 1, "restart")
+    out = await running
+    assert out.weight_version == 1
+    assert out.completions == (await fresh(new, job(), 1)).completions
+
+
+async def test_abort_answers_with_the_partial_completions_by_the_row_rule(tmp_path):
+    policy, _ = engine()
+    running = await started(policy, job(n=2))
+    await policy.load_checkpoint(checkpoint(tmp_path, "b"), 1, "abort")
+    with pytest.raises(JobAbortedError) as info:
+        await running
+    partial = info.value.partial
+    assert partial is not None and info.value.retryable
+    whole = await fresh(None, job(n=2))
+    for c, full in zip(partial.completions, whole.completions, strict=True):
+        assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 100
+        assert c.token_ids == full.token_ids[: len(c.token_ids)]
+        assert c.weight_versions == [VersionSpan(version=0, start=0, end=len(c.token_ids))]
+    assert_rows_follow_the_rule(partial, job(n=2))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+async def test_keep_continues_running_jobs_with_two_version_spans(tmp_path, in_place):
+    policy, _ = engine(in_place=in_place)
+    new = checkpoint(tmp_path, "b")
+    j = job(n=2)
+    running = await started(policy, j, after_s=0.08)
+    await policy.load_checkpoint(new, 1, "keep")
+    out = await running
+    old = await fresh(None, j)
+    for c, before in zip(out.completions, old.completions, strict=True):
+        assert len(c.token_ids) == 100 and c.finish_reason == "length"
+        first, second = c.weight_versions  # type: ignore[misc]
+        assert (first.version, second.version) == (0, 1)
+        assert first.start == 0 and first.end == second.start and second.end == 100
+        assert (first.end - first.start) + (second.end - second.start) == len(c.token_ids)
+        # The tokens before the update are the old weights' own.
+        assert c.token_ids[: first.end] == before.token_ids[: first.end]
+        assert c.token_ids[first.end :] != before.token_ids[first.end :]
+        assert c.logprobs is not None and len(c.logprobs) == 100
+    assert_rows_follow_the_rule(out, j)
+
+
+async def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(tmp_path):
+    policy, _ = engine()
+    for path, message in (
+        (str(tmp_path / "missing"), "config.json is missing"),
+        (checkpoint(tmp_path, "other", num_hidden_layers=48), "another architecture"),
+    ):
+        with pytest.raises(WeightUpdateError, match=message):
+            await policy.load_checkpoint(path, 5, "wait")
+        assert policy.weight_version == 0
+        out = await policy.generate(job(tokens=10), "after-bad")
+        assert out.weight_version == 0
+
+
+async def test_pause_keep_freezes_running_jobs_until_resume():
+    policy, _ = engine()
+    running = await started(policy, job())
+    await policy.pause("keep")
+    await asyncio.sleep(0.3)  # longer than the whole job would take
+    assert not running.done()
+    waiting = asyncio.create_task(policy.generate(job("later", tokens=5), "later"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and policy.paused
+    await policy.resume()
+    assert len((await running).completions[0].token_ids) == 100
+    assert len((await waiting).completions[0].token_ids) == 5
+
+
+async def test_pause_abort_and_pause_wait():
+    policy, _ = engine()
+    running = await started(policy, job())
+    await policy.pause("abort")
+    with pytest.raises(JobAbortedError):
+        await running
+    await policy.resume()
+    running = await started(policy, job("w"))
+    await policy.pause("wait")
+    assert running.done()  # `wait` returns once the jobs in flight have finished
+    await policy.resume()
+
+
+async def test_abort_by_job_id_or_metadata_running_or_waiting_at_the_gate():
+    policy, _ = engine()
+    a = await started(policy, job("a", metadata={"step": "3"}))
+    b = await started(policy, job("b", metadata={"step": "4"}), after_s=0.0)
+    await policy.pause("keep")
+    c = await started(policy, job("c", metadata={"step": "3"}), after_s=0.01)
+    matched = await policy.abort(Abort(command_id="x", metadata={"step": "3"}))
+    assert sorted(matched) == ["a", "c"]
+    for aborted in (a, c):
+        with pytest.raises(JobAbortedError):
+            await asyncio.wait_for(aborted, 1)  # answered at once, though paused
+    assert not b.done()
+    assert await policy.abort(Abort(command_id="y", job_ids=["b"])) == ["b"]
+    await policy.resume()
+    with pytest.raises(JobAbortedError):
+        await b
+
+
+async def test_a_deadline_passing_while_paused_expires_the_job():
+    policy, _ = engine()
+    await policy.pause("wait")
+    soon = job("late", deadline=__import__("time").time() + 0.1)
+    with pytest.raises(JobExpiredError, match="deadline"):
+        await policy.generate(soon, "late")
+    await policy.resume()
+
+
+async def test_an_interrupt_the_control_plane_did_not_ask_for_is_a_retryable_engine_error():
+    policy, inner = engine()
+    running = await started(policy, job())
+    await inner.interrupt("j")
+    with pytest.raises(Exception, match="aborted before it finished") as info:
+        await running
+    assert getattr(info.value, "retryable", False)
+
+
+def test_version_spans_round_trip():
+    span = VersionSpan(version=3, start=0, end=9)
+    assert msgspec.json.decode(msgspec.json.encode(span), type=VersionSpan) == span
