@@ -346,9 +346,19 @@ def test_every_mock_engine_field_but_the_vocabulary_is_a_setting():
     from worker.mock_engine import MockEngineSettings, mock_engine_settings  # noqa: PLC0415
 
     settings = settings_from(
-        {"mock_num_layers": "6", "mock_top_k": "3", "mock_max_model_len": "99"}, {}
+        {
+            "mock_num_layers": "6",
+            "mock_top_k": "3",
+            "mock_max_model_len": "99",
+            "weight_version": "4",
+        },
+        {},
     )
     derived = mock_engine_settings(settings)
     assert (derived.num_layers, derived.top_k, derived.max_model_len) == (6, 3, 99)
-    fields = {f.name for f in msgspec.structs.fields(MockEngineSettings)} - {"vocab_size"}
+    assert derived.weight_version == 4  # every engine's: --weight-version
+    fields = {f.name for f in msgspec.structs.fields(MockEngineSettings)} - {
+        "vocab_size",
+        "weight_version",
+    }
     assert {f"mock_{name}" for name in fields} == {n for n in FIELDS if n.startswith("mock_")}

@@ -119,6 +119,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         int, Meta(ge=1, le=65_536), _d("mock engine: simulated batch size")
     ] = 256
     mock_max_model_len: Annotated[int, Meta(ge=2), _d("mock engine: context length")] = 32_768
+    mock_in_place_updates: Annotated[
+        bool,
+        _d("mock engine: weight updates keep running requests, as an in-place reload would"),
+    ] = False
     mock_crash_token_id: Annotated[
         Annotated[int, Meta(ge=0)] | None,
         _d("mock engine: a job whose prompt holds this token id kills the process (SIGKILL)"),
