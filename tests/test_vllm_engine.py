@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ import pytest_asyncio
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from tests.kafka_helpers import assembled, collect, job_record, produce
+from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.config import settings_from
 from worker.engine import BorrowedEngine, EngineOutput
 from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
@@ -51,13 +51,6 @@ LAYOUT: Final = MoeLayout(
     num_experts=SPEC.num_experts,
     moe_layers=SPEC.moe_layers,
 )
-# Capture needs Model Runner V2, whose Triton kernels run in Triton's interpreter on CPU through
-# the test-support backend (opt-in). Set before the engine's processes are spawned.
-CAPTURE_ENV: Final = {
-    "VKW_TRITON_CPU_SHIM": "1",
-    "TRITON_INTERPRET": "1",
-    "VLLM_USE_V2_MODEL_RUNNER": "1",
-}
 PROMPT: Final = [17, 301, 45, 220, 98, 411, 7, 150, 333, 64, 250, 12]
 
 
@@ -77,28 +70,6 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 def engine_args(model_dir: Path, *extra: str) -> list[str]:
     return [*tiny_model_engine_args(model_dir), *extra]
-
-
-def activate_triton_cpu_shim() -> None:
-    """List the shim's `cpu` Triton backend in this process too, as its .pth does at start-up.
-
-    vLLM checks in this process that Triton has a `cpu` backend before it agrees to Model Runner
-    V2; the engine's spawned processes see the backend through the inherited variable. Triton
-    reads its backends once, at import, and building the tiny model (torch) has imported it by
-    now, so its registry is refreshed in place.
-    """
-    importing = sys.modules.get("vllm.triton_utils.importing")
-    if importing is not None and not importing.HAS_TRITON:
-        pytest.fail(
-            "vLLM was imported in this process before the capture tests enabled the Triton CPU "
-            "shim; run them in their own process or start pytest with VKW_TRITON_CPU_SHIM=1",
-            pytrace=False,
-        )
-    importlib.import_module("vkw_triton_cpu_shim._startup")
-    registry = importlib.import_module("triton.backends")
-    if "cpu" not in registry.backends:
-        registry.backends.update(registry._discover_backends())
-    assert "cpu" in registry.backends
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -22,9 +22,13 @@ from aiokafka import AIOKafkaProducer
 from tests.fakes import ScriptedEngine
 from tests.kafka_helpers import committed
 from worker.config import Settings, settings_from
+from worker.engine import ControllableEngine
 from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
 from worker.limits import RecordLimits
+from worker.mock_engine import MockEngine, MockEngineSettings
+from worker.policy import PolicyEngine
 from worker.service import Worker
+from worker.serving import SteeredWorker
 
 #: The in-flight cap of spawned workers: what one crash may repeat at most.
 MAX_IN_FLIGHT = 32
@@ -124,6 +128,105 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         if not handle.task.done():
             handle.worker.request_stop()
             await asyncio.wait_for(handle.task, 60)
+    for reader in readers:
+        await reader.close()
+
+
+@dataclass
+class Steered:
+    """A `SteeredWorker` running in this process, on the mock engine."""
+
+    steered: SteeredWorker
+    #: The engine under the policy (a MockEngine unless the test gave another).
+    inner: Any
+    task: asyncio.Task[int]
+    settings: Settings
+
+    @property
+    def engine(self) -> PolicyEngine:
+        return self.steered.engine
+
+    async def stop(self) -> int:
+        self.steered.request_stop()
+        return await asyncio.wait_for(self.task, 60)
+
+
+@dataclass
+class Fleet:
+    """Topics for workers steered by a control plane: jobs, results, dead letters, control,
+    status (one partition each)."""
+
+    topics: Topics
+    control: str
+    status: str
+
+
+async def make_fleet(new_topic: Any, jobs_partitions: int = 1) -> Fleet:
+    return Fleet(
+        topics=await make_topics(new_topic, jobs_partitions=jobs_partitions),
+        control=await new_topic(1),
+        status=await new_topic(1),
+    )
+
+
+@pytest.fixture
+async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
+    """Start a worker with a control plane, as `serve` runs it, on the mock engine."""
+    running: list[Steered] = []
+    readers: list[GroupOffsetsReader] = []
+
+    async def start(
+        fleet: Fleet,
+        worker_id: str,
+        *,
+        group: str | None = None,
+        jobs_topic: str | None = None,
+        mock: MockEngineSettings | None = None,
+        engine: ControllableEngine | None = None,
+        **overrides: Any,
+    ) -> Steered:
+        values = {
+            "bootstrap_servers": kafka_bootstrap_servers,
+            "jobs_topic": jobs_topic or fleet.topics.jobs,
+            "results_topic": fleet.topics.results,
+            "dead_letter_topic": fleet.topics.dlq,
+            "control_topic": fleet.control,
+            "status_topic": fleet.status,
+            "group_id": group or fleet.topics.group,
+            "worker_id": worker_id,
+            "engine": "mock",
+            "commit_interval_ms": 0,
+            "poll_timeout_ms": 50,
+            "shutdown_grace_s": 5,
+            "revoke_grace_s": 2,
+            "session_timeout_ms": 6000,
+            "heartbeat_interval_ms": 500,
+            "status_interval_s": 0.5,
+        }
+        values.update(overrides)
+        settings = settings_from(values, {})
+        inner = engine or MockEngine(
+            mock or MockEngineSettings(num_layers=4, top_k=2, num_experts=8)
+        )
+        limits = await read_record_limits(settings)
+        readers.append(GroupOffsetsReader(settings))
+        steered = SteeredWorker(
+            settings,
+            engine=inner,
+            consumer=make_consumer(settings, limits),
+            producer=make_producer(settings, limits),
+            limits=limits,
+            read_committed=readers[-1],
+        )
+        handle = Steered(steered, inner, asyncio.create_task(steered.run()), settings)
+        running.append(handle)
+        return handle
+
+    yield start
+    for handle in running:
+        if not handle.task.done():
+            handle.steered.request_stop()
+            await asyncio.wait_for(handle.task, 120)
     for reader in readers:
         await reader.close()
 

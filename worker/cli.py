@@ -29,7 +29,8 @@ from schemas import (
 )
 from worker import __version__
 from worker.config import Settings, add_settings_arguments, settings_from
-from worker.engine import Engine
+from worker.control_cli import add_control_parsers, run_control, run_status
+from worker.engine import ControllableEngine
 from worker.errors import BrokerError, ConfigError, WorkerError
 from worker.result_encoder import encode_result
 
@@ -125,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_settings_arguments(gc_parser, ("payload_store", "log_level"))
 
+    add_control_parsers(commands, CONNECTION_SETTINGS)
+
     tiny = commands.add_parser(
         "tiny-model",
         help="write a tiny random-weight MoE model for tests and the demo",
@@ -154,6 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = settings_from(args)
         if args.command == "payloads":
             return _payloads_gc(settings, args.older_than)
+        if args.command == "control":
+            return asyncio.run(run_control(args, settings))
+        if args.command == "status":
+            return asyncio.run(run_status(args, settings))
         logging.basicConfig(
             level=settings.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -202,7 +209,7 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         read_record_limits,
     )
     from worker.metrics import Metrics, MetricsServer  # noqa: PLC0415
-    from worker.service import Worker  # noqa: PLC0415
+    from worker.serving import SteeredWorker  # noqa: PLC0415
 
     metrics = Metrics()
     server: MetricsServer | None = None
@@ -219,11 +226,11 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         # client built before that would be left unclosed.
         producer = make_producer(settings, limits)
         read_committed = GroupOffsetsReader(settings)
-        worker = Worker(
+        worker = SteeredWorker(
             settings,
+            engine=engine,
             consumer=make_consumer(settings, limits),
             producer=producer,
-            engine=engine,
             limits=limits,
             metrics=metrics,
             read_committed=read_committed,
@@ -284,7 +291,7 @@ def tune_gc_for_serving() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
-def build_engine(settings: Settings, engine_args: list[str]) -> Engine:
+def build_engine(settings: Settings, engine_args: list[str]) -> ControllableEngine:
     """The engine named by the settings; vLLM is imported only when asked for."""
     if settings.engine == "mock":
         if engine_args:
@@ -299,7 +306,9 @@ def build_engine(settings: Settings, engine_args: list[str]) -> Engine:
             f"--engine vllm needs vLLM installed (extras `cpu` or `gpu`): {exc}; "
             "or use --engine mock"
         ) from None
-    return build_vllm_engine(engine_args)
+    return build_vllm_engine(
+        engine_args, weight_version=settings.weight_version, weight_reload=settings.weight_reload
+    )
 
 
 def _read_jobs(path: Path) -> list[tuple[str, bytes]]:

@@ -267,6 +267,18 @@ class Committer:
                 self.held.discard(tp)
         return offsets
 
+    def lag(self) -> int | None:
+        """Records behind the ends of the assigned partitions, from the committed positions;
+        None before anything is known."""
+        total, known = 0, False
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            position = self.tracker.committed_position(tp)
+            if highwater is not None and position is not None:
+                total += max(highwater - position, 0)
+                known = True
+        return total if known else None
+
     def _update_lag(self) -> None:
         # Lag is measured from the committed position, so it moves only with commits.
         for tp in self._consumer.assignment():

@@ -168,6 +168,18 @@ class Delivery:
             logger.info("cancelled %d re-sends; their jobs will be redelivered", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
 
+    async def acknowledged(self, deadline: float) -> bool:
+        """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
+        and acknowledged (re-sends included), cancelling nothing; whether they all were."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.flush(), max(deadline - time.monotonic(), 0))
+        waiting: list[asyncio.Future[Any]] = [*self._deliveries, *self._resends]
+        remaining = deadline - time.monotonic()
+        if waiting and remaining > 0:
+            await asyncio.wait(waiting, timeout=remaining)
+        await asyncio.sleep(0)  # let the acknowledgements' callbacks run
+        return self._outbox.pending == 0 and not self._deliveries and not self._resends
+
     def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
         self._deliveries[delivery] = (time.monotonic(), members)

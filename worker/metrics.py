@@ -151,6 +151,24 @@ class Metrics:
         self.assigned_partitions = prom.Gauge(
             "vkw_assigned_partitions", "Partitions held", registry=r
         )
+        self.weight_version = prom.Gauge(
+            "vkw_weight_version", "Version of the weights being served", registry=r
+        )
+        self.paused = prom.Gauge(
+            "vkw_paused", "1 while the control plane has paused the worker", registry=r
+        )
+        self.commands = prom.Counter(
+            "vkw_commands",
+            "Control commands applied, by kind and outcome",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.weight_update_time = prom.Histogram(
+            "vkw_weight_update_seconds",
+            "Time from a weight update's start to the new weights serving",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
 
     # One call per job and stage from the hot path, where a call costs a measurable share.
 

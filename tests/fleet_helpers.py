@@ -1,0 +1,114 @@
+"""Readers of a fleet's topics for tests: commands in, acknowledgements, heartbeats, results out."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Self
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from schemas import (
+    Command,
+    CommandAck,
+    Completed,
+    ControlRecordError,
+    Failed,
+    WorkerStatus,
+    decode_result,
+    decode_status,
+    encode,
+)
+from tests.kafka_helpers import produce, wait_for
+from tests.workers import Fleet
+
+
+async def send(bs: str, fleet: Fleet, *commands: Command | bytes) -> None:
+    await produce(
+        bs,
+        fleet.control,
+        [(None, c if isinstance(c, bytes) else encode(c), []) for c in commands],
+    )
+
+
+class Topic:
+    """Reads a topic from the beginning in the background, keeping (timestamp, value)."""
+
+    def __init__(self, bs: str, topic: str) -> None:
+        self.records: list[tuple[int, bytes]] = []
+        self._bs, self._topic = bs, topic
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Self:
+        consumer = AIOKafkaConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
+        await consumer.start()
+        tp = TopicPartition(self._topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        self._task = asyncio.create_task(self._run(consumer))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while True:
+                for batch in (await consumer.getmany(timeout_ms=100)).values():
+                    self.records += [(r.timestamp, r.value) for r in batch]
+        finally:
+            await consumer.stop()
+
+
+class Status(Topic):
+    def acks(self, command_id: str) -> list[CommandAck]:
+        return [
+            m
+            for _, v in self.records
+            if isinstance(m := decode_status(v), CommandAck) and m.command_id == command_id
+        ]
+
+    def ack_time(self, command_id: str) -> int:
+        return next(
+            t
+            for t, v in self.records
+            if isinstance(m := decode_status(v), CommandAck) and m.command_id == command_id
+        )
+
+    def errors(self) -> list[ControlRecordError]:
+        return [m for _, v in self.records if isinstance(m := decode_status(v), ControlRecordError)]
+
+    def statuses(self, worker: str) -> list[WorkerStatus]:
+        return [
+            m
+            for _, v in self.records
+            if isinstance(m := decode_status(v), WorkerStatus) and m.worker == worker
+        ]
+
+    async def wait_acks(
+        self, command_id: str, count: int, timeout_s: float = 20
+    ) -> list[CommandAck]:
+        await wait_for(lambda: len(self.acks(command_id)) >= count, timeout_s, f"{count} acks")
+        return self.acks(command_id)
+
+
+class Results(Topic):
+    def by_id(self) -> dict[str, list[Completed | Failed]]:
+        out: dict[str, list[Completed | Failed]] = {}
+        for _, v in self.records:
+            result = decode_result(v)
+            out.setdefault(result.job_id or "", []).append(result)
+        return out
+
+    def timed(self) -> list[tuple[int, Completed | Failed]]:
+        return [(t, decode_result(v)) for t, v in self.records]
+
+    async def wait(self, *job_ids: str, timeout_s: float = 20) -> dict[str, Completed | Failed]:
+        await wait_for(lambda: set(job_ids) <= set(self.by_id()), timeout_s, f"{job_ids}")
+        return {j: self.by_id()[j][-1] for j in job_ids}
+
+
+def completed(result: Completed | Failed) -> Completed:
+    assert isinstance(result, Completed), result
+    return result

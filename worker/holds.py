@@ -1,0 +1,106 @@
+"""Jobs that need newer weights than the worker serves: held in their partition, not run.
+
+A job with `min_weight_version` above the engine's version is not started. Its partition is
+rewound to it and paused (the worker stays in the group and keeps polling), so the job and
+everything behind it keep their order and their uncommitted offsets. The partition resumes
+when an update reaches the version, or when the job's `deadline` passes: it is then fetched
+again and answered `expired`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+
+__all__ = ["VersionHolds"]
+
+logger = logging.getLogger(__name__)
+
+# Only records that name the field are decoded a second time.
+_FIELD: Final = b'"min_weight_version"'
+
+
+class _Needs(msgspec.Struct):
+    min_weight_version: int | None = None
+    deadline: float | None = None
+
+
+_DECODER: Final = msgspec.json.Decoder(_Needs)
+
+
+class _Hold(msgspec.Struct):
+    offset: int
+    version: int
+    deadline: float | None
+
+
+class VersionHolds:
+    """Which partitions wait for a weight version, and until when."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        weight_version: Callable[[], int],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._consumer = consumer
+        self._weight_version = weight_version
+        self._clock = clock
+        self._holds: dict[TopicPartition, _Hold] = {}
+
+    @property
+    def held(self) -> set[TopicPartition]:
+        return set(self._holds)
+
+    def runnable(
+        self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]
+    ) -> list[ConsumerRecord[bytes, bytes]]:
+        """The records to start now: those before the first that needs newer weights. From
+        that one on, the partition is rewound and held."""
+        if tp in self._holds:
+            return []  # fetched before the hold took effect: fetched again after it
+        version = self._weight_version()
+        for i, record in enumerate(records):
+            value = record.value
+            if value is None or _FIELD not in value:
+                continue
+            try:
+                needs = _DECODER.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # the answer builder says what is wrong with it
+            wanted = needs.min_weight_version
+            if wanted is None or wanted <= version:
+                continue
+            if needs.deadline is not None and needs.deadline < self._clock():
+                continue  # run it, and be answered `expired`
+            self._holds[tp] = _Hold(record.offset, wanted, needs.deadline)
+            self._consumer.seek(tp, record.offset)
+            logger.info(
+                "%s-%s@%s needs weights >= %d (serving %d): holding the partition",
+                tp.topic,
+                tp.partition,
+                record.offset,
+                wanted,
+                version,
+            )
+            return records[:i]
+        return records
+
+    def release(self) -> None:
+        """End the holds whose version has arrived or whose job's deadline has passed."""
+        if not self._holds:
+            return
+        version, now = self._weight_version(), self._clock()
+        for tp, hold in list(self._holds.items()):
+            if hold.version <= version or (hold.deadline is not None and hold.deadline < now):
+                del self._holds[tp]
+                logger.info("%s-%s: hold released (serving %d)", tp.topic, tp.partition, version)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        for tp in partitions:
+            self._holds.pop(tp, None)
