@@ -157,6 +157,9 @@ class VllmEngine:
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
         self._transfer_ready = False
+        # While a new engine is built for new weights there is none to ask; the control plane
+        # holds every job meanwhile, and a failed rebuild raises there.
+        self._rebuilding = False
 
     @property
     def model_name(self) -> str:
@@ -418,16 +421,20 @@ class VllmEngine:
         except ConfigError as exc:
             raise WeightUpdateError(f"checkpoint {path}: {exc}") from None
         old_config, old_version = self._vllm_config, self._version
+        self._rebuilding = True
         try:
-            await self._replace_llm(fresh._vllm_config)
-            self._version = version
-            await self._ready()
-        except Exception as exc:
-            logger.exception("the engine on %s did not start; back to the old weights", path)
-            self._version = old_version
-            await self._replace_llm(old_config)  # EngineDeadError if even that fails
-            await self._ready()
-            raise WeightUpdateError(f"the engine on {path} did not start: {exc}") from exc
+            try:
+                await self._replace_llm(fresh._vllm_config)
+                self._version = version
+                await self._ready()
+            except Exception as exc:
+                logger.exception("the engine on %s did not start; back to the old weights", path)
+                self._version = old_version
+                await self._replace_llm(old_config)  # EngineDeadError if even that fails
+                await self._ready()
+                raise WeightUpdateError(f"the engine on {path} did not start: {exc}") from exc
+        finally:
+            self._rebuilding = False
         self._vllm_config = fresh._vllm_config
         self._engine_args = args
 
@@ -500,6 +507,8 @@ class VllmEngine:
     async def check_health(self) -> None:
         from vllm.exceptions import VLLMError  # noqa: PLC0415
 
+        if self._rebuilding:
+            return
         llm = self._require_llm()
         try:
             await llm.check_health()
