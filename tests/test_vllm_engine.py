@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import os
+import shutil
 import signal
 import sys
 import uuid
@@ -30,7 +31,13 @@ from tests.kafka_helpers import assembled, collect, job_record, produce
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.config import settings_from
 from worker.engine import BorrowedEngine, EngineOutput
-from worker.errors import ConfigError, EngineDeadError, EngineError, InvalidJobError
+from worker.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineError,
+    InvalidJobError,
+    WeightUpdateError,
+)
 from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.service import Worker
 from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
@@ -574,3 +581,105 @@ async def test_vllm_errors_map_to_the_workers_by_kind_and_origin():
     assert isinstance(validation, InvalidJobError)
     assert validation.detail == "bad start (parameter=x, value=3)"
     assert isinstance(_map_error(VllmDead()), EngineDeadError)
+
+
+# ---- the control seam, with a stand-in for AsyncLLM ------------------------------------------
+
+
+class RecordingLLM:
+    """The AsyncLLM calls a weight update makes, recorded; `fail` makes one of them raise."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self._fail = fail
+
+    def __getattr__(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((name, args[0] if args else kwargs))
+            if name == self._fail:
+                raise RuntimeError(f"{name} failed (scripted)")
+
+        return call
+
+
+def seam_engine(model_dir: Path, llm: RecordingLLM, **kwargs: Any) -> VllmEngine:
+    config = json.loads((model_dir / "config.json").read_text())
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**config)))
+    engine = VllmEngine(vllm_config, capture=False, layout=None, model_name="seam", **kwargs)
+    engine._llm = llm
+    return engine
+
+
+async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_dir):
+    from worker.policy import PolicyEngine  # noqa: PLC0415
+
+    llm = RecordingLLM()
+    engine = seam_engine(model_dir, llm)
+    policy = PolicyEngine(engine)
+    init, update = (
+        {"master_address": "10.0.0.1", "world_size": 2},
+        {"names": ["w"], "shapes": [[2]]},
+    )
+    await policy.transfer("nccl", init, update, 7, "wait")
+    assert [name for name, _ in llm.calls] == [
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    assert llm.calls[0][1].init_info == init
+    assert llm.calls[2][1].update_info == update
+    assert llm.calls[3][1] == {"weight_version": "7"}
+    assert engine.weight_version == 7
+    # The next update reuses the initialised transfer engine.
+    llm.calls.clear()
+    await policy.transfer("nccl", None, update, 8, "wait")
+    assert [name for name, _ in llm.calls] == [
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ]
+    failing = seam_engine(model_dir, RecordingLLM(fail="update_weights"))
+    with pytest.raises(WeightUpdateError, match="nccl weight transfer failed"):
+        await PolicyEngine(failing).transfer("nccl", init, update, 9, "wait")
+    assert failing.weight_version == 0
+
+
+async def test_in_place_reload_calls_vllms_reload_then_stamps_the_version(model_dir, tmp_path):
+    llm = RecordingLLM()
+    engine = seam_engine(model_dir, llm, weight_reload="in-place")
+    assert engine.keeps_requests_across_loads
+    await engine.load_weights(str(model_dir), 3)
+    assert llm.calls == [
+        ("collective_rpc", "reload_weights"),
+        ("reset_prefix_cache", {}),
+        ("update_weight_version", "3"),
+    ]
+    assert engine.weight_version == 3
+
+
+async def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_torn_down(
+    model_dir, tmp_path
+):
+    llm = RecordingLLM()
+    engine = seam_engine(model_dir, llm)
+    other = tmp_path / "other"
+    shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = config["num_hidden_layers"] + 1
+    (other / "config.json").write_text(json.dumps(config))
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(model_dir, corrupt)
+    (next(corrupt.glob("*.safetensors"))).write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((model_dir / "config.json").read_text())
+    for path, message in (
+        (tmp_path / "missing", "config.json is missing"),
+        (other, "another architecture: num_hidden_layers"),
+        (corrupt, "unreadable"),
+        (no_weights, "no \\*.safetensors"),
+    ):
+        with pytest.raises(WeightUpdateError, match=message):
+            await engine.load_weights(str(path), 5)
+    assert llm.calls == [] and engine.weight_version == 0
