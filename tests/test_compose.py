@@ -42,6 +42,8 @@ def test_topics_are_created_with_max_message_bytes_sized_for_results():
     }
     for topic in ("jobs_topic", "results_topic", "dead_letter_topic"):
         assert defaults[topic] in script
+    for topic in ("control_topic", "status_topic"):
+        assert defaults[topic] in script
 
 
 def test_worker_env_uses_real_settings_and_waits_for_topics():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -354,3 +355,87 @@ async def test_a_worker_without_control_topics_still_serves(
         await produce(bs, topics.jobs, [job_record(job("plain"))])
         assert completed((await results.wait("plain"))["plain"]).weight_version == 0
     assert await w.stop() == 0
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    """`python -m worker ARGS` without blocking the loop the workers run in."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "worker",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_control_cli_waits_for_every_live_worker_and_exits_by_outcome(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path
+):
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic, jobs_partitions=2)
+    w1 = await start_steered(fleet, "w1")
+    w2 = await start_steered(fleet, "w2")
+    common = [
+        "--bootstrap-servers",
+        bs,
+        "--control-topic",
+        fleet.control,
+        "--status-topic",
+        fleet.status,
+        "--group-id",
+        fleet.topics.group,
+    ]
+    async with Status(bs, fleet.status) as status:
+        await wait_for(lambda: status.statuses("w1") and status.statuses("w2"), 20, "heartbeats")
+    rc, out, err = await cli("status", *common)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["worker", "group", "version"]
+    assert [line.split()[0] for line in lines[1:]] == ["w1", "w2"]
+    b = checkpoint(tmp_path, "b")
+    rc, out, err = await cli(
+        "control", "update-weights", b, "--version", "3", "--on-inflight", "keep", "--wait", *common
+    )
+    assert rc == 0, (out, err)
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert set(rows) == {"w1", "w2"} and all(r[1] == "ok" and r[3] == "3" for r in rows.values())
+    assert (w1.engine.weight_version, w2.engine.weight_version) == (3, 3)
+    rc, out, err = await cli(
+        "control", "update-weights", str(tmp_path / "nope"), "--version", "4", "--wait", *common
+    )
+    assert rc == 1 and "failed" in out and "config.json is missing" in out
+    rc, out, _ = await cli(
+        "control", "pause", "--mode", "keep", "--target-worker", "w2", "--wait", *common
+    )
+    assert rc == 0 and [line.split()[0] for line in out.splitlines()[1:]] == ["w2"]
+    assert w2.engine.paused and not w1.engine.paused
+    rc, out, _ = await cli("control", "resume", *common)  # no --wait: prints the command id
+    assert rc == 0 and out.strip().startswith("cmd-")
+    for w in (w1, w2):
+        assert await w.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["update-weights", "/ckpt"], "the following arguments are required: --version"),
+        (["update-weights", "/ckpt", "--version", "-1"], "Expected `int` >= 0"),
+        (["update-weights", "--version", "2"], "needs `path`"),
+        (["update-weights", "--version", "2", "--backend", "nccl"], "needs `update_info`"),
+        (
+            ["update-weights", "--version", "2", "--backend", "nccl", "--update-info", "[1]"],
+            "a JSON object",
+        ),
+        (["abort"], "exactly one of `job_ids` or `metadata`"),
+        (["abort", "--metadata", "step"], "expected KEY=VALUE"),
+        (["pause", "--mode", "later"], "invalid choice: 'later'"),
+    ],
+)
+async def test_control_cli_refuses_bad_arguments_with_exit_2(args, message):
+    rc, _, err = await cli("control", *args, "--bootstrap-servers", "127.0.0.1:1")
+    assert rc == 2, err
+    assert message in err

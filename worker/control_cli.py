@@ -87,7 +87,7 @@ def add_control_parsers(
         "status", help="one line per live worker", description="The fleet's latest heartbeats."
     )
     status.add_argument("--all-groups", action="store_true", help="not only --group-id")
-    add_settings_arguments(status, (*connection, "status_topic", "group_id"))
+    add_settings_arguments(status, (*connection, *FLEET_SETTINGS))
 
 
 def build_command(args: argparse.Namespace, settings: Settings) -> Command:
