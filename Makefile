@@ -35,6 +35,7 @@ bench: setup
 	$(BIN)/python bench/engine_overhead.py
 	$(BIN)/python bench/offset_map.py
 	$(BIN)/python bench/split.py
+	$(BIN)/python bench/weight_update.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -68,6 +68,11 @@ class PolicyEngine:
         self._idle.set()
         # One control operation at a time, in the order the control topic gives them.
         self._control = asyncio.Lock()
+        #: Tokens generated and then thrown away by `restart` updates.
+        self.tokens_discarded = 0
+        #: Tokens fed forward again to continue sequences after `keep` updates (prompt and
+        #: tokens so far, on an engine that cannot keep requests across a load).
+        self.tokens_recomputed = 0
 
     # ---- Engine ------------------------------------------------------------------------------
 
@@ -137,6 +142,7 @@ class PolicyEngine:
                 )
             if reason == "restart":
                 logger.info("job %s: running again on the new weights", job.job_id)
+                self.tokens_discarded += sum(len(c.token_ids) for c in output.completions)
                 continue
             return await self._continue(job, request_id, output)
 
@@ -173,6 +179,7 @@ class PolicyEngine:
             left = None if job.sampling.max_tokens is None else job.sampling.max_tokens - done
             if left is not None and left <= 0:
                 return msgspec.structs.replace(c, finish_reason="length")
+            self.tokens_recomputed += len(prompt) + done
             rest = Job(
                 job_id=job.job_id,
                 prompt_token_ids=[*prompt, *c.token_ids],

@@ -1,0 +1,315 @@
+"""Benchmark: weight updates over the control topic, per `on_inflight` mode.
+
+Run `python bench/weight_update.py [--jobs N] [--tokens N] [--mock-workers N] [--skip-vllm]`.
+Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
+
+1. The control path alone: a fleet of `--mock-workers` steered workers (mock engine, 5 ms a
+   token) with jobs in flight; per mode, the time from producing the command to the last
+   worker's acknowledgement.
+2. Real vLLM (the tiny MoE, eager, no capture; two checkpoints of one architecture): one
+   steered worker with `--jobs` generations of `--tokens` in flight; per mode, the time from
+   the command to the acknowledgement, the tokens generated and thrown away (`restart`), the
+   tokens fed forward again to continue sequences (`keep` on an engine rebuilt for the new
+   weights) and the partial tokens handed back (`abort`). The baseline, measured in the same
+   run, is what the update replaces: restarting the worker on the new checkpoint, timed from
+   starting `python -m worker serve` to its first heartbeat (imports, engine start, control
+   catch-up); the ratio is update time / that.
+
+It prints figures and ratios; it never fails on them (exit code 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from schemas import (
+    CommandAck,
+    Failed,
+    Job,
+    SamplingSpec,
+    UpdateWeights,
+    decode_result,
+    decode_status,
+    encode,
+)
+from worker.config import Settings, settings_from
+from worker.dev_broker import LocalBroker
+from worker.engine import ControllableEngine
+from worker.kafka import make_consumer, make_producer, read_record_limits
+from worker.mock_engine import MockEngine, MockEngineSettings
+from worker.serving import SteeredWorker
+
+MODES: Final = ("wait", "keep", "restart", "abort")
+PROMPT: Final = list(range(11, 43))
+
+
+@contextlib.contextmanager
+def broker() -> Iterator[str]:
+    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if from_env:
+        yield from_env
+        return
+    local = LocalBroker()
+    local.start()
+    try:
+        yield local.bootstrap_servers
+    finally:
+        local.stop()
+
+
+async def topics(bootstrap: str, count: int) -> list[str]:
+    names = [f"bench-wu-{uuid.uuid4().hex[:10]}" for _ in range(count)]
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
+    finally:
+        await admin.close()
+    return names
+
+
+class Fleet:
+    """Topics of one benchmark fleet and readers of its status and results."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self.group = f"bench-{uuid.uuid4().hex[:8]}"
+
+    async def create(self) -> Fleet:
+        self.jobs, self.results, self.dlq, self.control, self.status = await topics(
+            self.bootstrap, 5
+        )
+        return self
+
+    def settings(self, worker_id: str) -> Settings:
+        return settings_from(
+            {
+                "bootstrap_servers": self.bootstrap,
+                "jobs_topic": self.jobs,
+                "results_topic": self.results,
+                "dead_letter_topic": self.dlq,
+                "control_topic": self.control,
+                "status_topic": self.status,
+                "group_id": self.group,
+                "worker_id": worker_id,
+                "commit_interval_ms": 0,
+                "poll_timeout_ms": 50,
+                "status_interval_s": 1.0,
+            },
+            {},
+        )
+
+    async def start(self, worker_id: str, engine: ControllableEngine) -> tuple[SteeredWorker, Any]:
+        settings = self.settings(worker_id)
+        limits = await read_record_limits(settings)
+        steered = SteeredWorker(
+            settings,
+            engine=engine,
+            consumer=make_consumer(settings, limits),
+            producer=make_producer(settings, limits),
+            limits=limits,
+        )
+        return steered, asyncio.create_task(steered.run())
+
+    async def produce(self, topic: str, values: list[bytes]) -> None:
+        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5)
+        await producer.start()
+        try:
+            for value in values:
+                await producer.send(topic, value=value)
+            await producer.flush()
+        finally:
+            await producer.stop()
+
+    async def read(self, topic: str, until: Any, timeout_s: float = 600) -> list[Any]:
+        """Decoded records of `topic` from the start until `until(records)` holds."""
+        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        decode = decode_status if topic == self.status else decode_result
+        out: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not until(out):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{topic}: condition not met in {timeout_s}s")
+                for records in (await consumer.getmany(timeout_ms=100)).values():
+                    out += [(r.timestamp, decode(r.value)) for r in records]
+            return out
+        finally:
+            await consumer.stop()
+
+
+def acks_of(records: list[Any], command_id: str) -> list[tuple[int, CommandAck]]:
+    return [(t, m) for t, m in records if isinstance(m, CommandAck) and m.command_id == command_id]
+
+
+async def update(fleet: Fleet, version: int, path: Path, mode: str, workers: int) -> float:
+    """Seconds from producing the command to the last worker's acknowledgement."""
+    command = msgspec.convert(
+        {"command_id": f"u{version}", "version": version, "path": str(path), "on_inflight": mode},
+        UpdateWeights,
+    )
+    sent_ms = time.time() * 1000
+    await fleet.produce(fleet.control, [encode(command)])
+    records = await fleet.read(
+        fleet.status, lambda r: len(acks_of(r, command.command_id)) >= workers
+    )
+    acks = acks_of(records, command.command_id)
+    if any(ack.outcome != "ok" for _, ack in acks):
+        raise RuntimeError(f"update failed: {[a for _, a in acks]}")
+    return (max(t for t, _ in acks) - sent_ms) / 1000
+
+
+def jobs(prefix: str, count: int, tokens: int) -> list[bytes]:
+    return [
+        encode(
+            Job(
+                job_id=f"{prefix}-{i}",
+                prompt_token_ids=PROMPT,
+                sampling=SamplingSpec(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+            )
+        )
+        for i in range(count)
+    ]
+
+
+def mock_checkpoint(root: Path, name: str) -> Path:
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"name": name}))
+    return path
+
+
+async def control_path(bootstrap: str, workers: int, root: Path) -> None:
+    fleet = await Fleet(bootstrap).create()
+    running = [
+        await fleet.start(
+            f"mock-{i}",
+            MockEngine(MockEngineSettings(per_token_latency_ms=5, num_layers=4, top_k=2)),
+        )
+        for i in range(workers)
+    ]
+    paths = [mock_checkpoint(root, "a"), mock_checkpoint(root, "b")]
+    await asyncio.sleep(2.0)  # joined and heartbeating
+    line = []
+    for version, mode in enumerate(MODES, 1):
+        await fleet.produce(fleet.jobs, jobs(f"m{version}", 4 * workers, 400))
+        await asyncio.sleep(1.0)
+        seconds = await update(fleet, version, paths[version % 2], mode, workers)
+        line.append(f"{mode} {seconds * 1000:.0f} ms")
+    print(f"control path, {workers} mock workers, command to last ack: " + ", ".join(line))
+    for steered, task in running:
+        steered.request_stop()
+        await task
+
+
+async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None:
+    from worker.tiny_model import build_tiny_model  # noqa: PLC0415
+    from worker.vllm_engine import build_vllm_engine  # noqa: PLC0415
+
+    a, b = build_tiny_model(root / "a", seed=0), build_tiny_model(root / "b", seed=1)
+
+    def engine_on(path: Path) -> Any:
+        return build_vllm_engine(engine_args_fast(path))
+
+    cold_s = await restart_seconds(bootstrap, b)
+    print(f"baseline: a worker restarted on the new checkpoint serves after {cold_s:.1f} s")
+    fleet = await Fleet(bootstrap).create()
+    steered, task = await fleet.start("vllm-0", engine_on(a))
+    await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=300)  # serving
+    done = 0
+    for version, mode in enumerate(MODES, 1):
+        before_discarded = steered.engine.tokens_discarded
+        before_recomputed = steered.engine.tokens_recomputed
+        await fleet.produce(fleet.jobs, jobs(f"v{version}", count, tokens))
+        await asyncio.sleep(0.5)
+        seconds = await update(fleet, version, a if version % 2 == 0 else b, mode, 1)
+        done += count
+        results = await fleet.read(fleet.results, lambda r, n=done: len(r) >= n)
+        partial = sum(
+            len(c.token_ids)
+            for _, r in results[-count:]
+            if isinstance(r, Failed) and not isinstance(r.partial, msgspec.UnsetType)
+            for c in r.partial
+        )
+        print(
+            f"  {mode:7s} command to ack {seconds:5.1f} s ({seconds / cold_s:.2f} of a fresh "
+            f"start); tokens thrown away {steered.engine.tokens_discarded - before_discarded}, "
+            f"fed forward again {steered.engine.tokens_recomputed - before_recomputed}, "
+            f"handed back partial {partial} (of {count} x {tokens} in flight)"
+        )
+    steered.request_stop()
+    await task
+
+
+async def restart_seconds(bootstrap: str, checkpoint: Path) -> float:
+    """From starting a worker process on `checkpoint` to its first heartbeat."""
+    fleet = await Fleet(bootstrap).create()
+    flags = {
+        "bootstrap-servers": bootstrap,
+        "jobs-topic": fleet.jobs,
+        "results-topic": fleet.results,
+        "dead-letter-topic": fleet.dlq,
+        "control-topic": fleet.control,
+        "status-topic": fleet.status,
+        "group-id": fleet.group,
+        "worker-id": "restarted",
+    }
+    argv = [sys.executable, "-m", "worker", "serve"]
+    for name, value in flags.items():
+        argv += [f"--{name}", value]
+    argv += ["--", *engine_args_fast(checkpoint)]
+    t0 = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=600)
+        return time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+def engine_args_fast(path: Path) -> list[str]:
+    from worker.tiny_model import tiny_model_engine_args  # noqa: PLC0415
+
+    return [*tiny_model_engine_args(path), "--no-enable-return-routed-experts"]
+
+
+async def main(args: argparse.Namespace) -> None:
+    with broker() as bootstrap, tempfile.TemporaryDirectory(prefix="vkw-bench-wu-") as tmp:
+        print(f"broker {bootstrap}")
+        root = Path(tmp)
+        (root / "mock").mkdir()
+        await control_path(bootstrap, args.mock_workers, root / "mock")
+        if not args.skip_vllm:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            await real_vllm(bootstrap, args.jobs, args.tokens, root)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine processes, which re-import this file
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--jobs", type=int, default=8, help="generations in flight (vLLM)")
+    parser.add_argument("--tokens", type=int, default=450, help="tokens each")
+    parser.add_argument("--mock-workers", type=int, default=4)
+    parser.add_argument("--skip-vllm", action="store_true")
+    asyncio.run(main(parser.parse_args()))
