@@ -43,6 +43,7 @@ from worker.errors import FatalError, WeightUpdateError
 from worker.kafka import client_kwargs
 from worker.metrics import Metrics
 from worker.policy import PolicyEngine
+from worker.shutdown import bounded
 
 __all__ = ["ControlPlane", "WorkerView"]
 
@@ -135,11 +136,9 @@ class ControlPlane:
     async def close(self) -> None:
         if not self._started_clients:
             return
-        for step in (self._consumer.stop, self._producer.stop):
-            try:
-                await asyncio.wait_for(step(), self._settings.close_timeout_s)
-            except (TimeoutError, KafkaError) as exc:
-                logger.warning("control plane: %s failed: %r", step.__qualname__, exc)
+        timeout = self._settings.close_timeout_s
+        await bounded(self._consumer.stop, "control consumer stop", timeout)
+        await bounded(self._producer.stop, "status producer stop", timeout)
 
     async def catch_up(self) -> None:
         """Apply the state the control topic holds for this worker; before jobs are fetched."""

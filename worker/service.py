@@ -30,6 +30,7 @@ from worker.inflight import InFlight
 from worker.limits import RecordLimits
 from worker.metrics import Metrics
 from worker.offsets import PartitionOffsets
+from worker.shutdown import bounded
 
 __all__ = ["DLQ_HEADERS", "Worker"]
 
@@ -372,22 +373,7 @@ class Worker:
             await self._engine.close()
 
     async def _bounded(self, step: Callable[[], Awaitable[object]], what: str) -> None:
-        """Run one shutdown step for at most `close_timeout_s`: a dead broker must not hang exit."""
-        try:
-            await asyncio.wait_for(step(), self._settings.close_timeout_s)
-        except TimeoutError:
-            logger.warning(
-                "%s did not finish in %.1fs; going on", what, self._settings.close_timeout_s
-            )
-        except KafkaError as exc:
-            logger.warning("%s failed: %r", what, exc)
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            # aiokafka's fetcher lets its own task's cancellation escape stop() when the broker
-            # is gone; that is a failed step, not a request to cancel us.
-            logger.warning("%s was interrupted; going on", what)
+        await bounded(step, what, self._settings.close_timeout_s)
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 import logging
 import math
 import sys
@@ -27,6 +26,7 @@ from worker.errors import (
     InvalidJobError,
     WeightUpdateError,
 )
+from worker.vllm_weights import check_checkpoint, transfer_weights, with_model
 
 __all__ = ["MoeLayout", "VllmEngine", "build_vllm_engine", "check_capture", "moe_layout"]
 
@@ -250,7 +250,7 @@ class VllmEngine:
         llm = self._require_llm()
         if job.return_routed_experts and not self.supports_routed_experts:
             raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
-        params = self._sampling_params(job)
+        params = _sampling_params(job)
         prompt: Any = (
             job.prompt
             if job.prompt is not None
@@ -279,85 +279,13 @@ class VllmEngine:
         aborted = any(c.finish_reason == "abort" for c in children)
         if aborted and not interrupted:
             raise EngineError("the request was aborted before it finished", retryable=True)
-        completions = [self._completion(job, c) for c in children]
+        completions = [_completion(job, c, self._version) for c in children]
         return EngineOutput(
             prompt_token_ids=list(request_output.prompt_token_ids or ()),
             completions=completions,
             weight_version=self._version,
             interrupted=aborted,
         )
-
-    def _sampling_params(self, job: Job) -> Any:
-        from vllm import SamplingParams  # noqa: PLC0415
-        from vllm.exceptions import VLLMValidationError  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
-
-        s = job.sampling
-        try:
-            return SamplingParams(
-                n=s.n,
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                seed=s.seed,
-                stop=s.stop_strings or None,
-                stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids else None,
-                ignore_eos=s.ignore_eos,
-                # 0 returns just the sampled token's logprob, which is what results carry.
-                logprobs=s.logprobs,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                repetition_penalty=s.repetition_penalty,
-                routed_experts_prompt_start=job.routed_experts_prompt_start,
-                # One output per request: no per-step copies of the growing token lists.
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-        except (VLLMValidationError, ValueError, TypeError) as exc:
-            raise InvalidJobError(f"vLLM rejected the sampling parameters: {exc}") from exc
-
-    def _completion(self, job: Job, child: Any) -> Completion:
-        token_ids = list(child.token_ids)
-        logprobs: list[float | None] | None = None
-        if job.sampling.logprobs is not None and child.logprobs is not None:
-            logprobs = [
-                _finite(_sampled_logprob(position, token))
-                for position, token in zip(child.logprobs, token_ids, strict=False)
-            ]
-        routed = None
-        if job.return_routed_experts:
-            if child.routed_experts is None:
-                raise EngineError("vLLM returned no routed experts for this completion")
-            routed = RoutedExperts.from_array(
-                child.routed_experts, start=job.routed_experts_prompt_start
-            )
-        return Completion(
-            index=int(child.index),
-            token_ids=token_ids,
-            text=child.text or "",
-            finish_reason=child.finish_reason,
-            logprobs=logprobs,
-            cumulative_logprob=(
-                _finite(child.cumulative_logprob) if job.sampling.logprobs is not None else None
-            ),
-            routed_experts=routed,
-            stop_reason=child.stop_reason,
-            weight_versions=self._spans(child),
-        )
-
-    def _spans(self, child: Any) -> list[VersionSpan]:
-        """vLLM's per-token version spans (strings there; our integers: the self-check's
-        "default" is the version the engine started with)."""
-        spans = getattr(child, "weight_versions", None) or ()
-        out = []
-        for span in spans:
-            try:
-                version = int(span.version)
-            except (TypeError, ValueError):
-                version = self._version
-            out.append(VersionSpan(version=version, start=int(span.start), end=int(span.end)))
-        return out
 
     async def abort(self, request_id: str) -> None:
         if self._llm is None:
@@ -404,7 +332,8 @@ class VllmEngine:
         one again.
         """
         llm = self._require_llm()
-        checkpoint = await asyncio.to_thread(self._check_checkpoint, Path(path))
+        served = self._vllm_config.model_config.hf_config
+        checkpoint = await asyncio.to_thread(check_checkpoint, Path(path), served)
         if self._weight_reload == "in-place":
             try:
                 await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
@@ -415,7 +344,7 @@ class VllmEngine:
             self._version = version
             await llm.update_weight_version(str(version))
             return
-        args = _with_model(self._engine_args, str(checkpoint))
+        args = with_model(self._engine_args, str(checkpoint))
         try:
             fresh = await asyncio.to_thread(build_vllm_engine, args)
         except ConfigError as exc:
@@ -451,30 +380,6 @@ class VllmEngine:
         except (RuntimeError, ValueError, OSError) as exc:
             raise EngineDeadError(f"the vLLM engine did not start again: {exc}") from exc
 
-    def _check_checkpoint(self, path: Path) -> Path:
-        """`path`, if it holds a checkpoint of the served architecture; WeightUpdateError."""
-        try:
-            config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise WeightUpdateError(f"no checkpoint at {path}: config.json is missing") from None
-        except (OSError, ValueError) as exc:
-            raise WeightUpdateError(f"checkpoint {path}: config.json unreadable: {exc}") from None
-        served = self._vllm_config.model_config.hf_config
-        for key in _ARCHITECTURE_KEYS:
-            ours = getattr(served, key, None)
-            theirs = config.get(key)
-            if ours is not None and theirs is not None and ours != theirs:
-                raise WeightUpdateError(
-                    f"checkpoint {path} is another architecture: {key} is {theirs!r}, the "
-                    f"served model has {ours!r}"
-                )
-        shards = sorted(path.glob("*.safetensors"))
-        if not shards:
-            raise WeightUpdateError(f"checkpoint {path} has no *.safetensors weights")
-        for shard in shards:
-            _check_safetensors(shard)
-        return path.resolve()
-
     async def transfer_weights(
         self,
         backend: str,
@@ -484,24 +389,16 @@ class VllmEngine:
     ) -> None:
         """Weights streamed by the trainer through vLLM's weight-transfer engine (the backend
         the engine was configured with), as vLLM's own RL endpoints pass them."""
-        from vllm.distributed.weight_transfer.base import (  # noqa: PLC0415
-            WeightTransferInitRequest,
-            WeightTransferUpdateRequest,
-        )
-
         llm = self._require_llm()
-        try:
-            if init_info is not None or not self._transfer_ready:
-                await llm.init_weight_transfer_engine(
-                    WeightTransferInitRequest(init_info=init_info or {})
-                )
-                self._transfer_ready = True
-            await llm.start_weight_update()
-            await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-            await llm.finish_weight_update(weight_version=str(version))
-        # The backend raises whatever its transport does.
-        except Exception as exc:
-            raise WeightUpdateError(f"{backend} weight transfer failed: {exc!r}") from exc
+        await transfer_weights(
+            llm,
+            backend,
+            # The first transfer initialises vLLM's transfer engine, with or without info.
+            init_info if init_info is not None or self._transfer_ready else {},
+            update_info,
+            version,
+        )
+        self._transfer_ready = True
         self._version = version
 
     async def check_health(self) -> None:
@@ -535,43 +432,79 @@ class VllmEngine:
         return self._llm
 
 
-# A checkpoint must agree with the served model on these to be loaded into it.
-_ARCHITECTURE_KEYS: Final = (
-    "architectures",
-    "model_type",
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "vocab_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
+def _sampling_params(job: Job) -> Any:
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.exceptions import VLLMValidationError  # noqa: PLC0415
+    from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
 
-
-def _check_safetensors(shard: Path) -> None:
-    """A shard whose header cannot be read would fail deep inside the engine's load."""
+    s = job.sampling
     try:
-        with shard.open("rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = f.read(size) if 0 < size < 100 * 1024 * 1024 else b""
-        json.loads(header)
-    except (OSError, ValueError) as exc:
-        raise WeightUpdateError(f"weights {shard} are unreadable: {exc}") from None
+        return SamplingParams(
+            n=s.n,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            seed=s.seed,
+            stop=s.stop_strings or None,
+            stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids else None,
+            ignore_eos=s.ignore_eos,
+            # 0 returns just the sampled token's logprob, which is what results carry.
+            logprobs=s.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            routed_experts_prompt_start=job.routed_experts_prompt_start,
+            # One output per request: no per-step copies of the growing token lists.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except (VLLMValidationError, ValueError, TypeError) as exc:
+        raise InvalidJobError(f"vLLM rejected the sampling parameters: {exc}") from exc
 
 
-def _with_model(engine_args: list[str], model: str) -> list[str]:
-    """The engine arguments with `--model` set to `model`."""
-    args = list(engine_args)
-    for i, arg in enumerate(args):
-        if arg == "--model" and i + 1 < len(args):
-            args[i + 1] = model
-            return args
-        if arg.startswith("--model="):
-            args[i] = f"--model={model}"
-            return args
-    return [*args, "--model", model]
+def _completion(job: Job, child: Any, version: int) -> Completion:
+    token_ids = list(child.token_ids)
+    logprobs: list[float | None] | None = None
+    if job.sampling.logprobs is not None and child.logprobs is not None:
+        logprobs = [
+            _finite(_sampled_logprob(position, token))
+            for position, token in zip(child.logprobs, token_ids, strict=False)
+        ]
+    routed = None
+    if job.return_routed_experts:
+        if child.routed_experts is None:
+            raise EngineError("vLLM returned no routed experts for this completion")
+        routed = RoutedExperts.from_array(
+            child.routed_experts, start=job.routed_experts_prompt_start
+        )
+    return Completion(
+        index=int(child.index),
+        token_ids=token_ids,
+        text=child.text or "",
+        finish_reason=child.finish_reason,
+        logprobs=logprobs,
+        cumulative_logprob=(
+            _finite(child.cumulative_logprob) if job.sampling.logprobs is not None else None
+        ),
+        routed_experts=routed,
+        stop_reason=child.stop_reason,
+        weight_versions=_spans(child, version),
+    )
+
+
+def _spans(child: Any, served: int) -> list[VersionSpan]:
+    """vLLM's per-token version spans (strings there; our integers: the self-check's
+    "default" is `served`, the version the engine started with)."""
+    spans = getattr(child, "weight_versions", None) or ()
+    out = []
+    for span in spans:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            version = served
+        out.append(VersionSpan(version=version, start=int(span.start), end=int(span.end)))
+    return out
 
 
 def _destroy_zmq_context(llm: Any) -> None:
