@@ -22,6 +22,14 @@ from schemas.control import (
 from schemas.errors import RoutedExpertsError, SchemaError
 from schemas.jobs import Job, SamplingSpec
 from schemas.payloads import PayloadError
+from schemas.replay import (
+    RECIPES,
+    ReplayError,
+    ReplayLayout,
+    Turn,
+    replay_array,
+    stitch_turns,
+)
 from schemas.results import (
     Completed,
     Completion,
@@ -36,6 +44,7 @@ from schemas.results import (
 from schemas.routed_experts import RoutedExperts
 
 __all__ = [
+    "RECIPES",
     "Abort",
     "Command",
     "CommandAck",
@@ -52,6 +61,8 @@ __all__ = [
     "Pause",
     "PauseMode",
     "PayloadError",
+    "ReplayError",
+    "ReplayLayout",
     "ResetPrefixCache",
     "Result",
     "ResultAssembler",
@@ -63,6 +74,7 @@ __all__ = [
     "StatusMessage",
     "Target",
     "Timings",
+    "Turn",
     "UpdateWeights",
     "VersionSpan",
     "WorkerStatus",
@@ -73,4 +85,6 @@ __all__ = [
     "encode",
     "merge_parts",
     "peek_job_id",
+    "replay_array",
+    "stitch_turns",
 ]
