@@ -92,6 +92,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # The oldest weights this job may run on: a worker below it holds the job (keeping its
     # partition's place) until a weight update reaches it, or `deadline` expires the job.
     min_weight_version: Annotated[int, Meta(ge=0)] | None = None
+    # The topic the answer goes to instead of the worker's results topic (many trainers, one
+    # fleet); the worker answers it only if its --reply-topics allows it.
+    reply_to: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,249}$")] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
 import time
 from typing import Final, Literal
 
@@ -133,6 +134,9 @@ class AnswerBuilder:
             for limit in (limits.topic_bytes.get(self._results_topic), limits.request_bytes)
             if limit is not None
         )
+        self._reply_topics = (
+            re.compile(settings.reply_topics) if settings.reply_topics is not None else None
+        )
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
 
@@ -157,6 +161,14 @@ class AnswerBuilder:
                     job,
                     ErrorCode.EXPIRED,
                     f"deadline {job.deadline:.3f} passed before the job started ({started:.3f})",
+                )
+            if job.reply_to is not None and self._topic_for(job) != job.reply_to:
+                allowed = self._reply_topics.pattern if self._reply_topics else "unset"
+                return self._failed(
+                    job,
+                    ErrorCode.INVALID_JOB,
+                    f"reply_to {job.reply_to!r} is not a topic this worker answers to "
+                    f"(--reply-topics {allowed})",
                 )
             if job.return_routed_experts and not self._engine.supports_routed_experts:
                 return self._failed(
@@ -195,14 +207,15 @@ class AnswerBuilder:
                 timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
                 weight_version=output.weight_version,
             )
+            topic = self._topic_for(job)
             try:
-                values = await self._splitter.encode(result, *self._value_budget(job.job_id))
+                values = await self._splitter.encode(result, *self._value_budget(job.job_id, topic))
             except SplitRefused as exc:
                 logger.warning("job %s at %s: %s", job.job_id, _where(tp, record), exc.detail)
                 return self._failed(
                     job, ErrorCode.RESULT_TOO_LARGE, exc.detail, retryable=exc.retryable
                 )
-            records = tuple(self._result_record(job.job_id, value) for value in values)
+            records = tuple(self._result_record(job.job_id, value, topic) for value in values)
             tokens = routed_bytes = 0
             for c in output.completions:
                 tokens += len(c.token_ids)
@@ -242,20 +255,34 @@ class AnswerBuilder:
             smaller = self._smaller_copy(record, force=True)
             return _replace(answer, index, smaller)
         detail = f"result is {len(record.value or b'')} bytes; {refused_by} refused it"
-        failed = self._minimal_failed(answer.job_id, ErrorCode.RESULT_TOO_LARGE, detail)
+        failed = self._minimal_failed(
+            answer.job_id, ErrorCode.RESULT_TOO_LARGE, detail, topic=record.topic
+        )
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, ErrorCode.RESULT_TOO_LARGE)
 
-    def _value_budget(self, job_id: str) -> tuple[int, str]:
-        """The largest result value a record keyed `job_id` may carry, and the limit that sets
-        it: `max_result_bytes`, or the results topic's (or the producer's) less the framing."""
+    def _topic_for(self, job: Job) -> str:
+        """Where the job's answer goes: its `reply_to` when allowed, else the results topic."""
+        reply_to = job.reply_to
+        if reply_to is None or self._reply_topics is None:
+            return self._results_topic
+        return reply_to if self._reply_topics.fullmatch(reply_to) else self._results_topic
+
+    def _value_budget(self, job_id: str, topic: str) -> tuple[int, str]:
+        """The largest result value a record keyed `job_id` for `topic` may carry, and the
+        limit that sets it: `max_result_bytes`, or the topic's (or the producer's) less the
+        framing."""
         framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
+        fit = self._results_fit_bytes
+        if topic != self._results_topic:
+            # A reply topic's limit was not read at start: the producer's bounds it, and a
+            # broker refusal is answered with the smaller record as for any unread limit.
+            fit = self._limits.request_bytes
         budget = self._limits.max_result_bytes
-        if self._results_fit_bytes - framing >= budget:
+        if fit - framing >= budget:
             return budget, f"max_result_bytes ({budget})"
-        size = self._results_fit_bytes + 1
-        reason = self._limits.refusal(self._results_topic, size) or ""
-        return self._results_fit_bytes - framing, reason.removeprefix("the limit is ")
+        reason = self._limits.refusal(topic, fit + 1) or ""
+        return fit - framing, reason.removeprefix("the limit is ")
 
     def _failed(
         self,
@@ -283,13 +310,20 @@ class AnswerBuilder:
                 weight_version=partial.weight_version,
             )
         value = encode_result(failed)
-        out = self._result_record(job.job_id, value)
+        topic = self._topic_for(job)
+        out = self._result_record(job.job_id, value, topic)
         if self._limits.refusal(out.topic, out.size) is not None:
-            out = self._minimal_failed(job.job_id, code, detail, retryable=retryable)
+            out = self._minimal_failed(job.job_id, code, detail, retryable=retryable, topic=topic)
         return Answer(job.job_id, (out,), Outcome.FAILED, code)
 
     def _minimal_failed(
-        self, job_id: str | None, code: ErrorCode, detail: str, *, retryable: bool = False
+        self,
+        job_id: str | None,
+        code: ErrorCode,
+        detail: str,
+        *,
+        retryable: bool = False,
+        topic: str | None = None,
     ) -> OutRecord:
         if len(detail) > _MINIMAL_DETAIL_CHARS:
             detail = detail[: _MINIMAL_DETAIL_CHARS - 3] + "..."
@@ -298,15 +332,15 @@ class AnswerBuilder:
             error=ErrorInfo(code=code, detail=detail, retryable=retryable),
             worker=self._worker_id,
         )
-        return self._result_record(job_id, encode_result(failed), minimal=True)
+        return self._result_record(job_id, encode_result(failed), topic, minimal=True)
 
     def _result_record(
-        self, job_id: str | None, value: bytes, *, minimal: bool = False
+        self, job_id: str | None, value: bytes, topic: str | None = None, *, minimal: bool = False
     ) -> OutRecord:
         key = job_id.encode() if job_id is not None else None
         return OutRecord(
             RecordKind.RESULT,
-            self._results_topic,
+            topic or self._results_topic,
             key,
             value,
             [],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import typing
 from collections.abc import Mapping, Sequence
@@ -63,6 +64,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     dead_letter_topic: Annotated[TopicName, _d("topic unreadable job records are copied to")] = (
         "vkw.jobs.dlq"
     )
+    reply_topics: Annotated[
+        str | None,
+        _d(
+            "regular expression (whole name) of the topics a job's reply_to may name; unset: "
+            "none, every answer goes to the results topic"
+        ),
+    ] = None
     control_topic: Annotated[
         TopicName, _d("commands for the fleet (one partition; every worker reads all of it)")
     ] = "vkw.control"
@@ -222,6 +230,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             )
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.reply_topics is not None:
+            try:
+                re.compile(self.reply_topics)
+            except re.error as exc:
+                raise ValueError(
+                    f"reply_topics {self.reply_topics!r} is not a regex: {exc}"
+                ) from None
         if self.payload_store is not None and not self.payload_store.startswith("file:///"):
             raise ValueError(
                 f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"

@@ -1,0 +1,320 @@
+"""RolloutClient against a real broker: order, duplicates, parts, retries, timeouts, reply_to."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import (
+    Completed,
+    Completion,
+    ErrorCode,
+    ErrorInfo,
+    Failed,
+    Job,
+    Part,
+    Result,
+    RoutedExperts,
+    SamplingSpec,
+    decode_job,
+    encode,
+)
+from tests.fleet_helpers import Results
+from tests.kafka_helpers import wait_for
+from tests.workers import make_fleet
+from worker.client import RETRY_SEPARATOR, RolloutClient, RolloutError
+
+pytestmark = pytest.mark.broker
+
+Answer = Callable[[Job, int], list[Result]]
+
+
+class Responder:
+    """Stands in for the fleet: answers each job it reads with what `answer(job, n)` returns
+    (n: how many jobs it has answered before), so a test decides every record the client sees."""
+
+    def __init__(self, bs: str, jobs: str, results: str, answer: Answer) -> None:
+        self.bs, self.jobs, self.results, self.answer = bs, jobs, results, answer
+        self.seen: list[Job] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Responder:
+        self._consumer = AIOKafkaConsumer(bootstrap_servers=self.bs, enable_auto_commit=False)
+        self._producer = AIOKafkaProducer(bootstrap_servers=self.bs)
+        await self._consumer.start()
+        await self._producer.start()
+        tp = TopicPartition(self.jobs, 0)
+        self._consumer.assign([tp])
+        await self._consumer.seek_to_beginning(tp)
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._consumer.stop()
+        await self._producer.stop()
+
+    async def _run(self) -> None:
+        while True:
+            for records in (await self._consumer.getmany(timeout_ms=100)).values():
+                for record in records:
+                    job = decode_job(record.value)
+                    answers = self.answer(job, len(self.seen))
+                    self.seen.append(job)
+                    for result in answers:
+                        await self._producer.send_and_wait(
+                            self.results, encode(result), key=job.job_id.encode()
+                        )
+
+
+def done(job: Job, text: str = "ok", **kwargs: Any) -> Completed:
+    return Completed(
+        job_id=job.job_id,
+        completions=[Completion(index=0, token_ids=[1, 2], text=text, finish_reason="stop")],
+        prompt_token_count=1,
+        **kwargs,
+    )
+
+
+def job(job_id: str, **kwargs: Any) -> Job:
+    return Job(job_id=job_id, prompt="hi", sampling=SamplingSpec(max_tokens=2), **kwargs)
+
+
+async def topics(new_topic: Any) -> tuple[str, str]:
+    return await new_topic(1), await new_topic(1)
+
+
+def client(bs: str, jobs: str, results: str, **kwargs: Any) -> RolloutClient:
+    return RolloutClient(bootstrap_servers=bs, jobs_topic=jobs, results_topic=results, **kwargs)
+
+
+async def test_results_come_back_in_job_order_once_each_despite_duplicates(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    # Every answer twice, and another trainer's answer on the same topic.
+    stranger = done(job("not-mine"))
+
+    def answer(j: Job, n: int) -> list[Result]:
+        return [done(j, text=j.job_id), stranger, done(j, text=j.job_id)]
+
+    progress: list[tuple[int, int]] = []
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer),
+        client(
+            bs, jobs_topic, results_topic, on_progress=lambda d, t: progress.append((d, t))
+        ) as c,
+    ):
+        batches = [[job(f"b{b}-{i}") for i in range(10)] for b in range(5)]
+        got = await asyncio.gather(*(c.generate(batch) for batch in batches))
+        assert c.in_flight == 0
+    for batch, results in zip(batches, got, strict=True):
+        assert [r.job_id for r in results] == [j.job_id for j in batch]
+        assert all(isinstance(r, Completed) and r.completions[0].text == r.job_id for r in results)
+    assert progress[-1] == (50, 50) and len(progress) == 50
+
+
+async def test_split_results_are_reassembled_from_one_attempt(kafka_bootstrap_servers, new_topic):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+
+    def completion(i: int, attempt: str) -> Completion:
+        return Completion(index=i, token_ids=[i], text=f"{attempt}{i}", finish_reason="length")
+
+    def answer(j: Job, n: int) -> list[Result]:
+        base = done(j)
+        cut = msgspec.structs.replace(
+            base, completions=[completion(0, "a")], part=Part(index=0, count=3, attempt="a")
+        )
+        parts = [
+            msgspec.structs.replace(
+                base, completions=[completion(i, "b")], part=Part(index=i, count=3, attempt="b")
+            )
+            for i in range(3)
+        ]
+        return [cut, parts[2], parts[0], parts[0], parts[1]]
+
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer),
+        client(bs, jobs_topic, results_topic) as c,
+    ):
+        (result,) = await c.generate([job("split")])
+    assert isinstance(result, Completed) and not result.is_part
+    assert [x.text for x in result.completions] == ["b0", "b1", "b2"]
+
+
+async def test_retryable_failures_are_resubmitted_up_to_the_limit(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+
+    def answer(j: Job, n: int) -> list[Result]:
+        original = j.job_id.split(RETRY_SEPARATOR)[0]
+        tries = j.job_id.count(RETRY_SEPARATOR) and int(j.job_id.split(RETRY_SEPARATOR)[1])
+        if original == "flaky" and tries < 1:
+            return [
+                Failed(
+                    job_id=j.job_id,
+                    error=ErrorInfo(code=ErrorCode.ENGINE_ERROR, detail="oom", retryable=True),
+                )
+            ]
+        if original == "hopeless":
+            return [
+                Failed(
+                    job_id=j.job_id,
+                    error=ErrorInfo(code=ErrorCode.ABORTED, detail="again", retryable=True),
+                )
+            ]
+        if original == "invalid":
+            return [
+                Failed(job_id=j.job_id, error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="no"))
+            ]
+        return [done(j)]
+
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer) as responder,
+        client(bs, jobs_topic, results_topic, max_retries=2) as c,
+    ):
+        flaky, hopeless, invalid = await c.generate([job("flaky"), job("hopeless"), job("invalid")])
+    assert isinstance(flaky, Completed) and flaky.job_id == "flaky"
+    assert isinstance(hopeless, Failed) and hopeless.job_id == "hopeless"
+    assert hopeless.error.code is ErrorCode.ABORTED  # the last failure, after 2 resubmissions
+    assert isinstance(invalid, Failed) and invalid.error.code is ErrorCode.INVALID_JOB
+    sent = [j.job_id for j in responder.seen]
+    assert sent.count("hopeless") == 1 and f"hopeless{RETRY_SEPARATOR}2" in sent
+    assert f"hopeless{RETRY_SEPARATOR}3" not in sent and "invalid~retry1" not in sent
+
+
+async def test_a_job_nobody_answers_times_out_with_a_clear_answer(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    async with (
+        Responder(bs, jobs_topic, results_topic, lambda j, n: []) as responder,
+        client(bs, jobs_topic, results_topic, timeout_s=1.0) as c,
+    ):
+        t0 = time.monotonic()
+        (result,) = await c.generate([job("lost", metadata={"step": "2"})])
+        waited = time.monotonic() - t0
+    assert isinstance(result, Failed) and result.error.code is ErrorCode.EXPIRED
+    assert "no result within 1s" in result.error.detail and result.metadata == {"step": "2"}
+    assert 1.0 <= waited < 5.0
+    # The job itself carried the deadline, so no worker starts it after the client gave up.
+    (sent,) = responder.seen
+    assert sent.deadline is not None and sent.deadline <= time.time()
+
+
+async def test_payload_references_are_read_checked_and_inlined(
+    kafka_bootstrap_servers, new_topic, tmp_path
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    rows = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    inline = RoutedExperts.from_array(rows, start=1)
+    good = tmp_path / "good.bin"
+    good.write_bytes(inline.data)
+    sha = hashlib.sha256(inline.data).hexdigest()
+
+    def answer(j: Job, n: int) -> list[Result]:
+        path = good if j.job_id == "ref" else tmp_path / "gone.bin"
+        ref = inline.as_reference(path.as_uri(), sha)
+        c = Completion(index=0, token_ids=[1, 2], text="", finish_reason="stop", routed_experts=ref)
+        return [Completed(job_id=j.job_id, completions=[c], prompt_token_count=1)]
+
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer),
+        client(bs, jobs_topic, results_topic) as c,
+    ):
+        result = await c.submit(job("ref"))
+        with pytest.raises(RolloutError, match="is missing"):
+            await c.submit(job("missing"))
+    assert isinstance(result, Completed)
+    routed = result.completions[0].routed_experts
+    assert routed is not None and not routed.is_reference
+    np.testing.assert_array_equal(routed.to_array(), rows)
+
+
+async def test_bad_use_of_the_client_is_refused(kafka_bootstrap_servers, new_topic):
+    bs = kafka_bootstrap_servers
+    with pytest.raises(ValueError, match="timeout_s"):
+        RolloutClient(bootstrap_servers=bs, timeout_s=0)
+    unstarted = RolloutClient(bootstrap_servers=bs)
+    with pytest.raises(RolloutError, match="not started"):
+        unstarted.submit(job("x"))
+    with pytest.raises(RolloutError, match="does not exist"):
+        async with RolloutClient(bootstrap_servers=bs, results_topic="vkw-no-such-topic"):
+            pass
+    jobs_topic, results_topic = await topics(new_topic)
+    async with client(bs, jobs_topic, results_topic, timeout_s=5) as c:
+        first = c.submit(job("twice"))
+        with pytest.raises(RolloutError, match="already in flight"):
+            c.submit(job("twice"))
+        first.cancel()
+
+
+async def test_reply_to_inside_the_allow_list_and_outside_it(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path
+):
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    mine = await new_topic(1)  # a name the pattern below allows
+    w = await start_steered(fleet, "w1", reply_topics=f"{mine}|other-trainer-.*")
+    async with client(bs, fleet.topics.jobs, mine, reply_to=True, timeout_s=20) as c:
+        results = await c.generate([job(f"r{i}") for i in range(5)])
+    assert all(isinstance(r, Completed) for r in results)
+    outside = await new_topic(1)
+    async with Results(bs, fleet.topics.results) as default:
+        async with client(bs, fleet.topics.jobs, outside, reply_to=True, timeout_s=2) as c:
+            (lost,) = await c.generate([job("elsewhere")])
+        assert (
+            isinstance(lost, Failed) and lost.error.code is ErrorCode.EXPIRED
+        )  # never answered there
+        answered = (await default.wait("elsewhere"))["elsewhere"]
+    assert isinstance(answered, Failed) and answered.error.code is ErrorCode.INVALID_JOB
+    assert "is not a topic this worker answers to" in answered.error.detail
+    assert await w.stop() == 0
+
+
+async def test_the_client_updates_weights_and_reads_status(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path
+):
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    w1 = await start_steered(fleet, "w1")
+    w2 = await start_steered(fleet, "w2")
+    ckpt = tmp_path / "b"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"name": "b"}))
+    options = {
+        "control_topic": fleet.control,
+        "status_topic": fleet.status,
+        "group_id": fleet.topics.group,
+    }
+    async with client(bs, fleet.topics.jobs, fleet.topics.results, **options) as c:
+        await wait_for(lambda: _two(c), 20, "two live workers")
+        acks = await c.update_weights(str(ckpt), 6, mode="keep")
+        assert set(acks) == {"w1", "w2"} and all(a.weight_version == 6 for a in acks.values())
+        (result,) = await c.generate([job("after")])
+        assert isinstance(result, Completed) and result.weight_version == 6
+        with pytest.raises(RolloutError, match=r"config\.json is missing"):
+            await c.update_weights(str(tmp_path / "nope"), 7)
+    for w in (w1, w2):
+        assert await w.stop() == 0
+
+
+async def _two(c: RolloutClient) -> bool:
+    return len(await c.status()) == 2
