@@ -318,3 +318,35 @@ async def test_the_client_updates_weights_and_reads_status(
 
 async def _two(c: RolloutClient) -> bool:
     return len(await c.status()) == 2
+
+
+async def test_submit_wait_prints_every_result_through_the_client(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path
+):
+    from tests.test_control import cli  # noqa: PLC0415 - the non-blocking CLI runner
+
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    w = await start_steered(fleet, "w1")
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text(
+        "\n".join(encode(job(f"s{i}")).decode() for i in range(3))
+        + '\n{"prompt": "x", "sampling": {"max_tokens": 2}, "min_weight_version": 99}\n'
+    )
+    out = tmp_path / "results.jsonl"
+    common = ["--bootstrap-servers", bs, "--jobs-topic", fleet.topics.jobs]
+    common += ["--results-topic", fleet.topics.results, "--no-progress"]
+    rc, stdout, stderr = await cli(
+        "submit", str(lines), "--wait", "--timeout-s", "3", "--out", str(out), *common
+    )
+    # Three answered; the fourth waits for a weight version that never comes: answered
+    # expired by the client's timeout, and the exit status says not everything completed.
+    assert rc == 1, stderr
+    printed = stdout.splitlines()
+    assert [line.split()[0] for line in printed[:3]] == ["s0", "s1", "s2"]
+    assert "failed expired" in printed[3]
+    assert "3 completed, 1 failed" in stderr
+    assert len(out.read_bytes().splitlines()) == 4
+    rc, _, stderr = await cli("submit", str(lines), "--wait", "--timeout-s", "0", *common)
+    assert rc == 2 and "--timeout-s must be > 0" in stderr
+    assert await w.stop() == 0

@@ -88,7 +88,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("file", type=Path, help="JSON lines, one job per line ('-' for stdin)")
     submit.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_settings_arguments(submit, (*CONNECTION_SETTINGS, "jobs_topic", "max_result_bytes"))
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for every result (reassembled, deduplicated, retried) and print them",
+    )
+    submit.add_argument(
+        "--timeout-s", type=float, default=600.0, help="with --wait: longest wait per job"
+    )
+    submit.add_argument(
+        "--max-retries",
+        type=int,
+        default=2,
+        help="with --wait: resubmissions of retryable failures",
+    )
+    submit.add_argument("--out", type=Path, help="with --wait: write every result as a JSON line")
+    add_settings_arguments(
+        submit, (*CONNECTION_SETTINGS, "jobs_topic", "results_topic", "max_result_bytes")
+    )
 
     results = commands.add_parser(
         "results",
@@ -169,6 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             return asyncio.run(_serve(settings, engine_args))
         if args.command == "submit":
+            if args.wait:
+                return asyncio.run(_submit_and_wait(settings, args))
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
         return asyncio.run(
             _results(
@@ -371,6 +390,44 @@ def _payloads_gc(settings: Settings, older_than: str) -> int:
     removed, freed = store.gc(age_s)
     print(f"removed {removed} payloads ({freed} bytes) older than {older_than} from {store.uri}")
     return EXIT_OK
+
+
+async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
+    """Submit through the rollout client and print each result as it is answered."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from worker.client import RolloutClient  # noqa: PLC0415
+
+    try:
+        jobs = [decode_job(value) for _, value in _read_jobs(args.file)]
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{args.file}: not UTF-8 text: {exc}") from None
+    if args.timeout_s <= 0 or args.max_retries < 0:
+        raise ConfigError("--timeout-s must be > 0 and --max-retries >= 0")
+    bar = tqdm(total=len(jobs), unit="result", disable=args.no_progress, file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(args.out.open("wb")) if args.out is not None else None
+        async with RolloutClient(
+            bootstrap_servers=settings.bootstrap_servers,
+            jobs_topic=settings.jobs_topic,
+            results_topic=settings.results_topic,
+            timeout_s=args.timeout_s,
+            max_retries=args.max_retries,
+            on_progress=lambda done, _: _advance(bar, done),
+        ) as client:
+            results = await client.generate(jobs)
+        bar.close()
+        for result in results:
+            print(summarize(result))
+            if sink is not None:
+                sink.write(encode_result(result) + b"\n")
+    failed = sum(isinstance(r, Failed) for r in results)
+    print(f"{len(results) - failed} completed, {failed} failed", file=sys.stderr)
+    return EXIT_FATAL if failed else EXIT_OK
+
+
+def _advance(bar: Any, done: int) -> None:
+    bar.update(done - bar.n)
 
 
 def summarize(result: Completed | Failed) -> str:
