@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SHIM := tests/support/triton_cpu_backend
 
-.PHONY: setup demo test lint unit bench clean
+.PHONY: setup demo rl-demo test lint unit bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml $(SHIM)/pyproject.toml
 
 demo: setup
 	$(BIN)/python -m worker.demo
+
+rl-demo: setup
+	$(BIN)/python -m worker.rl_demo
 
 lint: setup
 	$(BIN)/ruff check .

@@ -250,3 +250,35 @@ def _build_tokenizer(out_dir: pathlib.Path, spec: TinyModelSpec) -> None:
     }
     text = json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"
     (out_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+
+def perturb_checkpoint(
+    source: pathlib.Path, out_dir: pathlib.Path, *, seed: int, scale: float
+) -> pathlib.Path:
+    """Write `source`'s checkpoint to `out_dir` with every weight matrix nudged by seeded noise
+    of relative size `scale`: a stand-in for one training step, same architecture, new weights.
+    Norm weights (all ones) are left alone."""
+    import shutil  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        if (source / name).exists():
+            shutil.copyfile(source / name, out_dir / name)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = load_file(str(source / "model.safetensors"))
+    nudged = {
+        name: (t + torch.randn(t.shape, generator=generator) * t.std() * scale).contiguous()
+        if t.dim() == 2
+        else t
+        for name, t in tensors.items()
+    }
+    save_file(nudged, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
