@@ -39,6 +39,7 @@ bench: setup
 	$(BIN)/python bench/offset_map.py
 	$(BIN)/python bench/split.py
 	$(BIN)/python bench/weight_update.py
+	$(BIN)/python bench/client.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -116,6 +116,7 @@ class RolloutClient:
         self._assembler = ResultAssembler()
         self._submitted = 0
         self._answered = 0
+        self._send_lock = asyncio.Lock()
 
     async def __aenter__(self) -> RolloutClient:
         await self.start()
@@ -261,9 +262,13 @@ class RolloutClient:
         wire = msgspec.structs.replace(
             job, job_id=wire_id, deadline=deadline, reply_to=self._reply_to or job.reply_to
         )
-        delivery = await self._producer.send(
-            self._jobs_topic, value=encode(wire), key=wire_id.encode()
-        )
+        # One task at a time appends to the producer's batches: thousands of jobs submitted
+        # at once, each waiting for room in a full batch, wake each other for nothing (the
+        # client spent 40% of a 5000-job generate in that wait before this lock).
+        async with self._send_lock:
+            delivery = await self._producer.send(
+                self._jobs_topic, value=encode(wire), key=wire_id.encode()
+            )
         await delivery
 
     def _send_done(self, task: asyncio.Task[None]) -> None:
@@ -315,7 +320,7 @@ class RolloutClient:
             return
         del self._pending[whole.job_id]
         answer: Result = msgspec.structs.replace(whole, job_id=original)
-        if self._resolve and isinstance(answer, Completed):
+        if self._resolve and isinstance(answer, Completed) and _has_references(answer):
             try:
                 answer = await asyncio.to_thread(_resolved, answer)
             except PayloadError as exc:
@@ -358,12 +363,14 @@ class RolloutClient:
             self._on_progress(self._answered, self._submitted)
 
 
-def _resolved(result: Completed) -> Completed:
-    """`result` with every payload reference read, checked and inlined."""
-    if not any(
+def _has_references(result: Completed) -> bool:
+    return any(
         c.routed_experts is not None and c.routed_experts.is_reference for c in result.completions
-    ):
-        return result
+    )
+
+
+def _resolved(result: Completed) -> Completed:
+    """`result` with every payload reference read, checked and inlined (blocking: files)."""
     completions = []
     for c in result.completions:
         routed = c.routed_experts
