@@ -86,6 +86,14 @@ class Status(Topic):
             if isinstance(m := decode_status(v), WorkerStatus) and m.worker == worker
         ]
 
+    async def wait_live(self, *workers: str, timeout_s: float = 30) -> None:
+        """Until each worker has sent a heartbeat: its control plane has caught up with the
+        commands already in the topic and follows the new ones (commands sent before that are
+        state to catch up with, not commands to acknowledge one by one)."""
+        await wait_for(
+            lambda: all(self.statuses(w) for w in workers), timeout_s, f"heartbeats of {workers}"
+        )
+
     async def wait_acks(
         self, command_id: str, count: int, timeout_s: float = 20
     ) -> list[CommandAck]:

@@ -109,6 +109,7 @@ async def test_targets_pick_the_workers_and_every_command_kind_is_acknowledged(
         ),
     ]
     async with Status(bs, fleet.status) as status:
+        await status.wait_live("w1", "w2", "w3")
         await send(bs, fleet, *commands)
         expected = {
             "p": {"w1", "w2"},
@@ -139,6 +140,7 @@ async def test_duplicate_and_malformed_commands_are_skipped_and_serving_goes_on(
     w = await start_steered(fleet, "w1")
     b = checkpoint(tmp_path, "b")
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        await status.wait_live("w1")
         await send(
             bs,
             fleet,
@@ -168,6 +170,7 @@ async def test_a_bad_update_is_acknowledged_failed_and_the_old_weights_serve(
     fleet = await make_fleet(new_topic)
     w = await start_steered(fleet, "w1")
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        await status.wait_live("w1")
         await send(
             bs,
             fleet,
@@ -233,6 +236,7 @@ async def test_a_restarted_worker_serves_the_latest_good_update_from_its_first_j
     fleet = await make_fleet(new_topic)
     first = await start_steered(fleet, "w1")
     async with Status(bs, fleet.status) as status:
+        await status.wait_live("w1")
         await send(
             bs,
             fleet,
@@ -268,6 +272,7 @@ async def test_each_on_inflight_mode_through_the_worker(
     w = await start_steered(fleet, "w1", mock=SLOW)
     tokens = 200  # 1 s at 5 ms a token
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        await status.wait_live("w1")
         await produce(
             bs, fleet.topics.jobs, [job_record(job(f"long-{i}", tokens)) for i in range(3)]
         )
@@ -319,6 +324,7 @@ async def test_pause_keep_freezes_and_resume_continues_through_the_worker(
     fleet = await make_fleet(new_topic)
     w = await start_steered(fleet, "w1", mock=SLOW)
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        await status.wait_live("w1")
         await produce(bs, fleet.topics.jobs, [job_record(job("frozen", 100))])
         await asyncio.sleep(0.2)
         await send(bs, fleet, Pause(command_id="p", mode="keep"))
