@@ -139,6 +139,7 @@ class AnswerBuilder:
         )
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
+        self._budgets: dict[tuple[str, int], tuple[int, str]] = {}
 
     async def answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
         """The answer to one record; raises only `FatalError` (and cancellation)."""
@@ -271,7 +272,14 @@ class AnswerBuilder:
     def _value_budget(self, job_id: str, topic: str) -> tuple[int, str]:
         """The largest result value a record keyed `job_id` for `topic` may carry, and the
         limit that sets it: `max_result_bytes`, or the topic's (or the producer's) less the
-        framing."""
+        framing. The framing depends only on the key's length: one computation per length."""
+        cache_key = (topic, len(job_id))
+        budget = self._budgets.get(cache_key)
+        if budget is None:
+            budget = self._budgets[cache_key] = self._compute_budget(job_id, topic)
+        return budget
+
+    def _compute_budget(self, job_id: str, topic: str) -> tuple[int, str]:
         framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
         fit = self._results_fit_bytes
         if topic != self._results_topic:

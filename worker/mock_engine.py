@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -239,6 +240,8 @@ class MockEngine:
         # weights): as deterministic as drawing per job, and cheap enough that a load test
         # measures the worker and the broker rather than the mock.
         pools = self._pools()
+        if len(chunks) == 1 and not job.sampling.stop_token_ids:
+            return self._whole_completion(job, index, seed, prompt_len, chunks[0])
         tokens: list[int] = []
         logprob_values: list[float | None] = []
         text: list[str] = []
@@ -291,6 +294,30 @@ class MockEngine:
             weight_versions=spans,
         )
 
+    def _whole_completion(
+        self, job: Job, index: int, seed: int, prompt_len: int, chunk: _Chunk
+    ) -> Completion:
+        """The common case, kept lean for load tests: one set of weights, no stop tokens."""
+        pools = self._pools()
+        a = (seed * _MIX + index * _POOL_STEP + chunk.weights_seed) % _POOL_VARIETY
+        b = a + chunk.end
+        routed = None
+        if job.return_routed_experts:
+            start = job.routed_experts_prompt_start
+            rows = max(prompt_len + chunk.end - 1 - start, 0)
+            routed = RoutedExperts.from_array(pools.routing(a, rows), start=start)
+        with_logprobs = job.sampling.logprobs is not None
+        return Completion(
+            index=index,
+            token_ids=pools.token_list[a:b],
+            text=pools.text[a:b],
+            finish_reason="length",
+            logprobs=pools.logprob_list[a:b] if with_logprobs else None,
+            cumulative_logprob=float(pools.logprobs[a:b].sum()) if with_logprobs else None,
+            routed_experts=routed,
+            weight_versions=[_span(chunk.version, chunk.end)],
+        )
+
     def _pools(self) -> _Pools:
         if self._pool is None:
             self._pool = _Pools(self._settings)
@@ -339,6 +366,12 @@ class _Pools:
             first %= s.num_experts
             self._routing = first.astype(np.uint8 if s.num_experts <= 256 else np.uint16)
         return self._routing[offset : offset + rows]
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(version: int, end: int) -> VersionSpan:
+    # Frozen, so one object serves every completion of that length and version.
+    return VersionSpan(version=version, start=0, end=end)
 
 
 async def _first(*events: asyncio.Event) -> None:
