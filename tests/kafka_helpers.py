@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -33,10 +34,9 @@ async def produce(
         await producer.stop()
 
 
-async def collect(
-    bootstrap: str, topic: str, count: int, timeout_s: float = 30.0
-) -> list[ConsumerRecord[Any, Any]]:
-    """Read `count` records from the beginning of `topic` (fail on timeout with what arrived)."""
+@contextlib.asynccontextmanager
+async def _from_beginning(bootstrap: str, topic: str) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer of every partition of `topic`, from the beginning, sized for large records."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
@@ -49,6 +49,16 @@ async def collect(
         partitions = await _partitions(consumer, topic)
         consumer.assign(partitions)
         await consumer.seek_to_beginning(*partitions)
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
+async def collect(
+    bootstrap: str, topic: str, count: int, timeout_s: float = 30.0
+) -> list[ConsumerRecord[Any, Any]]:
+    """Read `count` records from the beginning of `topic` (fail on timeout with what arrived)."""
+    async with _from_beginning(bootstrap, topic) as consumer:
         out: list[ConsumerRecord[Any, Any]] = []
         deadline = time.monotonic() + timeout_s
         while len(out) < count:
@@ -57,8 +67,6 @@ async def collect(
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 out.extend(records)
         return out
-    finally:
-        await consumer.stop()
 
 
 async def results(
@@ -79,21 +87,10 @@ async def assembled(
 ) -> tuple[dict[str, Completed | Failed], list[ConsumerRecord[Any, Any]]]:
     """Read `topic` from the beginning until `ResultAssembler` has yielded `jobs` results; those
     results by job_id (each job once, or the test fails) and every record read."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        max_partition_fetch_bytes=64 * 1024 * 1024,
-        fetch_max_bytes=128 * 1024 * 1024,
-    )
-    await consumer.start()
     assembler = ResultAssembler()
     whole: dict[str, Completed | Failed] = {}
     seen: list[ConsumerRecord[Any, Any]] = []
-    try:
-        partitions = await _partitions(consumer, topic)
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
+    async with _from_beginning(bootstrap, topic) as consumer:
         deadline = time.monotonic() + timeout_s
         while len(whole) < jobs:
             if time.monotonic() > deadline:
@@ -109,8 +106,6 @@ async def assembled(
                         assert result.job_id is not None and result.job_id not in whole
                         whole[result.job_id] = result
         return whole, seen
-    finally:
-        await consumer.stop()
 
 
 async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:

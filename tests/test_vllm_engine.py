@@ -26,7 +26,7 @@ import numpy.typing as npt
 import pytest
 import pytest_asyncio
 
-from schemas import Completed, Job, SamplingSpec, decode_result, encode
+from schemas import Completed, Failed, Job, SamplingSpec, decode_result, encode
 from tests.kafka_helpers import assembled, collect, job_record, produce
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.config import settings_from
@@ -123,14 +123,16 @@ def assert_real_routing(experts: npt.NDArray[np.integer]) -> None:
     assert (moe[..., 0] != moe[..., 1]).all()
 
 
-async def run_through_worker(
+async def serve_jobs(
     engine: VllmEngine,
     bs: str,
     new_topic: Any,
     jobs: list[Job],
     results_configs: dict[str, str] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """Produce the jobs, serve them with a real Worker, return the results as plain JSON by id."""
+    **overrides: Any,
+) -> tuple[dict[str, Completed | Failed], list[Any]]:
+    """Produce the jobs, serve them with a real Worker (`overrides` its settings); the
+    results, reassembled, by id, and every record of the results topic."""
     jobs_topic, dlq_topic = await new_topic(), await new_topic()
     results_topic = await new_topic(configs=results_configs)
     await produce(bs, jobs_topic, [job_record(j) for j in jobs])
@@ -143,6 +145,7 @@ async def run_through_worker(
             "group_id": f"group-{uuid.uuid4().hex[:8]}",
             "commit_interval_ms": 0,
             "poll_timeout_ms": 50,
+            **overrides,
         },
         {},
     )
@@ -156,10 +159,17 @@ async def run_through_worker(
     )
     task = asyncio.create_task(worker.run())
     try:
-        whole, _ = await assembled(bs, results_topic, len(jobs), timeout_s=120)
+        return await assembled(bs, results_topic, len(jobs), timeout_s=120)
     finally:
         worker.request_stop()
         assert await asyncio.wait_for(task, 60) == 0
+
+
+async def run_through_worker(
+    engine: VllmEngine, bs: str, new_topic: Any, jobs: list[Job]
+) -> dict[str, dict[str, Any]]:
+    """The jobs' results through a real Worker, as plain JSON by id."""
+    whole, _ = await serve_jobs(engine, bs, new_topic, jobs)
     # As plain JSON, as a trainer without `schemas` reads it (parts reassembled).
     return {job_id: json.loads(encode(result)) for job_id, result in whole.items()}
 
@@ -296,36 +306,14 @@ async def test_an_n4_result_forced_to_split_reassembles_to_what_one_record_holds
         routed_experts_prompt_start=4,
     )
     direct = await engine.generate(job, "split-n4-direct")
-    jobs_topic, dlq_topic = await new_topic(), await new_topic()
-    results_topic = await new_topic(configs={"max.message.bytes": "5000"})
-    await produce(bs, jobs_topic, [job_record(job)])
-    settings = settings_from(
-        {
-            "bootstrap_servers": bs,
-            "jobs_topic": jobs_topic,
-            "results_topic": results_topic,
-            "dead_letter_topic": dlq_topic,
-            "group_id": f"group-{uuid.uuid4().hex[:8]}",
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-            "compression_type": "none",
-        },
-        {},
+    whole, records = await serve_jobs(
+        engine,
+        bs,
+        new_topic,
+        [job],
+        results_configs={"max.message.bytes": "5000"},
+        compression_type="none",
     )
-    limits = await read_record_limits(settings)
-    worker = Worker(
-        settings,
-        consumer=make_consumer(settings, limits),
-        producer=make_producer(settings, limits),
-        engine=BorrowedEngine(engine),
-        limits=limits,
-    )
-    task = asyncio.create_task(worker.run())
-    try:
-        whole, records = await assembled(bs, results_topic, 1, timeout_s=120)
-    finally:
-        worker.request_stop()
-        assert await asyncio.wait_for(task, 60) == 0
     assert len(records) >= 2, "the result should not have fitted one 5000-byte record"
     assert all(len(r.value) <= 5000 for r in records)
     parts = [decode_result(r.value) for r in records]

@@ -74,6 +74,26 @@ async def make_topics(
     )
 
 
+def worker_settings(bootstrap: str, topics: Topics, **overrides: Any) -> Settings:
+    """A test worker's settings: the mock engine, quick polls, commits and group timing."""
+    values: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "jobs_topic": topics.jobs,
+        "results_topic": topics.results,
+        "dead_letter_topic": topics.dlq,
+        "group_id": topics.group,
+        "engine": "mock",
+        "commit_interval_ms": 0,
+        "poll_timeout_ms": 50,
+        "shutdown_grace_s": 5,
+        "revoke_grace_s": 2,
+        "session_timeout_ms": 6000,
+        "heartbeat_interval_ms": 500,
+        **overrides,
+    }
+    return settings_from(values, {})
+
+
 @pytest.fixture
 async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
     running: list[Running] = []
@@ -86,22 +106,7 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
         topic_limits: dict[str, int | None] | None = None,
         **overrides: Any,
     ) -> Running:
-        values = {
-            "bootstrap_servers": kafka_bootstrap_servers,
-            "jobs_topic": topics.jobs,
-            "results_topic": topics.results,
-            "dead_letter_topic": topics.dlq,
-            "group_id": topics.group,
-            "engine": "mock",
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-            "shutdown_grace_s": 5,
-            "revoke_grace_s": 2,
-            "session_timeout_ms": 6000,
-            "heartbeat_interval_ms": 500,
-        }
-        values.update(overrides)
-        settings = settings_from(values, {})
+        settings = worker_settings(kafka_bootstrap_servers, topics, **overrides)
         engine = engine or ScriptedEngine()
         limits = (
             await read_record_limits(settings)
@@ -185,26 +190,19 @@ async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[
         engine: ControllableEngine | None = None,
         **overrides: Any,
     ) -> Steered:
-        values = {
-            "bootstrap_servers": kafka_bootstrap_servers,
-            "jobs_topic": jobs_topic or fleet.topics.jobs,
-            "results_topic": fleet.topics.results,
-            "dead_letter_topic": fleet.topics.dlq,
-            "control_topic": fleet.control,
-            "status_topic": fleet.status,
-            "group_id": group or fleet.topics.group,
-            "worker_id": worker_id,
-            "engine": "mock",
-            "commit_interval_ms": 0,
-            "poll_timeout_ms": 50,
-            "shutdown_grace_s": 5,
-            "revoke_grace_s": 2,
-            "session_timeout_ms": 6000,
-            "heartbeat_interval_ms": 500,
-            "status_interval_s": 0.5,
-        }
-        values.update(overrides)
-        settings = settings_from(values, {})
+        settings = worker_settings(
+            kafka_bootstrap_servers,
+            fleet.topics,
+            **{
+                "jobs_topic": jobs_topic or fleet.topics.jobs,
+                "control_topic": fleet.control,
+                "status_topic": fleet.status,
+                "group_id": group or fleet.topics.group,
+                "worker_id": worker_id,
+                "status_interval_s": 0.5,
+                **overrides,
+            },
+        )
         inner = engine or MockEngine(
             mock or MockEngineSettings(num_layers=4, top_k=2, num_experts=8)
         )
