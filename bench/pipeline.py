@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Final
 
@@ -43,7 +43,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
 from worker.cli import tune_gc_for_serving
 from worker.config import Settings, settings_from
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker
 from worker.kafka import (
     make_consumer,
     make_producer,
@@ -403,20 +403,6 @@ async def backlog_rss(bootstrap: str, count: int) -> None:
     )
 
 
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if from_env:
-        yield from_env
-        return
-    local = LocalBroker()
-    local.start()
-    try:
-        yield local.bootstrap_servers
-    finally:
-        local.stop()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--jobs", type=int, default=20_000, help="jobs per throughput run")
@@ -425,7 +411,7 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-backlog", action="store_true")
     args = parser.parse_args()
-    with broker() as bootstrap:
+    with env_or_local_broker() as bootstrap:
         print(f"broker {bootstrap}")
         if not args.skip_throughput:
             asyncio.run(throughput(bootstrap, args.jobs, args.rounds))

@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import Job, ResultAssembler, SamplingSpec, decode_result, encode
 from worker.cli import tune_gc_for_serving
 from worker.config import MiB, settings_from
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker, new_topics
 from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.mock_engine import MockEngine, MockEngineSettings
 from worker.service import Worker
@@ -46,21 +43,6 @@ TOKENS: Final = 1024
 LAYERS: Final = 48
 SPLIT_LIMIT: Final = 1 * MiB
 WHOLE_LIMIT: Final = 32 * MiB
-
-
-def _topic() -> str:
-    return f"bench-split-{uuid.uuid4().hex[:12]}"
-
-
-async def _create(bootstrap: str, name: str, max_message_bytes: int) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(name, 1, 1, topic_configs={"max.message.bytes": str(max_message_bytes)})]
-        )
-    finally:
-        await admin.close()
 
 
 async def _delete(bootstrap: str, *names: str) -> None:
@@ -104,11 +86,13 @@ class Run:
         self.jobs_topic = jobs_topic
         self.count = count
         self.limit = limit
-        self.results_topic = _topic()
+        self.results_topic = ""
         self.group = f"bench-{uuid.uuid4().hex[:8]}"
 
     async def seconds(self) -> float:
-        await _create(self.bootstrap, self.results_topic, self.limit)
+        (self.results_topic,) = await new_topics(
+            self.bootstrap, 1, configs={"max.message.bytes": str(self.limit)}
+        )
         settings = settings_from(
             {
                 "bootstrap_servers": self.bootstrap,
@@ -199,8 +183,7 @@ def _reader_seconds(values: list[bytes], *, assemble: bool, repeats: int = 5) ->
 
 
 async def main(bootstrap: str, count: int, rounds: int) -> None:
-    jobs_topic = _topic()
-    await _create(bootstrap, jobs_topic, MiB)
+    (jobs_topic,) = await new_topics(bootstrap, 1, configs={"max.message.bytes": str(MiB)})
     await _produce_jobs(bootstrap, jobs_topic, count)
     rates: dict[str, list[float]] = {"split": [], "whole": []}
     kept: dict[str, list[bytes]] = {}
@@ -238,25 +221,11 @@ async def main(bootstrap: str, count: int, rounds: int) -> None:
     )
 
 
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if from_env:
-        yield from_env
-        return
-    local = LocalBroker()
-    local.start()
-    try:
-        yield local.bootstrap_servers
-    finally:
-        local.stop()
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--jobs", type=int, default=48, help="jobs per run")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (alternating order)")
     args = parser.parse_args()
-    with broker() as bootstrap:
+    with env_or_local_broker() as bootstrap:
         print(f"broker {bootstrap}")
         asyncio.run(main(bootstrap, args.jobs, args.rounds))

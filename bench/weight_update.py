@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import (
     CommandAck,
@@ -48,7 +45,7 @@ from schemas import (
     encode,
 )
 from worker.config import Settings, settings_from
-from worker.dev_broker import LocalBroker
+from worker.dev_broker import env_or_local_broker, new_topics
 from worker.engine import ControllableEngine
 from worker.kafka import make_consumer, make_producer, read_record_limits
 from worker.mock_engine import MockEngine, MockEngineSettings
@@ -56,31 +53,6 @@ from worker.serving import SteeredWorker
 
 MODES: Final = ("wait", "keep", "restart", "abort")
 PROMPT: Final = list(range(11, 43))
-
-
-@contextlib.contextmanager
-def broker() -> Iterator[str]:
-    from_env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if from_env:
-        yield from_env
-        return
-    local = LocalBroker()
-    local.start()
-    try:
-        yield local.bootstrap_servers
-    finally:
-        local.stop()
-
-
-async def topics(bootstrap: str, count: int) -> list[str]:
-    names = [f"bench-wu-{uuid.uuid4().hex[:10]}" for _ in range(count)]
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(n, 1, 1) for n in names])
-    finally:
-        await admin.close()
-    return names
 
 
 class Fleet:
@@ -91,7 +63,7 @@ class Fleet:
         self.group = f"bench-{uuid.uuid4().hex[:8]}"
 
     async def create(self) -> Fleet:
-        self.jobs, self.results, self.dlq, self.control, self.status = await topics(
+        self.jobs, self.results, self.dlq, self.control, self.status = await new_topics(
             self.bootstrap, 5
         )
         return self
@@ -296,7 +268,10 @@ def engine_args_fast(path: Path) -> list[str]:
 
 
 async def main(args: argparse.Namespace) -> None:
-    with broker() as bootstrap, tempfile.TemporaryDirectory(prefix="vkw-bench-wu-") as tmp:
+    with (
+        env_or_local_broker() as bootstrap,
+        tempfile.TemporaryDirectory(prefix="vkw-bench-wu-") as tmp,
+    ):
         print(f"broker {bootstrap}")
         root = Path(tmp)
         (root / "mock").mkdir()

@@ -159,15 +159,12 @@ def _step(number: int, text: str) -> None:
 
 @contextlib.contextmanager
 def _broker() -> Iterator[str]:
-    if bootstrap := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        _step(1, f"broker: using the one at {bootstrap}")
-        yield bootstrap
-        return
-    from worker.dev_broker import LocalBroker  # noqa: PLC0415 - only when no broker is given
+    from worker.dev_broker import env_or_local_broker  # noqa: PLC0415 - dev-only module
 
-    with LocalBroker() as broker:
-        _step(1, f"broker: started a local one at {broker.bootstrap_servers}")
-        yield broker.bootstrap_servers
+    given = bool(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
+    with env_or_local_broker() as bootstrap:
+        _step(1, f"broker: {'using the one' if given else 'started a local one'} at {bootstrap}")
+        yield bootstrap
 
 
 def _tiny_model() -> Path:

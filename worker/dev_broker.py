@@ -16,13 +16,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,37 @@ class BrokerError(RuntimeError):
 
 class BrokerBinaryNotFoundError(BrokerError):
     """The broker executable is not installed; the message says how to install it."""
+
+
+@contextlib.contextmanager
+def env_or_local_broker() -> Iterator[str]:
+    """The bootstrap servers of `$KAFKA_BOOTSTRAP_SERVERS` when set, else of a `LocalBroker`
+    started for the block (what the demos and benchmarks run on)."""
+    if from_env := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        yield from_env
+        return
+    with LocalBroker() as local:
+        yield local.bootstrap_servers
+
+
+async def new_topics(
+    bootstrap_servers: str,
+    count: int,
+    *,
+    prefix: str = "bench",
+    configs: dict[str, str] | None = None,
+) -> list[str]:
+    """Create `count` fresh single-partition topics (`configs` their settings); their names."""
+    names = [f"{prefix}-{uuid.uuid4().hex[:12]}" for _ in range(count)]
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(name, 1, 1, topic_configs=dict(configs or {})) for name in names]
+        )
+    finally:
+        await admin.close()
+    return names
 
 
 async def wait_until_ready(bootstrap_servers: str, timeout_s: float) -> None:
