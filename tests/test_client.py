@@ -350,3 +350,20 @@ async def test_submit_wait_prints_every_result_through_the_client(
     rc, _, stderr = await cli("submit", str(lines), "--wait", "--timeout-s", "0", *common)
     assert rc == 2 and "--timeout-s must be > 0" in stderr
     assert await w.stop() == 0
+
+
+async def test_a_job_the_producer_refuses_fails_alone(kafka_bootstrap_servers, new_topic):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    # Over the producer's 1 MiB request limit, yet a valid job (prompts may be 4 Mi chars).
+    huge = Job(job_id="huge", prompt="x" * (2 * 1024 * 1024), sampling=SamplingSpec(max_tokens=2))
+    async with (
+        Responder(bs, jobs_topic, results_topic, lambda j, n: [done(j)]) as responder,
+        client(bs, jobs_topic, results_topic, timeout_s=20) as c,
+    ):
+        refused, fine = c.submit(huge), c.submit(job("fine"))
+        with pytest.raises(RolloutError, match="job huge could not be produced"):
+            await refused
+        assert isinstance(await fine, Completed)
+        assert c.in_flight == 0
+    assert [j.job_id for j in responder.seen] == ["fine"]

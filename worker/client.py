@@ -22,6 +22,7 @@ from typing import Any, Final
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from schemas import (
     CommandAck,
@@ -117,6 +118,7 @@ class RolloutClient:
         self._submitted = 0
         self._answered = 0
         self._send_lock = asyncio.Lock()
+        self._sends: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> RolloutClient:
         await self.start()
@@ -158,9 +160,9 @@ class RolloutClient:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._sends]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         self._tasks = []
         for pending in self._pending.values():
             if not pending.future.done():
@@ -188,8 +190,7 @@ class RolloutClient:
         pending = _Pending(job, future, deadline)
         self._pending[job.job_id] = pending
         self._submitted += 1
-        task = asyncio.create_task(self._send(job.job_id, pending))
-        task.add_done_callback(self._send_done)
+        self._track(asyncio.create_task(self._send(job.job_id, pending)))
         return future
 
     async def generate(self, jobs: Iterable[Job]) -> list[Result]:
@@ -265,22 +266,23 @@ class RolloutClient:
         # One task at a time appends to the producer's batches: thousands of jobs submitted
         # at once, each waiting for room in a full batch, wake each other for nothing (the
         # client spent 40% of a 5000-job generate in that wait before this lock).
-        async with self._send_lock:
-            delivery = await self._producer.send(
-                self._jobs_topic, value=encode(wire), key=wire_id.encode()
-            )
-        await delivery
+        try:
+            async with self._send_lock:
+                delivery = await self._producer.send(
+                    self._jobs_topic, value=encode(wire), key=wire_id.encode()
+                )
+            await delivery
+        except KafkaError as exc:
+            logger.exception("job %s could not be produced", job.job_id)
+            if self._pending.pop(wire_id, None) is pending and not pending.future.done():
+                pending.future.set_exception(
+                    RolloutError(f"job {job.job_id} could not be produced: {exc!r}")
+                )
 
-    def _send_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        exc = task.exception()
-        logger.error("a job could not be produced: %r", exc)
-        for wire_id, pending in list(self._pending.items()):
-            if not pending.future.done() and pending.future is not None:
-                # Which job failed is not known here; the producer's error fails them all.
-                pending.future.set_exception(RolloutError(f"producing jobs failed: {exc!r}"))
-                del self._pending[wire_id]
+    def _track(self, task: asyncio.Task[None]) -> None:
+        """Keep a send task referenced until it ends (the loop holds tasks only weakly)."""
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
     async def _read(self) -> None:
         assert self._consumer is not None  # noqa: S101
@@ -315,8 +317,7 @@ class RolloutClient:
                 "job %s failed (%s): resubmitting as %s", original, whole.error.code, wire_id
             )
             self._pending[wire_id] = pending
-            task = asyncio.create_task(self._send(wire_id, pending))
-            task.add_done_callback(self._send_done)
+            self._track(asyncio.create_task(self._send(wire_id, pending)))
             return
         del self._pending[whole.job_id]
         answer: Result = msgspec.structs.replace(whole, job_id=original)

@@ -100,11 +100,6 @@ class ControlPlane:
     def attach(self, worker: WorkerView) -> None:
         self._worker = worker
 
-    @property
-    def applied(self) -> set[str]:
-        """Command ids this worker has applied or passed over."""
-        return set(self._applied)
-
     async def start(self) -> None:
         consumer, producer = self._given
         self._consumer = consumer or AIOKafkaConsumer(
