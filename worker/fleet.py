@@ -6,7 +6,6 @@ aiokafka: no engine here.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Iterable
@@ -138,7 +137,6 @@ class Fleet:
             batch = await self._consumer.getmany(timeout_ms=500)
             for records in batch.values():
                 out += [m for r in records if (m := _decode(r.value)) is not None]
-            await asyncio.sleep(0)
 
 
 def _decode(value: bytes | None) -> object | None:
