@@ -31,7 +31,7 @@ from schemas import (
 from worker.config import Settings
 from worker.engine import Engine, EngineOutput
 from worker.errors import FatalError, JobAbortedError, JobError
-from worker.limits import RecordLimits, record_bytes
+from worker.limits import RecordLimits, ValueBudgets, record_bytes
 from worker.metrics import Metrics
 from worker.payload_store import open_payload_store
 from worker.result_encoder import encode_result
@@ -53,8 +53,6 @@ DLQ_HEADERS: Final = (
 # A dead-letter copy's detail header, and the detail of the last-resort failed result.
 _DLQ_DETAIL_BYTES: Final = 4096
 _MINIMAL_DETAIL_CHARS: Final = 300
-# A record's value length is a varint: up to this many bytes more than for an empty value.
-_VALUE_LENGTH_VARINT_BYTES: Final = 5
 
 Headers = list[tuple[str, bytes]]
 
@@ -128,18 +126,12 @@ class AnswerBuilder:
         self._worker_id = settings.worker_id
         self._results_topic = settings.results_topic
         self._dead_letter_topic = settings.dead_letter_topic
-        # A result record this size or smaller fits every limit.
-        self._results_fit_bytes = min(
-            limit
-            for limit in (limits.topic_bytes.get(self._results_topic), limits.request_bytes)
-            if limit is not None
-        )
+        self._budgets = ValueBudgets(limits, self._results_topic)
         self._reply_topics = (
             re.compile(settings.reply_topics) if settings.reply_topics is not None else None
         )
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
-        self._budgets: dict[tuple[str, int], tuple[int, str]] = {}
 
     async def answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
         """The answer to one record; raises only `FatalError` (and cancellation)."""
@@ -210,7 +202,7 @@ class AnswerBuilder:
             )
             topic = self._topic_for(job)
             try:
-                values = await self._splitter.encode(result, *self._value_budget(job.job_id, topic))
+                values = await self._splitter.encode(result, *self._budgets.of(job.job_id, topic))
             except SplitRefused as exc:
                 logger.warning("job %s at %s: %s", job.job_id, _where(tp, record), exc.detail)
                 return self._failed(
@@ -268,29 +260,6 @@ class AnswerBuilder:
         if reply_to is None or self._reply_topics is None:
             return self._results_topic
         return reply_to if self._reply_topics.fullmatch(reply_to) else self._results_topic
-
-    def _value_budget(self, job_id: str, topic: str) -> tuple[int, str]:
-        """The largest result value a record keyed `job_id` for `topic` may carry, and the
-        limit that sets it: `max_result_bytes`, or the topic's (or the producer's) less the
-        framing. The framing depends only on the key's length: one computation per length."""
-        cache_key = (topic, len(job_id))
-        budget = self._budgets.get(cache_key)
-        if budget is None:
-            budget = self._budgets[cache_key] = self._compute_budget(job_id, topic)
-        return budget
-
-    def _compute_budget(self, job_id: str, topic: str) -> tuple[int, str]:
-        framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
-        fit = self._results_fit_bytes
-        if topic != self._results_topic:
-            # A reply topic's limit was not read at start: the producer's bounds it, and a
-            # broker refusal is answered with the smaller record as for any unread limit.
-            fit = self._limits.request_bytes
-        budget = self._limits.max_result_bytes
-        if fit - framing >= budget:
-            return budget, f"max_result_bytes ({budget})"
-        reason = self._limits.refusal(topic, fit + 1) or ""
-        return fit - framing, reason.removeprefix("the limit is ")
 
     def _failed(
         self,

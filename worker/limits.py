@@ -19,6 +19,7 @@ __all__ = [
     "BATCHED_RECORD_MAX_BYTES",
     "RECORD_OVERHEAD_BYTES",
     "RecordLimits",
+    "ValueBudgets",
     "record_bytes",
     "record_size_limit",
 ]
@@ -99,6 +100,48 @@ class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
         if size > self.request_bytes:
             return f"the limit is {self.request_bytes} (the producer's max_request_size)"
         return None
+
+
+# A record's value length is a varint: up to this many bytes more than for an empty value.
+_VALUE_LENGTH_VARINT_BYTES: Final = 5
+
+
+class ValueBudgets:
+    """The largest result value a record may carry on each answer topic, and the limit that
+    sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key and
+    framing. The framing depends only on the key's length: one computation per length."""
+
+    def __init__(self, limits: RecordLimits, results_topic: str) -> None:
+        self._limits = limits
+        self._results_topic = results_topic
+        # A results record this size or smaller fits every limit.
+        self._results_fit = min(
+            limit
+            for limit in (limits.topic_bytes.get(results_topic), limits.request_bytes)
+            if limit is not None
+        )
+        self._known: dict[tuple[str, int], tuple[int, str]] = {}
+
+    def of(self, job_id: str, topic: str) -> tuple[int, str]:
+        """(bytes, what sets them) for a value keyed `job_id` on `topic`."""
+        key = (topic, len(job_id))
+        budget = self._known.get(key)
+        if budget is None:
+            budget = self._known[key] = self._compute(job_id, topic)
+        return budget
+
+    def _compute(self, job_id: str, topic: str) -> tuple[int, str]:
+        framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
+        fit = self._results_fit
+        if topic != self._results_topic:
+            # A reply topic's limit was not read at start: the producer's bounds it, and a
+            # broker refusal is answered with the smaller record as for any unread limit.
+            fit = self._limits.request_bytes
+        budget = self._limits.max_result_bytes
+        if fit - framing >= budget:
+            return budget, f"max_result_bytes ({budget})"
+        reason = self._limits.refusal(topic, fit + 1) or ""
+        return fit - framing, reason.removeprefix("the limit is ")
 
 
 def producer_batch_bytes(topic_limits: list[int | None]) -> int:
