@@ -30,7 +30,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 bench: setup
 	$(BIN)/python bench/serialize.py

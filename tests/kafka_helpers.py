@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -125,12 +125,37 @@ async def committed_total_is(bootstrap: str, group: str, topic: str, total: int)
     return sum(o or 0 for o in (await committed(bootstrap, group, topic)).values()) == total
 
 
-async def wait_for(predicate: Any, timeout_s: float = 20.0, what: str = "condition") -> None:
+async def wait_for(
+    predicate: Any, timeout_s: float = 20.0, what: str | Callable[[], str] = "condition"
+) -> None:
+    """Until `predicate()` (plain or async) is true; `what` (or what it returns, read at the
+    failure) says in the error what did not happen."""
     deadline = time.monotonic() + timeout_s
-    while not await _maybe_await(predicate()):  # a plain or an async predicate
+    while not await _maybe_await(predicate()):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {said}")
         await asyncio.sleep(0.05)
+
+
+async def wait_generating(engine: Any, count: int = 1, timeout_s: float = 60.0) -> None:
+    """Until `count` requests are running in `engine` and each has generated a token.
+
+    Tests that act on running jobs (an update, a pause, an abort) wait for this instead of a
+    fixed sleep: on a busy machine jobs can sit in the queue for longer than any such sleep.
+    """
+
+    def generating() -> bool:
+        running = engine.generated_tokens
+        return len(running) >= count and all(n > 0 for n in running.values())
+
+    await wait_for(
+        generating,
+        timeout_s,
+        lambda: (
+            f"{count} requests generating in the engine (tokens so far: {engine.generated_tokens})"
+        ),
+    )
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -545,7 +545,7 @@ async def test_poison_records_are_all_answered_and_the_worker_stays_up(
         )
         await metrics_port(worker.log)  # serving
         async with RssSampler(worker.proc.pid, lambda: len(watch.records)) as rss:
-            await asyncio.sleep(0.3)
+            await wait_for(lambda: len(rss.samples) >= 3, 30, "three RSS samples before the load")
             baseline = rss.peak
             await produce(bs, topics.jobs, plan.records)
             await wait_for(lambda: set(watch.latest) >= expected_ids, 60, "every answer")
@@ -586,9 +586,7 @@ async def _assigned(scraper: Scraper) -> float | None:
     return await scraper.value("vkw_assigned_partitions")
 
 
-async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
-    tansu_broker, new_topic, spawn
-):
+async def test_scale_out_shares_the_work_and_a_survivor_takes_over(tansu_broker, new_topic, spawn):
     # tansu: noida-db never evicts a SIGKILLed member; tansu does, but has no idempotent producer.
     bs = tansu_broker.bootstrap_servers
     topics = await _private_topics(new_topic, bs, jobs_partitions=4)
@@ -636,8 +634,12 @@ async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
         await wait_for(lambda: watch.answered >= second, 60, "the two-worker batch")
         pair_s = time.monotonic() - p0
         # Throughput from the first answer to the last, so the fixed cost of producing a batch
-        # and the first fetch (~0.5 s on tansu) does not dilute the ratio; wall times are printed.
+        # and the first fetch (~0.5 s on tansu) does not dilute the ratio. Printed, not asserted:
+        # a time ratio is a benchmark's figure; what the test holds is who did the work.
         speedup = watch.span(first) / watch.span(second)
+        pair_workers = Counter(
+            r.worker for r in watch.records if isinstance(r, Completed) and r.job_id in second
+        )
 
         third = await batch("kill", around_kill)
         await wait_for(lambda: len(watch.answered & third) >= 20, 30, "work before the kill")
@@ -670,7 +672,10 @@ async def test_scale_out_doubles_throughput_and_a_survivor_takes_over(
     assert lost == 0
     assert all(isinstance(r, Completed) for r in watch.records)
     assert watch.duplicates <= 2 * cap  # the dead worker's answered-but-uncommitted jobs
-    assert speedup >= 1.8
+    # Two members holding two of the four partitions each, with the batch spread evenly over the
+    # partitions: each answered half of it, so two workers serve at twice the in-flight cap.
+    assert len(pair_workers) == 2, pair_workers
+    assert all(n >= per_phase // 2 - cap for n in pair_workers.values()), pair_workers
 
 
 async def _both_hold_two(one: Scraper, two: Scraper) -> bool:

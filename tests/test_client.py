@@ -212,7 +212,9 @@ async def test_a_job_nobody_answers_times_out_with_a_clear_answer(
         waited = time.monotonic() - t0
     assert isinstance(result, Failed) and result.error.code is ErrorCode.EXPIRED
     assert "no result within 1s" in result.error.detail and result.metadata == {"step": "2"}
-    assert 1.0 <= waited < 5.0
+    # Not before the timeout; the upper bound only says it did not hang (a busy machine may be
+    # slow to schedule the answer, so it is generous).
+    assert 1.0 <= waited < 30.0, waited
     # The job itself carried the deadline, so no worker starts it after the client gave up.
     (sent,) = responder.seen
     assert sent.deadline is not None and sent.deadline <= time.time()

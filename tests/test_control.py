@@ -29,7 +29,7 @@ from schemas import (
     decode_status,
 )
 from tests.fleet_helpers import Results, Status, completed, send
-from tests.kafka_helpers import job_record, produce, wait_for
+from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
 from tests.workers import Fleet, make_fleet, make_topics
 from worker.mock_engine import MockEngineSettings
 
@@ -54,6 +54,17 @@ def job(job_id: str, tokens: int = 8, **kwargs: Any) -> Job:
         routed_experts_prompt_start=1,
         **kwargs,
     )
+
+
+async def fence(bs: str, fleet: Fleet, status: Status, *workers: str) -> None:
+    """Send a command every worker acknowledges and wait for those acknowledgements.
+
+    A worker applies and acknowledges commands in topic order, so once it has acknowledged the
+    fence it has answered everything sent before: a check that nothing more came needs no sleep.
+    """
+    command_id = f"fence-{len(status.records)}"
+    await send(bs, fleet, Abort(command_id=command_id, job_ids=["fence"]))
+    await status.wait_acks(command_id, len(workers))
 
 
 async def test_an_update_is_acknowledged_and_later_results_carry_the_new_version(
@@ -122,7 +133,7 @@ async def test_targets_pick_the_workers_and_every_command_kind_is_acknowledged(
             acks = await status.wait_acks(command_id, len(workers))
             assert {a.worker for a in acks} == workers
             assert all(a.outcome == "ok" for a in acks)
-        await asyncio.sleep(1.0)  # nobody else answers later
+        await fence(bs, fleet, status, "w1", "w2", "w3")  # nobody else answers later
         for command_id, workers in expected.items():
             assert {a.worker for a in status.acks(command_id)} == workers
     assert w3.inner.prefix_cache_resets == 1 and w1.inner.prefix_cache_resets == 0
@@ -157,7 +168,7 @@ async def test_duplicate_and_malformed_commands_are_skipped_and_serving_goes_on(
         assert "needs `path`" in status.errors()[1].detail
         await produce(bs, fleet.topics.jobs, [job_record(job("served"))])
         assert completed((await results.wait("served"))["served"]).weight_version == 3
-        await asyncio.sleep(1.0)
+        await fence(bs, fleet, status, "w1")
         assert len(status.acks("u")) == 1
     assert w.inner.loads == [(b, 3)]
     assert await w.stop() == 0
@@ -206,9 +217,8 @@ async def test_min_weight_version_holds_the_partition_until_the_update_or_the_de
             fleet.topics.jobs,
             [job_record(job("needs-5", min_weight_version=5)), job_record(job("behind"))],
         )
-        await asyncio.sleep(1.5)
+        await wait_for(lambda: w.steered.worker.held_partitions == 1, 30, "the partition held")
         assert results.records == []  # held, and the job behind it keeps its place
-        assert w.steered.worker.held_partitions == 1
         await send(
             bs, fleet, UpdateWeights(command_id="u5", version=5, path=checkpoint(tmp_path, "b"))
         )
@@ -270,20 +280,21 @@ async def test_each_on_inflight_mode_through_the_worker(
     bs = kafka_bootstrap_servers
     fleet = await make_fleet(new_topic)
     w = await start_steered(fleet, "w1", mock=SLOW)
-    tokens = 200  # 1 s at 5 ms a token
+    # 5 s at 5 ms a token: the update, sent once all three generate, arrives while they run.
+    tokens = 1000
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
         await status.wait_live("w1")
         await produce(
             bs, fleet.topics.jobs, [job_record(job(f"long-{i}", tokens)) for i in range(3)]
         )
-        await asyncio.sleep(0.4)
+        await wait_generating(w.inner, 3)
         command = UpdateWeights(
             command_id="u", version=1, path=checkpoint(tmp_path, "b"), on_inflight=mode
         )
         await send(bs, fleet, command)
         (ack,) = await status.wait_acks("u", 1)
         assert ack.outcome == "ok"
-        got = await results.wait("long-0", "long-1", "long-2")
+        got = await results.wait("long-0", "long-1", "long-2", timeout_s=60)
         ack_ms = status.ack_time("u")
     for result in got.values():
         if mode == "abort":
@@ -326,13 +337,17 @@ async def test_pause_keep_freezes_and_resume_continues_through_the_worker(
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
         await status.wait_live("w1")
         await produce(bs, fleet.topics.jobs, [job_record(job("frozen", 100))])
-        await asyncio.sleep(0.2)
+        await wait_generating(w.inner)
         await send(bs, fleet, Pause(command_id="p", mode="keep"))
         await status.wait_acks("p", 1)
         await wait_for(
             lambda: any(s.paused for s in status.statuses("w1")), 10, "a paused heartbeat"
         )
-        await asyncio.sleep(1.0)  # twice what the job needs
+        frozen_at = w.inner.generated_tokens
+        # Waiting for nothing to happen: twice what the whole job needs. A slow machine can
+        # only make this pass more easily, never fail it.
+        await asyncio.sleep(1.0)
+        assert w.inner.generated_tokens == frozen_at
         assert results.records == []
         await send(bs, fleet, Resume(command_id="r"))
         got = completed((await results.wait("frozen"))["frozen"])
@@ -341,7 +356,7 @@ async def test_pause_keep_freezes_and_resume_continues_through_the_worker(
         await produce(
             bs, fleet.topics.jobs, [job_record(job("doomed", 400, metadata={"step": "9"}))]
         )
-        await asyncio.sleep(0.3)
+        await wait_generating(w.inner)
         await send(bs, fleet, Abort(command_id="a", metadata={"step": "9"}))
         doomed = (await results.wait("doomed"))["doomed"]
         assert isinstance(doomed, Failed) and doomed.error.code is ErrorCode.ABORTED

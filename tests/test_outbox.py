@@ -141,9 +141,11 @@ async def test_an_unexpected_error_is_reported_not_swallowed(recorder: Recorder)
 async def test_flush_waits_for_a_submission_held_by_the_producer(recorder: Recorder) -> None:
     producer = BatchProducer({"results": 1})
     release = asyncio.Event()
+    submitting = asyncio.Event()
     inner = producer.send_batch
 
     async def held(batch: BatchBuilder, topic: str, *, partition: int) -> Any:
+        submitting.set()
         await release.wait()  # aiokafka waits so while it still holds the partition's last batch
         return await inner(batch, topic, partition=partition)
 
@@ -151,7 +153,7 @@ async def test_flush_waits_for_a_submission_held_by_the_producer(recorder: Recor
     outbox = await started(producer, recorder)
     outbox.add("results", b"a", b"x", [], "a")
     flushed = asyncio.create_task(outbox.flush())
-    await asyncio.sleep(0.05)
+    await asyncio.wait_for(submitting.wait(), 5)
     assert not flushed.done()
     assert outbox.pending == 1  # taken by the submitting task, not yet submitted
     outbox.add("results", b"b", b"x", [], "b")  # arrives meanwhile: goes in the next batch

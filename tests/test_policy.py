@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from schemas import Abort, Job, SamplingSpec, VersionSpan
+from tests.kafka_helpers import wait_for
 from worker.engine import EngineOutput
 from worker.errors import JobAbortedError, JobExpiredError, WeightUpdateError
 from worker.mock_engine import MockEngine, MockEngineSettings
@@ -67,17 +68,26 @@ def assert_rows_follow_the_rule(output: EngineOutput, j: Job) -> None:
 
 
 async def started(
-    policy: PolicyEngine, j: Job, after_s: float = 0.05
+    policy: PolicyEngine, j: Job, inner: MockEngine | None = None
 ) -> asyncio.Task[EngineOutput]:
+    """`j` under way: generating in `inner` when given (the job id is its request id), else
+    only handed to the policy (running, or waiting at a closed gate)."""
     task = asyncio.create_task(policy.generate(j, j.job_id))
-    await asyncio.sleep(after_s)
+    if inner is None:
+        await asyncio.sleep(0)
+    else:
+        await wait_for(
+            lambda: inner.generated_tokens.get(j.job_id, 0) > 0 or task.done(),
+            what=f"{j.job_id} to generate",
+        )
+        assert not task.done(), f"{j.job_id} finished before the test could act on it"
     return task
 
 
 async def test_wait_lets_running_jobs_finish_on_the_old_weights_first(tmp_path):
-    policy, _ = engine()
+    policy, inner = engine()
     new = checkpoint(tmp_path, "b")
-    running = await started(policy, job())
+    running = await started(policy, job(), inner)
     await policy.load_checkpoint(new, 1, "wait")
     assert running.done()  # the update waited for it
     old = running.result()
@@ -89,9 +99,9 @@ async def test_wait_lets_running_jobs_finish_on_the_old_weights_first(tmp_path):
 
 
 async def test_restart_runs_the_job_again_from_the_start_on_the_new_weights(tmp_path):
-    policy, _ = engine()
+    policy, inner = engine()
     new = checkpoint(tmp_path, "b")
-    running = await started(policy, job())
+    running = await started(policy, job(), inner)
     await policy.load_checkpoint(new, 1, "restart")
     out = await running
     assert out.weight_version == 1
@@ -99,8 +109,8 @@ async def test_restart_runs_the_job_again_from_the_start_on_the_new_weights(tmp_
 
 
 async def test_abort_answers_with_the_partial_completions_by_the_row_rule(tmp_path):
-    policy, _ = engine()
-    running = await started(policy, job(n=2))
+    policy, inner = engine()
+    running = await started(policy, job(n=2), inner)
     await policy.load_checkpoint(checkpoint(tmp_path, "b"), 1, "abort")
     with pytest.raises(JobAbortedError) as info:
         await running
@@ -116,10 +126,10 @@ async def test_abort_answers_with_the_partial_completions_by_the_row_rule(tmp_pa
 
 @pytest.mark.parametrize("in_place", [False, True])
 async def test_keep_continues_running_jobs_with_two_version_spans(tmp_path, in_place):
-    policy, _ = engine(in_place=in_place)
+    policy, inner = engine(in_place=in_place)
     new = checkpoint(tmp_path, "b")
     j = job(n=2)
-    running = await started(policy, j, after_s=0.08)
+    running = await started(policy, j, inner)
     await policy.load_checkpoint(new, 1, "keep")
     out = await running
     old = await fresh(None, j)
@@ -150,8 +160,8 @@ async def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(tmp_
 
 
 async def test_pause_keep_freezes_running_jobs_until_resume():
-    policy, _ = engine()
-    running = await started(policy, job())
+    policy, inner = engine()
+    running = await started(policy, job(), inner)
     await policy.pause("keep")
     await asyncio.sleep(0.3)  # longer than the whole job would take
     assert not running.done()
@@ -164,24 +174,24 @@ async def test_pause_keep_freezes_running_jobs_until_resume():
 
 
 async def test_pause_abort_and_pause_wait():
-    policy, _ = engine()
-    running = await started(policy, job())
+    policy, inner = engine()
+    running = await started(policy, job(), inner)
     await policy.pause("abort")
     with pytest.raises(JobAbortedError):
         await running
     await policy.resume()
-    running = await started(policy, job("w"))
+    running = await started(policy, job("w"), inner)
     await policy.pause("wait")
     assert running.done()  # `wait` returns once the jobs in flight have finished
     await policy.resume()
 
 
 async def test_abort_by_job_id_or_metadata_running_or_waiting_at_the_gate():
-    policy, _ = engine()
-    a = await started(policy, job("a", metadata={"step": "3"}))
-    b = await started(policy, job("b", metadata={"step": "4"}), after_s=0.0)
+    policy, inner = engine()
+    a = await started(policy, job("a", metadata={"step": "3"}), inner)
+    b = await started(policy, job("b", metadata={"step": "4"}))
     await policy.pause("keep")
-    c = await started(policy, job("c", metadata={"step": "3"}), after_s=0.01)
+    c = await started(policy, job("c", metadata={"step": "3"}))  # waits at the closed gate
     matched = await policy.abort(Abort(command_id="x", metadata={"step": "3"}))
     assert sorted(matched) == ["a", "c"]
     for aborted in (a, c):
@@ -205,7 +215,7 @@ async def test_a_deadline_passing_while_paused_expires_the_job():
 
 async def test_an_interrupt_the_control_plane_did_not_ask_for_is_a_retryable_engine_error():
     policy, inner = engine()
-    running = await started(policy, job())
+    running = await started(policy, job(), inner)
     await inner.interrupt("j")
     with pytest.raises(Exception, match="aborted before it finished") as info:
         await running

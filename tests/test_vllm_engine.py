@@ -27,7 +27,7 @@ import pytest
 import pytest_asyncio
 
 from schemas import Completed, Failed, Job, SamplingSpec, decode_result, encode
-from tests.kafka_helpers import assembled, collect, job_record, produce
+from tests.kafka_helpers import assembled, collect, job_record, produce, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.config import settings_from
 from worker.engine import BorrowedEngine, EngineOutput
@@ -406,12 +406,12 @@ async def test_cancelling_generate_and_abort_both_stop_the_request(engine):
         sampling=SamplingSpec(max_tokens=400, ignore_eos=True),
     )
     task = asyncio.create_task(engine.generate(long_job, "long-cancelled"))
-    await asyncio.sleep(1.0)
+    await wait_generating(engine)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     task = asyncio.create_task(engine.generate(long_job, "long-aborted"))
-    await asyncio.sleep(1.0)
+    await wait_generating(engine)
     await engine.abort("long-aborted")
     with pytest.raises(EngineError, match="aborted") as caught:
         await asyncio.wait_for(task, 10)

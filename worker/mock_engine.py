@@ -91,8 +91,9 @@ class MockEngine:
         self._model_name = f"mock-{s.num_layers}L-{s.num_experts}E-top{s.top_k}"
         self._weights_seed = 0
         self._version = s.weight_version
-        # Running requests, each with the event its interrupt sets.
+        # Running requests, each with the event its interrupt sets, and its tokens so far.
         self._running: dict[str, asyncio.Event] = {}
+        self._generated: dict[str, int] = {}
         self._thawed = asyncio.Event()
         self._thawed.set()
         self.prefix_cache_resets = 0
@@ -117,6 +118,12 @@ class MockEngine:
     @property
     def keeps_requests_across_loads(self) -> bool:
         return self._settings.in_place_updates
+
+    @property
+    def generated_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each running request (with latency): what a caller
+        waits on to know that a request is under way, instead of sleeping."""
+        return dict(self._generated)
 
     async def interrupt(self, request_id: str) -> None:
         interrupted = self._running.get(request_id)
@@ -210,6 +217,7 @@ class MockEngine:
         chunks: list[_Chunk] = []
         done = 0
         interrupted = self._running[request_id] = asyncio.Event()
+        self._generated[request_id] = 0
         try:
             while done < max_tokens:
                 if not self._thawed.is_set():
@@ -222,9 +230,11 @@ class MockEngine:
                     return chunks, True
                 chunks.append(_Chunk(self._weights_seed, self._version, done, done + count))
                 done += count
+                self._generated[request_id] = done
             return chunks, False
         finally:
             del self._running[request_id]
+            del self._generated[request_id]
 
     def _completion(
         self,

@@ -156,6 +156,8 @@ class VllmEngine:
         self._verified = False
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
+        # Tokens generated so far by each request in the engine (all its children together).
+        self._generated: dict[str, int] = {}
         self._transfer_ready = False
         # While a new engine is built for new weights there is none to ask; the control plane
         # holds every job meanwhile, and a failed rebuild raises there.
@@ -172,6 +174,12 @@ class VllmEngine:
     @property
     def supports_routed_experts(self) -> bool:
         return self._capture and self._verified
+
+    @property
+    def generated_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each running request: what a caller waits on to know
+        that a request is under way, instead of sleeping."""
+        return dict(self._generated)
 
     @property
     def async_llm(self) -> Any:
@@ -265,10 +273,13 @@ class VllmEngine:
                 request_output = out
                 for child in out.outputs:
                     latest[child.index] = child
+                self._generated[request_id] = sum(len(c.token_ids) for c in latest.values())
         # AsyncLLM.generate raises only vLLM's own exceptions: anything else arrives wrapped in
         # EngineGenerateError. Cancellation passes through (it aborts the request on its way).
         except VLLMError as exc:
             raise _map_error(exc) from exc
+        finally:
+            self._generated.pop(request_id, None)
         if request_output is None or len(latest) != job.sampling.n:
             raise EngineError(
                 f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
