@@ -19,15 +19,16 @@ $(STAMP): pyproject.toml $(SHIM)/pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m worker.demo
+	$(BIN)/python -m worker.dev.demo
 
 rl-demo: setup
-	$(BIN)/python -m worker.rl_demo
+	$(BIN)/python -m worker.dev.rl_demo
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest --durations=15

@@ -26,8 +26,8 @@ import numpy as np
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Completion, Job, RoutedExperts, SamplingSpec, decode_result, encode
-from worker.client import RolloutClient
-from worker.dev_broker import env_or_local_broker, new_topics
+from worker.client.rollout import RolloutClient
+from worker.dev.broker import env_or_local_broker, new_topics
 
 RATIO_GOAL: Final = 0.8
 

@@ -2,7 +2,7 @@
 
 Run `python bench/engine_overhead.py [--prompts N] [--prompt-tokens N] [--max-tokens N]
 [--rounds R] [--model DIR] [--enforce-eager]`. Uses $KAFKA_BOOTSTRAP_SERVERS when set, else
-starts a local noida-db broker (worker.dev_broker.LocalBroker).
+starts a local noida-db broker (worker.dev.broker.LocalBroker).
 
 One vLLM engine (the normal fast CPU path: no Triton shim, no routed-experts capture; the tiny
 random MoE unless --model is given) serves both paths in this process, with the same prompts,
@@ -34,12 +34,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
-from worker.config import settings_from
-from worker.dev_broker import env_or_local_broker
-from worker.engine import BorrowedEngine
-from worker.kafka import make_consumer, make_producer, read_record_limits
-from worker.service import Worker
-from worker.vllm_engine import VllmEngine, build_vllm_engine
+from worker.build import Service, build_worker
+from worker.core.config import settings_from
+from worker.dev.broker import env_or_local_broker
+from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
 RATIO_GOAL: Final = 0.95
 # Variables that switch vLLM onto the slow capture path (see tests/support/triton_cpu_backend).
@@ -101,7 +99,7 @@ class WorkerPath:
             },
             {},
         )
-        self._worker: Worker | None = None
+        self._worker: Service | None = None
         self._task: asyncio.Task[int] | None = None
         self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
         self._results = AIOKafkaConsumer(
@@ -125,14 +123,8 @@ class WorkerPath:
         await self._producer.start()
         await self._results.start()
         self._results.assign([TopicPartition(self.results_topic, 0)])
-        s = self._settings
-        limits = await read_record_limits(s)
-        self._worker = Worker(
-            s,
-            consumer=make_consumer(s, limits),
-            producer=make_producer(s, limits),
-            engine=BorrowedEngine(self._engine),
-            limits=limits,
+        self._worker = await build_worker(
+            self._settings, self._engine, steered=False, owns_engine=False
         )
         self._task = asyncio.create_task(self._worker.run())
         # Wait for the group join, so no round pays for it.
@@ -239,7 +231,7 @@ def model(path: str | None) -> Iterator[Path]:
     if path is not None:
         yield Path(path)
         return
-    from worker.tiny_model import build_tiny_model  # noqa: PLC0415 - needs torch
+    from worker.dev.tiny_model import build_tiny_model  # noqa: PLC0415 - needs torch
 
     with tempfile.TemporaryDirectory(prefix="vkw-bench-model-") as tmp:
         yield build_tiny_model(Path(tmp), seed=0)

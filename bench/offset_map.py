@@ -2,7 +2,7 @@
 costs a commit at its cap.
 
 Run `python bench/offset_map.py [--short-jobs N] [--kill-at N]`. Uses $KAFKA_BOOTSTRAP_SERVERS
-when set, else starts a local noida-db broker (worker.dev_broker.LocalBroker).
+when set, else starts a local noida-db broker (worker.dev.broker.LocalBroker).
 
 1. Re-run work. One slow job at the front of a partition, N short jobs behind it (mock engine,
    50 ms a token, mixed lengths), one `python -m worker serve` process with 256 jobs in flight;
@@ -35,8 +35,8 @@ from typing import Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Job, SamplingSpec, decode_result, encode
-from worker.dev_broker import env_or_local_broker, new_topics
-from worker.offsets import PartitionOffsets
+from worker.delivery.offsets import PartitionOffsets
+from worker.dev.broker import env_or_local_broker, new_topics
 
 REPO: Final = Path(__file__).resolve().parent.parent
 IN_FLIGHT: Final = 256

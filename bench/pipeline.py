@@ -1,7 +1,7 @@
 """Benchmark: jobs/s through the worker vs a bare aiokafka loop, and RSS while draining a backlog.
 
 Run `python bench/pipeline.py [--jobs N] [--rounds R] [--backlog N]`. Uses $KAFKA_BOOTSTRAP_SERVERS
-when set, else starts a local noida-db broker (worker.dev_broker.LocalBroker).
+when set, else starts a local noida-db broker (worker.dev.broker.LocalBroker).
 
 1. Throughput. The same jobs (one pre-produced topic) are served, in alternating rounds, by
    - the worker in this process (`Worker` as `serve` builds it, the mock engine at zero latency),
@@ -41,18 +41,17 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
-from worker.cli import tune_gc_for_serving
-from worker.config import Settings, settings_from
-from worker.dev_broker import env_or_local_broker
-from worker.kafka import (
+from worker.answering.encoder import encode_result
+from worker.build import build_worker, tune_gc_for_serving
+from worker.core.config import Settings, settings_from
+from worker.core.kafka import (
     make_consumer,
     make_producer,
     read_record_limits,
     record_size_limit,
 )
-from worker.mock_engine import MockEngine, MockEngineSettings
-from worker.result_encoder import encode_result
-from worker.service import Worker
+from worker.dev.broker import env_or_local_broker
+from worker.engines.mock import MockEngine, MockEngineSettings
 
 RATIO_GOAL: Final = 0.8
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -197,14 +196,8 @@ async def _result_bytes(jobs: list[Job]) -> dict[bytes, bytes]:
 async def run_worker(bootstrap: str, jobs_topic: str, count: int) -> float:
     settings = await _answer_topics(bootstrap, jobs_topic)
     results = settings.results_topic
-    limits = await read_record_limits(settings)
-    worker = Worker(  # as `serve` builds and runs it
-        settings,
-        consumer=make_consumer(settings, limits),
-        producer=make_producer(settings, limits),
-        engine=_engine(),
-        limits=limits,
-        on_serving=tune_gc_for_serving,
+    worker = await build_worker(  # as `serve` builds it, without the control plane
+        settings, _engine(), steered=False, on_serving=tune_gc_for_serving
     )
     return await _rate(bootstrap, results, count, worker.run(), worker.request_stop)
 

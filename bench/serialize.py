@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import Completed, Completion, RoutedExperts, decode_result, encode
-from worker.result_encoder import encode_result
+from worker.answering.encoder import encode_result
 
 # Qwen3-30B-A3B: 48 decoder layers, 128 experts, 8 routed per token.
 TOKENS: Final = 8192

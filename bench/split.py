@@ -30,12 +30,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from schemas import Job, ResultAssembler, SamplingSpec, decode_result, encode
-from worker.cli import tune_gc_for_serving
-from worker.config import MiB, settings_from
-from worker.dev_broker import env_or_local_broker, new_topics
-from worker.kafka import make_consumer, make_producer, read_record_limits
-from worker.mock_engine import MockEngine, MockEngineSettings
-from worker.service import Worker
+from worker.build import build_worker, tune_gc_for_serving
+from worker.core.config import MiB, settings_from
+from worker.dev.broker import env_or_local_broker, new_topics
+from worker.engines.mock import MockEngine, MockEngineSettings
 
 RATIO_GOAL: Final = 0.8
 N: Final = 8
@@ -107,13 +105,10 @@ class Run:
             },
             {},
         )
-        limits = await read_record_limits(settings)
-        worker = Worker(
+        worker = await build_worker(
             settings,
-            consumer=make_consumer(settings, limits),
-            producer=make_producer(settings, limits),
-            engine=MockEngine(MockEngineSettings(num_layers=LAYERS, top_k=8, num_experts=128)),
-            limits=limits,
+            MockEngine(MockEngineSettings(num_layers=LAYERS, top_k=8, num_experts=128)),
+            steered=False,
             on_serving=tune_gc_for_serving,
         )
         watcher = AIOKafkaConsumer(

@@ -44,12 +44,11 @@ from schemas import (
     decode_status,
     encode,
 )
-from worker.config import Settings, settings_from
-from worker.dev_broker import env_or_local_broker, new_topics
-from worker.engine import ControllableEngine
-from worker.kafka import make_consumer, make_producer, read_record_limits
-from worker.mock_engine import MockEngine, MockEngineSettings
-from worker.serving import SteeredWorker
+from worker.build import Service, build_worker
+from worker.core.config import Settings, settings_from
+from worker.dev.broker import env_or_local_broker, new_topics
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.protocol import ControllableEngine
 
 MODES: Final = ("wait", "keep", "restart", "abort")
 PROMPT: Final = list(range(11, 43))
@@ -86,17 +85,9 @@ class Fleet:
             {},
         )
 
-    async def start(self, worker_id: str, engine: ControllableEngine) -> tuple[SteeredWorker, Any]:
-        settings = self.settings(worker_id)
-        limits = await read_record_limits(settings)
-        steered = SteeredWorker(
-            settings,
-            engine=engine,
-            consumer=make_consumer(settings, limits),
-            producer=make_producer(settings, limits),
-            limits=limits,
-        )
-        return steered, asyncio.create_task(steered.run())
+    async def start(self, worker_id: str, engine: ControllableEngine) -> tuple[Service, Any]:
+        service = await build_worker(self.settings(worker_id), engine)
+        return service, asyncio.create_task(service.run())
 
     async def produce(self, topic: str, values: list[bytes]) -> None:
         producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, linger_ms=5)
@@ -194,8 +185,8 @@ async def control_path(bootstrap: str, workers: int, root: Path) -> None:
 
 
 async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None:
-    from worker.tiny_model import build_tiny_model  # noqa: PLC0415
-    from worker.vllm_engine import build_vllm_engine  # noqa: PLC0415
+    from worker.dev.tiny_model import build_tiny_model  # noqa: PLC0415
+    from worker.engines.vllm_engine import build_vllm_engine  # noqa: PLC0415
 
     a, b = build_tiny_model(root / "a", seed=0), build_tiny_model(root / "b", seed=1)
 
@@ -209,8 +200,8 @@ async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None
     await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=300)  # serving
     done = 0
     for version, mode in enumerate(MODES, 1):
-        before_discarded = steered.engine.tokens_discarded
-        before_recomputed = steered.engine.tokens_recomputed
+        before_discarded = steered.steerable.tokens_discarded
+        before_recomputed = steered.steerable.tokens_recomputed
         await fleet.produce(fleet.jobs, jobs(f"v{version}", count, tokens))
         await asyncio.sleep(0.5)
         seconds = await update(fleet, version, a if version % 2 == 0 else b, mode, 1)
@@ -224,8 +215,8 @@ async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None
         )
         print(
             f"  {mode:7s} command to ack {seconds:5.1f} s ({seconds / cold_s:.2f} of a fresh "
-            f"start); tokens thrown away {steered.engine.tokens_discarded - before_discarded}, "
-            f"fed forward again {steered.engine.tokens_recomputed - before_recomputed}, "
+            f"start); tokens thrown away {steered.steerable.tokens_discarded - before_discarded}, "
+            f"fed forward again {steered.steerable.tokens_recomputed - before_recomputed}, "
             f"handed back partial {partial} (of {count} x {tokens} in flight)"
         )
     steered.request_stop()
@@ -262,7 +253,7 @@ async def restart_seconds(bootstrap: str, checkpoint: Path) -> float:
 
 
 def engine_args_fast(path: Path) -> list[str]:
-    from worker.tiny_model import tiny_model_engine_args  # noqa: PLC0415
+    from worker.dev.tiny_model import tiny_model_engine_args  # noqa: PLC0415
 
     return [*tiny_model_engine_args(path), "--no-enable-return-routed-experts"]
 

@@ -18,7 +18,7 @@ from aiokafka.errors import KafkaError, for_code
 
 # Fixtures any module may ask for: a worker in-process, and one as a real process.
 from tests.workers import spawn, start_steered, start_worker  # noqa: F401
-from worker.dev_broker import (
+from worker.dev.broker import (
     BrokerBinaryNotFoundError,
     BrokerError,
     LocalBroker,

@@ -16,9 +16,9 @@ from aiokafka.errors import (
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from schemas import Job
-from worker.engine import EngineOutput
-from worker.errors import EngineDeadError, EngineError, InvalidJobError
-from worker.mock_engine import MockEngine, MockEngineSettings
+from worker.core.errors import EngineDeadError, EngineError, InvalidJobError
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.protocol import EngineOutput
 
 
 class ScriptedEngine:
@@ -58,6 +58,10 @@ class ScriptedEngine:
     @property
     def supports_routed_experts(self) -> bool:
         return True
+
+    @property
+    def weight_version(self) -> int:
+        return 0
 
     def gate(self, name: str) -> asyncio.Event:
         return self._gates.setdefault(name, asyncio.Event())

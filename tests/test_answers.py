@@ -10,11 +10,11 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import ScriptedEngine
-from worker.answers import AnswerBuilder, Outcome, OutRecord, RecordKind
-from worker.config import settings_from
-from worker.limits import RecordLimits
-from worker.metrics import Metrics
-from worker.mock_engine import MockEngineSettings
+from worker.answering.answers import AnswerBuilder, Outcome, OutRecord, RecordKind
+from worker.core.config import settings_from
+from worker.core.limits import RecordLimits
+from worker.core.metrics import Metrics
+from worker.engines.mock import MockEngineSettings
 
 TP = TopicPartition("jobs", 0)
 RESULTS, DLQ = "results", "dlq"

@@ -22,7 +22,7 @@ from schemas import (
 )
 from tests.kafka_helpers import collect, produce
 from tests.test_schemas import completed_with
-from worker.payload_store import FilePayloadStore
+from worker.answering.payload_store import FilePayloadStore
 
 pytestmark = pytest.mark.broker
 
@@ -186,7 +186,7 @@ def test_payloads_gc_removes_old_payloads_and_refuses_bad_arguments(tmp_path: Pa
 
 
 def test_the_demo_prints_one_row_per_result_with_routing_shapes():
-    from worker.demo import results_table  # noqa: PLC0415
+    from worker.dev.demo import results_table  # noqa: PLC0415
 
     routed = RoutedExperts.from_array(np.zeros((4, 2, 2), dtype=np.uint8), start=1)
     completed = completed_with(routed)

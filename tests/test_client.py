@@ -31,7 +31,7 @@ from schemas import (
 from tests.fleet_helpers import Results
 from tests.kafka_helpers import wait_for
 from tests.workers import make_fleet
-from worker.client import RETRY_SEPARATOR, RolloutClient, RolloutError
+from worker.client.rollout import RETRY_SEPARATOR, RolloutClient, RolloutError
 
 pytestmark = pytest.mark.broker
 

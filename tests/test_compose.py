@@ -4,8 +4,8 @@ from pathlib import Path
 
 import yaml
 
-from worker.config import DEFAULT_MAX_RESULT_BYTES, Settings, env_name
-from worker.kafka import RECORD_OVERHEAD_BYTES
+from worker.core.config import DEFAULT_MAX_RESULT_BYTES, Settings, env_name
+from worker.core.kafka import RECORD_OVERHEAD_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

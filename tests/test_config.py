@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import trustme
 
-from worker.cli import build_parser, main
-from worker.config import (
+from worker.cli.main import build_parser, main
+from worker.core.config import (
     SECRET_FIELDS,
     Settings,
     add_settings_arguments,
@@ -23,15 +23,15 @@ from worker.config import (
     flag_name,
     settings_from,
 )
-from worker.errors import ConfigError
-from worker.kafka import (
+from worker.core.errors import ConfigError
+from worker.core.kafka import (
     client_kwargs,
     make_consumer,
     make_producer,
     read_record_limits,
     record_size_limit,
 )
-from worker.limits import producer_batch_bytes
+from worker.core.limits import producer_batch_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
@@ -236,7 +236,7 @@ def test_help_starts_fast_without_importing_vllm():
         [
             sys.executable,
             "-c",
-            "import sys; from worker.cli import build_parser; "
+            "import sys; from worker.cli.main import build_parser; "
             "build_parser().format_help(); print('vllm' in sys.modules, 'torch' in sys.modules)",
         ],
         capture_output=True,
@@ -319,11 +319,11 @@ def test_serve_reports_a_missing_codec_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(AIOKafkaProducer, "_COMPRESSORS", codecs)
 
     async def no_broker(settings: Settings) -> Any:
-        from worker.limits import RecordLimits  # noqa: PLC0415
+        from worker.core.limits import RecordLimits  # noqa: PLC0415
 
         return RecordLimits.from_topic_limits(settings, {})
 
-    monkeypatch.setattr("worker.kafka.read_record_limits", no_broker)
+    monkeypatch.setattr("worker.build.read_record_limits", no_broker)
     status = main(["serve", "--engine", "mock", "--compression-type", "lz4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2
@@ -343,7 +343,7 @@ def test_the_gpu_extra_pins_the_vllm_minor_the_cpu_extra_tests():
 
 
 def test_every_mock_engine_field_but_the_vocabulary_is_a_setting():
-    from worker.mock_engine import MockEngineSettings, mock_engine_settings  # noqa: PLC0415
+    from worker.engines.mock import MockEngineSettings, mock_engine_settings  # noqa: PLC0415
 
     settings = settings_from(
         {

@@ -31,7 +31,7 @@ from schemas import (
 from tests.fleet_helpers import Results, Status, completed, send
 from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
 from tests.workers import Fleet, make_fleet, make_topics
-from worker.mock_engine import MockEngineSettings
+from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker
 
@@ -217,7 +217,7 @@ async def test_min_weight_version_holds_the_partition_until_the_update_or_the_de
             fleet.topics.jobs,
             [job_record(job("needs-5", min_weight_version=5)), job_record(job("behind"))],
         )
-        await wait_for(lambda: w.steered.worker.held_partitions == 1, 30, "the partition held")
+        await wait_for(lambda: w.worker.held_partitions == 1, 30, "the partition held")
         assert results.records == []  # held, and the job behind it keeps its place
         await send(
             bs, fleet, UpdateWeights(command_id="u5", version=5, path=checkpoint(tmp_path, "b"))

@@ -9,13 +9,13 @@ from aiokafka import ConsumerRecord, TopicPartition
 from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
-from worker.answers import AnswerBuilder
-from worker.config import settings_from
-from worker.delivery import Delivery, Ticket
-from worker.errors import FatalError
-from worker.limits import RecordLimits
-from worker.metrics import Metrics
-from worker.offsets import PartitionOffsets
+from worker.answering.answers import AnswerBuilder
+from worker.core.config import settings_from
+from worker.core.errors import FatalError
+from worker.core.limits import RecordLimits
+from worker.core.metrics import Metrics
+from worker.delivery.offsets import PartitionOffsets
+from worker.delivery.publish import Delivery, Ticket
 
 TP = TopicPartition("jobs", 0)
 RESULTS, DLQ = "results", "dlq"

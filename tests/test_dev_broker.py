@@ -11,7 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import MessageSizeTooLargeError
 
-from worker.dev_broker import LocalBroker, TansuBroker, wait_until_ready
+from worker.dev.broker import LocalBroker, TansuBroker, wait_until_ready
 
 pytestmark = pytest.mark.broker
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker import cli
+from worker import build
 
 
 @pytest.fixture
@@ -22,9 +22,9 @@ def test_serving_freezes_the_heap_and_lets_young_objects_die_young(restored_gc: 
     _, older, oldest = gc.get_threshold()
     survivor = [object()]  # alive at start-up, like the engine's objects
 
-    cli.tune_gc_for_serving()
+    build.tune_gc_for_serving()
 
     assert gc.get_freeze_count() > 0
     # Frozen: in no generation the collector scans.
     assert all(o is not survivor for g in range(3) for o in gc.get_objects(generation=g))
-    assert gc.get_threshold() == (cli.GC_YOUNG_THRESHOLD, older, oldest)
+    assert gc.get_threshold() == (build.GC_YOUNG_THRESHOLD, older, oldest)

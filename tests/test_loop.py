@@ -13,11 +13,11 @@ from aiokafka import TopicPartition
 from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
-from worker.commits import CommittedReader
-from worker.config import Settings, settings_from
-from worker.limits import RecordLimits
-from worker.offset_map import decode_offset_map, encode_offset_map
-from worker.service import Worker
+from worker.core.config import Settings, settings_from
+from worker.core.limits import RecordLimits
+from worker.delivery.commits import CommittedReader
+from worker.delivery.offset_map import decode_offset_map, encode_offset_map
+from worker.loop.worker import Worker
 
 JOBS, RESULTS, DLQ = "jobs", "results", "dlq"
 P0, P1 = TopicPartition(JOBS, 0), TopicPartition(JOBS, 1)

@@ -6,7 +6,7 @@ import prometheus_client as prom
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.metrics import LoopCounter, LoopHistogram, Metrics
+from worker.core.metrics import LoopCounter, LoopHistogram, Metrics
 
 BUCKETS = (0.01, 0.1, 1.0, 10.0)
 # On a bound, between bounds, below the first, above the last, and zero.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from worker.offset_map import PREFIX, OffsetMapError, decode_offset_map, encode_offset_map
+from worker.delivery.offset_map import PREFIX, OffsetMapError, decode_offset_map, encode_offset_map
 
 
 @given(

@@ -3,8 +3,8 @@
 import pytest
 from aiokafka import TopicPartition
 
-from worker.offset_map import OffsetMap, decode_offset_map, encode_offset_map
-from worker.offsets import OffsetTracker, PartitionOffsets
+from worker.delivery.offset_map import OffsetMap, decode_offset_map, encode_offset_map
+from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
 TP0 = TopicPartition("jobs", 0)
 TP1 = TopicPartition("jobs", 1)

@@ -11,7 +11,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from tests.fakes import BatchProducer
-from worker.outbox import Outbox
+from worker.delivery.outbox import Outbox
 
 
 class Recorder:

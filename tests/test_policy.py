@@ -11,10 +11,10 @@ import pytest
 
 from schemas import Abort, Job, SamplingSpec, VersionSpan
 from tests.kafka_helpers import wait_for
-from worker.engine import EngineOutput
-from worker.errors import JobAbortedError, JobExpiredError, WeightUpdateError
-from worker.mock_engine import MockEngine, MockEngineSettings
-from worker.policy import PolicyEngine
+from worker.core.errors import JobAbortedError, JobExpiredError, WeightUpdateError
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.protocol import EngineOutput
+from worker.engines.steerable import SteerableEngine
 
 LATENCY_MS = 2.0  # 100 tokens take 0.2 s, in 20 steps of 5 tokens
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -27,7 +27,7 @@ def checkpoint(root: Path, name: str, **config: int) -> str:
     return str(path)
 
 
-def engine(*, in_place: bool = False) -> tuple[PolicyEngine, MockEngine]:
+def engine(*, in_place: bool = False) -> tuple[SteerableEngine, MockEngine]:
     inner = MockEngine(
         MockEngineSettings(
             per_token_latency_ms=LATENCY_MS,
@@ -37,7 +37,7 @@ def engine(*, in_place: bool = False) -> tuple[PolicyEngine, MockEngine]:
             in_place_updates=in_place,
         )
     )
-    return PolicyEngine(inner), inner
+    return SteerableEngine(inner), inner
 
 
 def job(job_id: str = "j", tokens: int = 100, n: int = 1, **kwargs: object) -> Job:
@@ -68,7 +68,7 @@ def assert_rows_follow_the_rule(output: EngineOutput, j: Job) -> None:
 
 
 async def started(
-    policy: PolicyEngine, j: Job, inner: MockEngine | None = None
+    policy: SteerableEngine, j: Job, inner: MockEngine | None = None
 ) -> asyncio.Task[EngineOutput]:
     """`j` under way: generating in `inner` when given (the job id is its request id), else
     only handed to the policy (running, or waiting at a closed gate)."""

@@ -17,7 +17,7 @@ from schemas import (
     decode_result,
     encode,
 )
-from worker.result_encoder import SPLICE_MIN_BYTES, encode_result
+from worker.answering.encoder import SPLICE_MIN_BYTES, encode_result
 
 # Strings that look like the spliced spot, to be sure only the real one is spliced.
 LOOKALIKE = '"routed_experts":{"data":"'

@@ -26,13 +26,13 @@ from schemas import (
     encode,
 )
 from tests.fakes import ScriptedEngine
-from worker.answers import AnswerBuilder, Outcome
-from worker.config import MiB, settings_from
-from worker.errors import ConfigError
-from worker.limits import RecordLimits, record_bytes
-from worker.metrics import Metrics
-from worker.mock_engine import MockEngineSettings
-from worker.payload_store import FilePayloadStore, open_payload_store, parse_duration
+from worker.answering.answers import AnswerBuilder, Outcome
+from worker.answering.payload_store import FilePayloadStore, open_payload_store, parse_duration
+from worker.core.config import MiB, settings_from
+from worker.core.errors import ConfigError
+from worker.core.limits import RecordLimits, record_bytes
+from worker.core.metrics import Metrics
+from worker.engines.mock import MockEngineSettings
 
 TP = TopicPartition("jobs", 0)
 RESULTS = "results"

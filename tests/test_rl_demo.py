@@ -10,8 +10,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from worker.rl_loop import StepReport
-from worker.tiny_model import TINY_MODEL_SPEC
+from worker.client.rl_loop import StepReport
+from worker.dev.tiny_model import TINY_MODEL_SPEC
 
 pytestmark = [pytest.mark.vllm, pytest.mark.broker]
 
@@ -24,7 +24,7 @@ async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_th
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "worker.rl_demo",
+        "worker.dev.rl_demo",
         "--report",
         str(report),
         cwd=tmp_path,  # its .demo directory (model, checkpoints, log) goes here

@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.fakes import ScriptedEngine
-from worker import cli
-from worker.config import Settings, settings_from
-from worker.errors import EngineDeadError
-from worker.limits import RecordLimits
+from worker.cli import main as cli
+from worker.core.config import Settings, settings_from
+from worker.core.errors import EngineDeadError
+from worker.core.limits import RecordLimits
+from worker.engines.mock import MockEngine
 
 
-class SlowLoadingEngine(ScriptedEngine):
+class SlowLoadingEngine(MockEngine):
     """Builds its model synchronously, as vLLM's AsyncLLM does, blocking the event loop."""
 
     def __init__(self, load_s: float) -> None:
@@ -52,12 +52,12 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
     settings = settings_from(
         {"engine": "mock", "metrics_port": str(port), "metrics_host": "127.0.0.1"}, {}
     )
-    monkeypatch.setattr(cli, "build_engine", lambda *_: SlowLoadingEngine(load_s=3.0))
+    monkeypatch.setattr("worker.build.build_engine", lambda *_: SlowLoadingEngine(load_s=3.0))
 
     async def no_broker(s: Settings) -> Any:
         return RecordLimits.from_topic_limits(s, {})
 
-    monkeypatch.setattr("worker.kafka.read_record_limits", no_broker)
+    monkeypatch.setattr("worker.build.read_record_limits", no_broker)
     seen: list[tuple[int, int]] = []
     done = threading.Event()
 

@@ -23,8 +23,8 @@ from schemas import (
 from tests.fakes import ScriptedEngine
 from tests.kafka_helpers import assembled, collect, job_record, produce, wait_for
 from tests.workers import Topics, committed_is, make_topics
-from worker.config import MiB
-from worker.mock_engine import MockEngineSettings
+from worker.core.config import MiB
+from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker
 

@@ -29,19 +29,24 @@ import pytest_asyncio
 from schemas import Completed, Failed, Job, SamplingSpec, decode_result, encode
 from tests.kafka_helpers import assembled, collect, job_record, produce, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
-from worker.config import settings_from
-from worker.engine import BorrowedEngine, EngineOutput
-from worker.errors import (
+from worker.build import build_worker
+from worker.core.config import settings_from
+from worker.core.errors import (
     ConfigError,
     EngineDeadError,
     EngineError,
     InvalidJobError,
     WeightUpdateError,
 )
-from worker.kafka import make_consumer, make_producer, read_record_limits
-from worker.service import Worker
-from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
-from worker.vllm_engine import MoeLayout, VllmEngine, build_vllm_engine, check_capture, moe_layout
+from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
+from worker.engines.protocol import EngineOutput
+from worker.engines.vllm_engine import (
+    MoeLayout,
+    VllmEngine,
+    build_vllm_engine,
+    check_capture,
+    moe_layout,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -149,14 +154,7 @@ async def serve_jobs(
         },
         {},
     )
-    limits = await read_record_limits(settings)
-    worker = Worker(
-        settings,
-        consumer=make_consumer(settings, limits),
-        producer=make_producer(settings, limits),
-        engine=BorrowedEngine(engine),
-        limits=limits,
-    )
+    worker = await build_worker(settings, engine, steered=False, owns_engine=False)
     task = asyncio.create_task(worker.run())
     try:
         return await assembled(bs, results_topic, len(jobs), timeout_s=120)
@@ -540,7 +538,7 @@ async def test_vllm_errors_map_to_the_workers_by_kind_and_origin():
     from vllm.v1.engine.exceptions import EngineDeadError as VllmDead  # noqa: PLC0415
     from vllm.v1.engine.exceptions import EngineGenerateError  # noqa: PLC0415
 
-    from worker.vllm_engine import _map_error  # noqa: PLC0415 - the seam's one mapping
+    from worker.engines.vllm_engine import _map_error  # noqa: PLC0415 - the seam's one mapping
 
     def wrapped(cause: Exception) -> EngineGenerateError:
         # What `raise EngineGenerateError() from cause` in AsyncLLM.generate produces.
@@ -599,11 +597,11 @@ def seam_engine(model_dir: Path, llm: RecordingLLM, **kwargs: Any) -> VllmEngine
 
 
 async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_dir):
-    from worker.policy import PolicyEngine  # noqa: PLC0415
+    from worker.engines.steerable import SteerableEngine  # noqa: PLC0415
 
     llm = RecordingLLM()
     engine = seam_engine(model_dir, llm)
-    policy = PolicyEngine(engine)
+    policy = SteerableEngine(engine)
     init, update = (
         {"master_address": "10.0.0.1", "world_size": 2},
         {"names": ["w"], "shapes": [[2]]},
@@ -629,7 +627,7 @@ async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_di
     ]
     failing = seam_engine(model_dir, RecordingLLM(fail="update_weights"))
     with pytest.raises(WeightUpdateError, match="nccl weight transfer failed"):
-        await PolicyEngine(failing).transfer("nccl", init, update, 9, "wait")
+        await SteerableEngine(failing).transfer("nccl", init, update, 9, "wait")
     assert failing.weight_version == 0
 
 

@@ -32,8 +32,8 @@ from tests.fleet_helpers import Results, Status, completed, send
 from tests.kafka_helpers import job_record, produce, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from tests.workers import Fleet, make_fleet
-from worker.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
-from worker.vllm_engine import VllmEngine, build_vllm_engine
+from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
+from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
 pytestmark = [
     pytest.mark.vllm,

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,14 +21,11 @@ from aiokafka import AIOKafkaProducer
 
 from tests.fakes import ScriptedEngine
 from tests.kafka_helpers import committed
-from worker.config import Settings, settings_from
-from worker.engine import ControllableEngine
-from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
-from worker.limits import RecordLimits
-from worker.mock_engine import MockEngine, MockEngineSettings
-from worker.policy import PolicyEngine
-from worker.service import Worker
-from worker.serving import SteeredWorker
+from worker.build import Service, build_worker
+from worker.core.config import Settings, settings_from
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.protocol import ControllableEngine
+from worker.loop.worker import Worker
 
 #: The in-flight cap of spawned workers: what one crash may repeat at most.
 MAX_IN_FLIGHT = 32
@@ -47,13 +44,20 @@ class Topics:
 
 @dataclass
 class Running:
-    worker: Worker
-    engine: ScriptedEngine
+    """A worker built as `serve` builds it (`build_worker`), running in this process."""
+
+    service: Service
+    #: The engine the test gave (a ScriptedEngine unless the test gave another).
+    engine: Any
     task: asyncio.Task[int]
     settings: Settings
 
+    @property
+    def worker(self) -> Worker:
+        return self.service.worker
+
     async def stop(self) -> int:
-        self.worker.request_stop()
+        self.service.request_stop()
         return await asyncio.wait_for(self.task, 60)
 
 
@@ -96,64 +100,31 @@ def worker_settings(bootstrap: str, topics: Topics, **overrides: Any) -> Setting
 
 @pytest.fixture
 async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
+    """Start a worker without a control plane, on a `ScriptedEngine` unless given another."""
     running: list[Running] = []
-    readers: list[GroupOffsetsReader] = []
 
     async def start(
         topics: Topics,
-        engine: ScriptedEngine | None = None,
-        wrap_producer: Callable[[AIOKafkaProducer], Any] = lambda producer: producer,
+        engine: Any = None,
+        wrap_producer: Callable[[AIOKafkaProducer], Any] | None = None,
         topic_limits: dict[str, int | None] | None = None,
         **overrides: Any,
     ) -> Running:
         settings = worker_settings(kafka_bootstrap_servers, topics, **overrides)
         engine = engine or ScriptedEngine()
-        limits = (
-            await read_record_limits(settings)
-            if topic_limits is None
-            else RecordLimits.from_topic_limits(settings, topic_limits)
-        )
-        reader = GroupOffsetsReader(settings)
-        readers.append(reader)
-        worker = Worker(
+        service = await build_worker(
             settings,
-            consumer=make_consumer(settings, limits),
-            producer=wrap_producer(make_producer(settings, limits)),
-            engine=engine,
-            limits=limits,
-            read_committed=reader,
+            engine,
+            steered=False,
+            topic_limits=topic_limits,
+            wrap_producer=wrap_producer,
         )
-        task = asyncio.create_task(worker.run())
-        handle = Running(worker, engine, task, settings)
+        handle = Running(service, engine, asyncio.create_task(service.run()), settings)
         running.append(handle)
         return handle
 
     yield start
-    for handle in running:
-        if not handle.task.done():
-            handle.worker.request_stop()
-            await asyncio.wait_for(handle.task, 60)
-    for reader in readers:
-        await reader.close()
-
-
-@dataclass
-class Steered:
-    """A `SteeredWorker` running in this process, on the mock engine."""
-
-    steered: SteeredWorker
-    #: The engine under the policy (a MockEngine unless the test gave another).
-    inner: Any
-    task: asyncio.Task[int]
-    settings: Settings
-
-    @property
-    def engine(self) -> PolicyEngine:
-        return self.steered.engine
-
-    async def stop(self) -> int:
-        self.steered.request_stop()
-        return await asyncio.wait_for(self.task, 60)
+    await _stop_all(running, 60)
 
 
 @dataclass
@@ -174,11 +145,18 @@ async def make_fleet(new_topic: Any, jobs_partitions: int = 1) -> Fleet:
     )
 
 
+@dataclass
+class Steered(Running):
+    """A worker with a control plane, as `serve` runs it: `engine` is the `SteerableEngine`."""
+
+    #: The engine under the control plane (a MockEngine unless the test gave another).
+    inner: Any
+
+
 @pytest.fixture
 async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
     """Start a worker with a control plane, as `serve` runs it, on the mock engine."""
     running: list[Steered] = []
-    readers: list[GroupOffsetsReader] = []
 
     async def start(
         fleet: Fleet,
@@ -206,27 +184,21 @@ async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[
         inner = engine or MockEngine(
             mock or MockEngineSettings(num_layers=4, top_k=2, num_experts=8)
         )
-        limits = await read_record_limits(settings)
-        readers.append(GroupOffsetsReader(settings))
-        steered = SteeredWorker(
-            settings,
-            engine=inner,
-            consumer=make_consumer(settings, limits),
-            producer=make_producer(settings, limits),
-            limits=limits,
-            read_committed=readers[-1],
-        )
-        handle = Steered(steered, inner, asyncio.create_task(steered.run()), settings)
+        service = await build_worker(settings, inner)
+        task = asyncio.create_task(service.run())
+        handle = Steered(service, service.engine, task, settings, inner)
         running.append(handle)
         return handle
 
     yield start
+    await _stop_all(running, 120)
+
+
+async def _stop_all(running: Sequence[Running], timeout_s: float) -> None:
     for handle in running:
         if not handle.task.done():
-            handle.steered.request_stop()
-            await asyncio.wait_for(handle.task, 120)
-    for reader in readers:
-        await reader.close()
+            handle.service.request_stop()
+            await asyncio.wait_for(handle.task, timeout_s)
 
 
 async def committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:

@@ -2,7 +2,7 @@
 
 import sys
 
-from worker.cli import main
+from worker.cli.main import main
 
 if __name__ == "__main__":  # vLLM spawns engine processes that re-import __main__
     sys.exit(main())

@@ -1,0 +1,1 @@
+"""Record in, answer out: run the job on the engine, shape the records that answer it."""

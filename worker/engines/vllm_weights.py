@@ -1,0 +1,103 @@
+"""New weights for a running vLLM engine: what a checkpoint must be, and the trainer's transfer.
+
+Everything that can be checked before the engine is touched is checked here, so a bad update is
+refused while the old weights still serve.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+from worker.core.errors import WeightUpdateError
+
+__all__ = ["check_checkpoint", "transfer_weights", "with_model"]
+
+# A checkpoint must agree with the served model on these to be loaded into it.
+_ARCHITECTURE_KEYS: Final = (
+    "architectures",
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+
+
+def _check_safetensors(shard: Path) -> None:
+    """A shard whose header cannot be read would fail deep inside the engine's load."""
+    try:
+        with shard.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = f.read(size) if 0 < size < 100 * 1024 * 1024 else b""
+        json.loads(header)
+    except (OSError, ValueError) as exc:
+        raise WeightUpdateError(f"weights {shard} are unreadable: {exc}") from None
+
+
+def with_model(engine_args: list[str], model: str) -> list[str]:
+    """The engine arguments with `--model` set to `model`."""
+    args = list(engine_args)
+    for i, arg in enumerate(args):
+        if arg == "--model" and i + 1 < len(args):
+            args[i + 1] = model
+            return args
+        if arg.startswith("--model="):
+            args[i] = f"--model={model}"
+            return args
+    return [*args, "--model", model]
+
+
+def check_checkpoint(path: Path, served: Any) -> Path:
+    """`path`, resolved, if it holds a checkpoint of the architecture `served` (the engine's HF
+    config) describes; WeightUpdateError saying what does not fit."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WeightUpdateError(f"no checkpoint at {path}: config.json is missing") from None
+    except (OSError, ValueError) as exc:
+        raise WeightUpdateError(f"checkpoint {path}: config.json unreadable: {exc}") from None
+    for key in _ARCHITECTURE_KEYS:
+        ours = getattr(served, key, None)
+        theirs = config.get(key)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise WeightUpdateError(
+                f"checkpoint {path} is another architecture: {key} is {theirs!r}, the "
+                f"served model has {ours!r}"
+            )
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise WeightUpdateError(f"checkpoint {path} has no *.safetensors weights")
+    for shard in shards:
+        _check_safetensors(shard)
+    return path.resolve()
+
+
+async def transfer_weights(
+    llm: Any,
+    backend: str,
+    init_info: dict[str, Any] | None,
+    update_info: dict[str, Any],
+    version: int,
+) -> None:
+    """vLLM's weight-transfer sequence on `llm` (an AsyncLLM): init when `init_info` is given,
+    start, update, finish with the version; WeightUpdateError naming the backend."""
+    from vllm.distributed.weight_transfer.base import (  # noqa: PLC0415 - heavy
+        WeightTransferInitRequest,
+        WeightTransferUpdateRequest,
+    )
+
+    try:
+        if init_info is not None:
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        await llm.start_weight_update()
+        await llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        await llm.finish_weight_update(weight_version=str(version))
+    # The backend raises whatever its transport does.
+    except Exception as exc:
+        raise WeightUpdateError(f"{backend} weight transfer failed: {exc!r}") from exc

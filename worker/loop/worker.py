@@ -1,0 +1,378 @@
+"""The consume loop: fetch job records, start a job for each, keep polling, drain on stop.
+
+A fetched record goes down, never back: `AnswerBuilder` turns it into an answer, `Delivery`
+gets that acknowledged and finishes the offset on the `Committer`'s tracker, which commits it.
+The worker coordinates: the in-flight cap, the rebalance listener, the fatal flag, shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaError
+
+from worker.answering.answers import DLQ_HEADERS, AnswerBuilder
+from worker.core.config import Settings
+from worker.core.errors import BrokerError, FatalError
+from worker.core.limits import RecordLimits
+from worker.core.metrics import Metrics
+from worker.core.shutdown import bounded
+from worker.delivery.commits import CommittedReader, Committer
+from worker.delivery.offsets import PartitionOffsets
+from worker.delivery.publish import Delivery, Ticket
+from worker.engines.protocol import Engine
+from worker.loop.breaker import CrashLoopBreaker
+from worker.loop.inflight import InFlight
+from worker.loop.version_holds import VersionHolds
+
+__all__ = ["DLQ_HEADERS", "Worker"]
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+
+
+class Worker:
+    """Consumes jobs, runs them on an engine, publishes answers, commits answered offsets.
+
+    The consumer, producer and engine are given, not built here (`worker.build` wires them),
+    so tests pass fakes or clients pointed at a test broker; `limits` are the record limits the
+    producer was built with, and `read_committed` reads the group's committed offset maps on
+    assignment (without it, records answered out of order before a crash run again).
+    The engine is started and closed by whoever owns it; `run()` starts the clients, serves
+    until `request_stop()` or a fatal error, drains, closes the clients, and returns the
+    process exit status (0 clean, 1 fatal). Jobs' `min_weight_version` is held against the
+    engine's `weight_version`.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+        engine: Engine,
+        limits: RecordLimits,
+        metrics: Metrics | None = None,
+        read_committed: CommittedReader | None = None,
+    ) -> None:
+        self._settings = settings
+        self._consumer = consumer
+        self._producer = producer
+        self._engine = engine
+        self.metrics = metrics or Metrics()
+        self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._fatal: FatalError | None = None
+        self._serving = False
+        self._last_health_check = time.monotonic()
+        self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
+        self._committer = Committer(consumer, settings, self.metrics, read_committed)
+        self._jobs = InFlight(self._wake.set, self._job_crashed)
+        self._breaker = CrashLoopBreaker(consumer, settings.max_crash_attempts, self.metrics)
+        self._holds = VersionHolds(consumer, lambda: engine.weight_version)
+        self._delivery = Delivery(
+            producer,
+            settings,
+            limits,
+            self.metrics,
+            smaller=self._answers.smaller,
+            on_free=self._wake.set,
+            on_fatal=lambda exc: self._fail(exc, "delivery"),
+        )
+        # Read when scraped, not written twice per job.
+        self.metrics.in_flight.set_function(self._in_flight)
+
+    @property
+    def ready(self) -> bool:
+        """Serving (the engine was started before `run`) and partitions held: what /readyz
+        reports."""
+        return self._serving and bool(self._consumer.assignment())
+
+    def request_stop(self) -> None:
+        """Stop fetching and drain."""
+        self._stopping.set()
+        self._wake.set()
+
+    async def run(self) -> int:
+        """Serve until stopped; return the exit status."""
+        s = self._settings
+        async with AsyncExitStack() as stack:
+            # Closed however far the start got, in reverse: the consumer leaves the group first.
+            stack.push_async_callback(self.close_clients)
+            await self._producer.start()
+            self._delivery.start()
+            stack.push_async_callback(self._delivery.close)
+            stack.push_async_callback(self._committer.close)
+            self._serving = True
+            self._consumer.subscribe([s.jobs_topic], listener=_RebalanceListener(self))
+            await self._consumer.start()
+            logger.info(
+                "worker %s serving %s -> %s (group %s, max_in_flight %d, engine %s)",
+                s.worker_id,
+                s.jobs_topic,
+                s.results_topic,
+                s.group_id,
+                self.max_in_flight,
+                self._engine.model_name,
+            )
+            try:
+                await self._consume_loop()
+            finally:
+                await self._drain()
+        if self._fatal is not None:
+            logger.error("stopped on a fatal error: %s", self._fatal)
+            return 1
+        logger.info("stopped cleanly")
+        return 0
+
+    async def _consume_loop(self) -> None:
+        s = self._settings
+        consumer = self._consumer
+        while not self._stopping.is_set() and self._fatal is None:
+            free = self.max_in_flight - self._in_flight()
+            if free <= 0:
+                # Full. Any free slot is filled at once: waiting for several left the engine's
+                # batch short and cost vLLM a third of its throughput at max_in_flight =
+                # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
+                # Long ones: pause the partitions and poll anyway, so the group does not evict
+                # us for exceeding max_poll_interval_ms (aiokafka #848).
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
+                except TimeoutError:
+                    consumer.pause(*consumer.assignment())
+                    # A rebalance can complete inside this call; records it returns are jobs
+                    # like any other (dropping them would skip their offsets).
+                    await self._start_jobs(await consumer.getmany(timeout_ms=0))
+            else:
+                # Paused: partitions whose offset map nears its cap (until the gap closes), and
+                # those running a suspect of a crash (until it is answered).
+                self._breaker.release_idle(self._committer.partition)
+                self._holds.release()
+                held = self._committer.held | self._breaker.held | self._holds.held
+                if resumable := consumer.paused() - held:
+                    consumer.resume(*resumable)
+                if held:
+                    consumer.pause(*(held & consumer.assignment()))
+                try:
+                    batch = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=free)
+                except KafkaError as exc:
+                    if exc.retriable:
+                        logger.warning("fetch failed (%r); retrying", exc)
+                        continue
+                    self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
+                    break
+                await self._start_jobs(batch)
+            self._committer.tick()
+            await self._maybe_check_engine()
+            self._check_deliveries()
+
+    async def _start_jobs(self, batch: Batch) -> None:
+        if not batch:
+            return
+        assigned = self._consumer.assignment()
+        breaker = self._breaker
+        runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
+        for tp, fetched in batch.items():
+            if tp not in assigned:
+                continue  # revoked between the fetch and now: the next owner reads them
+            records = self._holds.runnable(tp, fetched)
+            if not records:
+                continue
+            partition = self._committer.partition(tp)
+            if breaker.enabled and partition.deaths:
+                run, crash_looped = breaker.take(tp, partition, records)
+                runnable += [(tp, partition, record) for record in run]
+                for record, deaths in crash_looped:
+                    job = functools.partial(self._job, tp, partition, record, deaths=deaths)
+                    self._jobs.start(tp, job)
+                continue
+            for record in records:
+                if partition.start(record.offset):
+                    runnable.append((tp, partition, record))
+                else:  # answered before a crash or rebalance, as the committed map says
+                    self.metrics.skipped.inc()
+        if breaker.enabled and runnable:
+            # Written ahead: the commit names these as running before any of them runs, so if
+            # one kills the process, the next owner knows which records were in flight.
+            await self._committer.write_ahead({tp for tp, _, _ in runnable})
+        for tp, partition, record in runnable:
+            self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+
+    async def _job(
+        self,
+        tp: TopicPartition,
+        partition: PartitionOffsets,
+        record: ConsumerRecord[bytes, bytes],
+        slot: int,
+        *,
+        deaths: int = 0,
+    ) -> None:
+        """Answer one record and hand the answer on. Only cancellation and fatal errors leave
+        without an answer; both leave the offset unfinished, so the record is redelivered.
+        `deaths`: the record is not run but answered as having been in flight at that many
+        process deaths."""
+        try:
+            if deaths:
+                answer = self._answers.crash_looped(tp, record, deaths)
+            else:
+                answer = await self._answers.answer(tp, record)
+            ticket = Ticket(tp, partition, record.offset, answer)
+            if not self._delivery.queue(ticket):
+                await self._delivery.send_alone(ticket)
+            # The answer is counted in the outbox now; counted here too, it would count twice.
+            self._jobs.release(slot)
+        except asyncio.CancelledError:
+            logger.info(
+                "job at %s-%s@%s cancelled; left uncommitted for redelivery",
+                tp.topic,
+                tp.partition,
+                record.offset,
+            )
+            raise
+        except FatalError as exc:
+            self._fail(exc, f"{tp.topic}-{tp.partition}@{record.offset}")
+
+    async def close_clients(self) -> None:
+        """Stop the consumer (leaving the group), then the producer. `run` does it on its way
+        out; whoever built the worker does it when `run` never started. Stopping twice is a
+        no-op."""
+        await self._bounded(self._consumer.stop, "consumer stop")
+        await self._bounded(self._producer.stop, "producer stop")
+
+    @property
+    def jobs_in_flight(self) -> int:
+        """Jobs started and not yet answered (running, or having their answer built)."""
+        return len(self._jobs)
+
+    @property
+    def held_partitions(self) -> int:
+        """Partitions waiting for a newer weight version."""
+        return len(self._holds.held)
+
+    def lag(self) -> int | None:
+        """Jobs behind the ends of this worker's partitions, from the committed positions."""
+        return self._committer.lag()
+
+    async def answers_acknowledged(self, timeout_s: float) -> bool:
+        """Wait until every answer handed on so far is acknowledged; False on timeout."""
+        return await self._delivery.acknowledged(time.monotonic() + timeout_s)
+
+    def fail(self, exc: FatalError, where: str) -> None:
+        """Stop on a fatal error found outside the loop (the control plane's engine calls)."""
+        self._fail(exc, where)
+
+    def _in_flight(self) -> int:
+        """Jobs running, and answers not yet handed to the producer.
+
+        Counting the latter keeps the outbox bounded: while the broker is slower than the
+        engine, the worker fetches no more than it can deliver.
+        """
+        return len(self._jobs) + self._delivery.pending
+
+    def _check_deliveries(self) -> None:
+        """Give up when the broker has not acknowledged an answer for `publish_timeout_s`."""
+        waited = self._delivery.oldest_wait_s()
+        if waited > self._settings.publish_timeout_s:
+            self._fail(
+                BrokerError(
+                    f"no acknowledgement from the broker for {waited:.1f}s "
+                    f"(publish_timeout_s={self._settings.publish_timeout_s})"
+                ),
+                "delivery",
+            )
+
+    async def _maybe_check_engine(self) -> None:
+        """A dead engine must stop the worker even when no job is running to notice it."""
+        now = time.monotonic()
+        if now - self._last_health_check < self._settings.health_check_interval_s:
+            return
+        self._last_health_check = now
+        try:
+            await self._engine.check_health()
+        except FatalError as exc:
+            self._fail(exc, "engine health check")
+
+    def _fail(self, exc: FatalError, where: str) -> None:
+        if self._fatal is None:
+            self._fatal = exc
+            logger.error("fatal error at %s: %s", where, exc, exc_info=exc)
+        self._wake.set()
+
+    def _job_crashed(self, exc: BaseException) -> None:
+        self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Let the revoked partitions' jobs finish for a bounded time, abort the rest, commit."""
+        grace = self._settings.revoke_grace_s
+        if busy := self._jobs.busy(revoked):
+            logger.info(
+                "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
+            )
+        await self._settle(revoked, grace)
+        await self._committer.commit_now(revoked, clean=True)
+        self._committer.forget(revoked)
+        self._breaker.forget(revoked)
+        self._holds.forget(revoked)
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
+        # offset maps are read, and paused again after that while at the cap.
+        if assigned:
+            self._consumer.pause(*assigned)
+        await self._committer.assigned(assigned)
+        if assigned and self._in_flight() < self.max_in_flight:
+            self._consumer.resume(*(assigned - self._committer.held))
+        self.metrics.assigned_partitions.set(len(self._consumer.assignment()))
+        logger.info("assigned %s", sorted(map(str, assigned)))
+
+    async def _drain(self) -> None:
+        """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
+        grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
+        if busy := self._jobs.busy():
+            logger.info("draining %d jobs (grace %.1fs)", busy, grace)
+        await self._settle(None, grace)
+        await self._bounded(self._producer.flush, "flush")
+        await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
+        # Clean unless fatal: after a fatal error the jobs cut off may be what caused it.
+        clean = self._fatal is None
+        await self._bounded(
+            functools.partial(self._committer.commit_now, clean=clean), "final commit"
+        )
+        self._delivery.stop_resending()
+
+    async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
+        """Give the jobs of `partitions` (all when None) `grace_s` to be answered and
+        acknowledged, then cancel what is still running. Their offsets stay unfinished, so
+        their records are redelivered."""
+        deadline = time.monotonic() + grace_s
+        await self._jobs.settle(partitions, grace_s)
+        await self._delivery.settle(partitions, deadline)
+        if aborted := await self._jobs.cancel(partitions):
+            logger.info(
+                "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
+                aborted,
+            )
+
+    async def _bounded(self, step: Callable[[], Awaitable[object]], what: str) -> None:
+        await bounded(step, what, self._settings.close_timeout_s)
+
+
+class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._worker.on_partitions_revoked(set(revoked))
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        await self._worker.on_partitions_assigned(set(assigned))
