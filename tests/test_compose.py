@@ -1,5 +1,6 @@
 """docker-compose.yml's structure (no Docker engine here to run it)."""
 
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -20,7 +21,23 @@ def test_services_are_kafka_topic_creation_and_a_gpu_worker():
     devices = SERVICES["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
     assert SERVICES["worker"]["build"] == "."
-    assert (ROOT / "Dockerfile").read_text().splitlines()[1].startswith("FROM vllm/vllm-openai:")
+
+
+def test_the_image_is_built_on_the_vllm_release_the_gpu_extra_pins():
+    (base,) = [
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("FROM ")
+    ]
+    image, tag = base.split(":")
+    assert image == "vllm/vllm-openai"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (gpu,) = [r for r in extras["gpu"] if r.startswith("vllm")]
+    low, high = gpu.removeprefix("vllm>=").split(",<")  # e.g. vllm>=0.32,<0.33
+    version = tuple(int(p) for p in tag.removeprefix("v").split("."))
+    assert tuple(int(p) for p in low.split(".")) <= version < tuple(int(p) for p in high.split("."))
 
 
 def test_kafka_is_single_node_kraft_reachable_from_host_and_containers():
