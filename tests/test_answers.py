@@ -10,7 +10,8 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import ScriptedEngine
-from worker.answering.answers import AnswerBuilder, Outcome, OutRecord, RecordKind
+from worker.answering.answers import AnswerBuilder
+from worker.answering.records import Outcome, OutRecord, RecordKind
 from worker.core.config import settings_from
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics

@@ -43,7 +43,7 @@ from tests.kafka_helpers import (
     wait_for,
 )
 from tests.workers import MAX_IN_FLIGHT, Topics
-from worker.loop.worker import DLQ_HEADERS
+from worker.answering.records import DLQ_HEADERS
 
 pytestmark = [pytest.mark.chaos, pytest.mark.broker]
 

@@ -26,8 +26,9 @@ from schemas import (
     encode,
 )
 from tests.fakes import ScriptedEngine
-from worker.answering.answers import AnswerBuilder, Outcome
+from worker.answering.answers import AnswerBuilder
 from worker.answering.payload_store import FilePayloadStore, open_payload_store, parse_duration
+from worker.answering.records import Outcome
 from worker.core.config import MiB, settings_from
 from worker.core.errors import ConfigError
 from worker.core.limits import RecordLimits, record_bytes

@@ -32,9 +32,9 @@ from tests.kafka_helpers import (
     wait_for,
 )
 from tests.workers import Topics, committed_is, make_topics
+from worker.answering.records import DLQ_HEADERS
 from worker.core.metrics import MetricsServer
 from worker.engines.mock import MockEngineSettings
-from worker.loop.worker import DLQ_HEADERS
 
 pytestmark = pytest.mark.broker
 

@@ -18,9 +18,10 @@ import msgspec
 from schemas import Completed, Completion, Part, RoutedExperts, encode
 from worker.answering.encoder import encode_completion, encode_result
 from worker.answering.payload_store import FilePayloadStore, PayloadStoreError
+from worker.core.errors import ResultTooLargeError
 from worker.core.metrics import Metrics
 
-__all__ = ["ResultSplitter", "SplitRefused"]
+__all__ = ["ResultSplitter"]
 
 # The skeleton's list, where a part's completions go; the first match is the field itself
 # (`job_id` comes before it, and a JSON string cannot hold an unescaped quote).
@@ -28,15 +29,6 @@ _COMPLETIONS: Final = b'"completions":['
 # base64 is 4 bytes per 3; a result whose routing alone is this far over the budget is split
 # without first being encoded whole.
 _BASE64_RATIO: Final = 4 / 3
-
-
-class SplitRefused(Exception):
-    """The result cannot be published, even split: why, and whether retrying may help."""
-
-    def __init__(self, detail: str, *, retryable: bool = False) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.retryable = retryable
 
 
 class ResultSplitter:
@@ -48,7 +40,7 @@ class ResultSplitter:
 
     async def encode(self, result: Completed, budget: int, limit: str) -> list[bytes]:
         """The values to publish for `result`, each at most `budget` bytes (`limit` names what
-        sets it): one when it fits (no `part`), else its parts in order. Raises SplitRefused
+        sets it): one when it fits (no `part`), else its parts in order. Raises ResultTooLargeError
         when a completion cannot fit a record."""
         routed = sum(
             len(c.routed_experts.data) for c in result.completions if c.routed_experts is not None
@@ -70,7 +62,7 @@ class ResultSplitter:
             for i in oversized:
                 encoded[i] = encode_completion(completions[i])
                 if overhead + len(encoded[i]) > budget:
-                    raise SplitRefused(
+                    raise ResultTooLargeError(
                         f"completion {completions[i].index} is {len(encoded[i])} bytes without its "
                         f"routed experts; a record holds {budget - overhead} ({limit})"
                     )
@@ -93,7 +85,7 @@ class ResultSplitter:
         store = self._store
         if store is None:
             c = completions[oversized[0]]
-            raise SplitRefused(
+            raise ResultTooLargeError(
                 f"{len(oversized)} of {len(completions)} completions do not fit one record alone "
                 f"(completion {c.index}: {len(encode_completion(c))} bytes, a record holds "
                 f"{budget}: {limit}); start the worker with --payload-store file:///shared/dir to publish "
@@ -110,7 +102,7 @@ class ResultSplitter:
                 )
             )
         except PayloadStoreError as exc:
-            raise SplitRefused(str(exc), retryable=True) from exc
+            raise ResultTooLargeError(str(exc), retryable=True) from exc
         for i, (uri, sha256) in zip(to_store, written, strict=True):
             routing = _routing(completions[i])
             self._metrics.payload_bytes.inc(len(routing.data))

@@ -4,6 +4,7 @@
     ├── ConfigError            bad settings or CLI arguments: refuse to start (exit 2)
     ├── JobError               one job's problem: answered as a `failed` result, offset moves on
     │   ├── InvalidJobError        code `invalid_job` (also vLLM's validation errors)
+    │   │   └── InvalidRecordError     not a readable job at all: also dead-lettered
     │   ├── EngineError            code `engine_error`; `retryable` says if resubmitting may help
     │   ├── ResultTooLargeError    code `result_too_large`
     │   ├── JobExpiredError        code `expired`: its deadline passed while it waited
@@ -34,6 +35,7 @@ __all__ = [
     "EngineError",
     "FatalError",
     "InvalidJobError",
+    "InvalidRecordError",
     "JobAbortedError",
     "JobError",
     "JobExpiredError",
@@ -68,6 +70,11 @@ class InvalidJobError(JobError):
     """The job cannot run as written; resubmitting it unchanged fails again."""
 
     code = ErrorCode.INVALID_JOB
+
+
+class InvalidRecordError(InvalidJobError):
+    """The record is not a readable job (no value, not JSON, a field out of bounds): answered
+    from what can be read of it, and copied to the dead-letter topic as it was."""
 
 
 class EngineError(JobError):

@@ -20,7 +20,7 @@ from typing import Any, Final
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 
-from worker.answering.answers import Answer, OutRecord
+from worker.answering.records import Answer, OutRecord
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.core.failpoints import crash_point

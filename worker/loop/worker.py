@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPa
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from worker.answering.answers import DLQ_HEADERS, AnswerBuilder
+from worker.answering.answers import AnswerBuilder
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.core.limits import RecordLimits
@@ -32,7 +32,7 @@ from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
 
-__all__ = ["DLQ_HEADERS", "Worker"]
+__all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
 

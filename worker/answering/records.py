@@ -1,0 +1,284 @@
+"""The records that answer a job record: results, failed results, dead-letter copies, and the
+smaller ones sent instead of a record too large for its topic.
+
+An `Answer` is frozen data: the records to send and the outcome as a value. Every record is
+checked against its topic's limit as it is shaped, so what leaves here fits; the last fallback
+(a failed result without metadata and with a short detail) fits any sane limit, so every job
+record gets an answer the broker takes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from typing import Final, Literal
+
+import msgspec
+from aiokafka import ConsumerRecord, TopicPartition
+
+from schemas import ErrorCode, ErrorInfo, Failed, Job, peek_job_id
+from worker.answering.encoder import encode_result
+from worker.core.config import Settings
+from worker.core.limits import RecordLimits, record_bytes
+from worker.engines.protocol import EngineOutput
+
+__all__ = [
+    "DLQ_HEADERS",
+    "Answer",
+    "AnswerTopics",
+    "OutRecord",
+    "Outcome",
+    "RecordKind",
+    "RecordShaper",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Headers added to a dead-letter copy; the original key, value and headers are kept as they were.
+DLQ_HEADERS: Final = (
+    "vkw.error.code",
+    "vkw.error.detail",
+    "vkw.source.topic",
+    "vkw.source.partition",
+    "vkw.source.offset",
+)
+
+# A dead-letter copy's detail header, and the detail of the last-resort failed result.
+_DLQ_DETAIL_BYTES: Final = 4096
+_MINIMAL_DETAIL_CHARS: Final = 300
+# The longest original key a last-resort dead-letter copy keeps.
+_MINIMAL_KEY_BYTES: Final = 1024
+
+Headers = list[tuple[str, bytes]]
+
+_COMPLETED_LABELS: Final = (("completed", ""),)
+
+
+class Outcome(enum.Enum):
+    """What a job record came to, as the metrics count it."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    #: Only a dead-letter copy: the record had no readable job_id to answer.
+    DEAD_LETTERED = "dead_lettered"
+
+
+class RecordKind(enum.Enum):
+    RESULT = enum.auto()
+    DEAD_LETTER = enum.auto()
+
+
+class OutRecord(msgspec.Struct, frozen=True):
+    """One record to produce. `size` is as the producer measures it (`record_bytes`)."""
+
+    kind: RecordKind
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: Headers
+    size: int
+    #: The last fallback already: nothing smaller can be sent in its place.
+    minimal: bool = False
+
+
+class Answer(msgspec.Struct, frozen=True):
+    """What one job record turns into: a dead-letter copy, a result, or both (in that order)."""
+
+    job_id: str | None
+    records: tuple[OutRecord, ...]
+    outcome: Outcome
+    #: Why it failed (None when completed).
+    code: ErrorCode | None = None
+
+    def metric_labels(self) -> tuple[tuple[str, str], ...]:
+        """`vkw_jobs_total` labels: one per record kind this answer holds."""
+        if self.outcome is Outcome.COMPLETED:
+            return _COMPLETED_LABELS
+        code = self.code.value if self.code is not None else ""
+        labels = []
+        if any(r.kind is RecordKind.DEAD_LETTER for r in self.records):
+            labels.append(("dead_lettered", code))
+        if self.outcome is not Outcome.DEAD_LETTERED:
+            labels.append((self.outcome.value, code))
+        return tuple(labels)
+
+
+class AnswerTopics:
+    """Where a job's answer goes: its `reply_to` when `--reply-topics` allows it, else the
+    results topic."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.results = settings.results_topic
+        self.dead_letter = settings.dead_letter_topic
+        self._reply_topics = (
+            re.compile(settings.reply_topics) if settings.reply_topics is not None else None
+        )
+
+    @property
+    def allowed_replies(self) -> str:
+        """The `--reply-topics` pattern, for error details ("unset" when none is allowed)."""
+        return self._reply_topics.pattern if self._reply_topics is not None else "unset"
+
+    def of(self, job: Job) -> str:
+        reply_to = job.reply_to
+        if reply_to is None or self._reply_topics is None:
+            return self.results
+        return reply_to if self._reply_topics.fullmatch(reply_to) else self.results
+
+
+class RecordShaper:
+    """Shapes the records of answers, each within its topic's limit."""
+
+    def __init__(self, settings: Settings, limits: RecordLimits, topics: AnswerTopics) -> None:
+        self._limits = limits
+        self._topics = topics
+        self._worker_id = settings.worker_id
+
+    def completed(self, job: Job, values: list[bytes]) -> Answer:
+        """The answer of a completed job: its result records (one, or its parts in order)."""
+        topic = self._topics.of(job)
+        records = tuple(self._result_record(job.job_id, value, topic) for value in values)
+        return Answer(job.job_id, records, Outcome.COMPLETED)
+
+    def failed(
+        self,
+        job: Job,
+        code: ErrorCode,
+        detail: str,
+        *,
+        retryable: bool = False,
+        partial: EngineOutput | None = None,
+    ) -> Answer:
+        """A failed result that echoes the job's metadata (and an aborted job's partial
+        completions), on the job's answer topic."""
+        failed = Failed(
+            job_id=job.job_id,
+            error=ErrorInfo(code=code, detail=detail, retryable=retryable),
+            metadata=job.metadata,
+            worker=self._worker_id,
+        )
+        if partial is not None:
+            failed = msgspec.structs.replace(
+                failed,
+                partial=partial.completions,
+                prompt_token_count=len(partial.prompt_token_ids),
+                weight_version=partial.weight_version,
+            )
+        out = self._failed_record(failed, self._topics.of(job))
+        return Answer(job.job_id, (out,), Outcome.FAILED, code)
+
+    def rejected(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        code: ErrorCode,
+        detail: str,
+        *,
+        dead_letter: Literal["always", "if_no_id"],
+    ) -> Answer:
+        """Answer a record that did not become a job: a failed result when its job_id can be
+        read, and a dead-letter copy of the original record as `dead_letter` says."""
+        job_id = peek_job_id(record.value) if record.value is not None else None
+        logger.warning(
+            "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
+        )
+        records: list[OutRecord] = []
+        if dead_letter == "always" or job_id is None:
+            records.append(self._dead_letter(tp, record, code, detail))
+        if job_id is None:
+            return Answer(None, tuple(records), Outcome.DEAD_LETTERED, code)
+        failed = Failed(
+            job_id=job_id, error=ErrorInfo(code=code, detail=detail), worker=self._worker_id
+        )
+        records.append(self._failed_record(failed, self._topics.results))
+        return Answer(job_id, tuple(records), Outcome.FAILED, code)
+
+    def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
+        """`answer` with record `index` replaced by a smaller one, after `refused_by` refused
+        it for its size; None when it was minimal already."""
+        record = answer.records[index]
+        if record.minimal:
+            return None
+        if record.kind is RecordKind.DEAD_LETTER:
+            return _replace(answer, index, self._smaller_copy(record, force=True))
+        detail = f"result is {len(record.value or b'')} bytes; {refused_by} refused it"
+        code = ErrorCode.RESULT_TOO_LARGE
+        failed = self._minimal_failed(answer.job_id, code, detail, False, record.topic)
+        updated = _replace(answer, index, failed)
+        return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
+
+    def _failed_record(self, failed: Failed, topic: str) -> OutRecord:
+        """`failed` as a record, or the minimal failed result when that does not fit (metadata
+        of up to 64 x 64 KiB can outgrow a topic's limit on its own)."""
+        out = self._result_record(failed.job_id, encode_result(failed), topic)
+        if self._limits.refusal(out.topic, out.size) is None:
+            return out
+        error = failed.error
+        return self._minimal_failed(failed.job_id, error.code, error.detail, error.retryable, topic)
+
+    def _minimal_failed(
+        self, job_id: str | None, code: ErrorCode, detail: str, retryable: bool, topic: str
+    ) -> OutRecord:
+        if len(detail) > _MINIMAL_DETAIL_CHARS:
+            detail = detail[: _MINIMAL_DETAIL_CHARS - 3] + "..."
+        failed = Failed(
+            job_id=job_id,
+            error=ErrorInfo(code=code, detail=detail, retryable=retryable),
+            worker=self._worker_id,
+        )
+        return self._result_record(job_id, encode_result(failed), topic, minimal=True)
+
+    def _result_record(
+        self, job_id: str | None, value: bytes, topic: str, *, minimal: bool = False
+    ) -> OutRecord:
+        key = job_id.encode() if job_id is not None else None
+        size = record_bytes(key, value, [])
+        return OutRecord(RecordKind.RESULT, topic, key, value, [], size, minimal)
+
+    def _dead_letter(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], code: ErrorCode, detail: str
+    ) -> OutRecord:
+        """A copy of the record, key, value and headers untouched, plus where it came from and
+        why; without its value when the dead-letter topic would refuse it."""
+        headers: Headers = [(k, v) for k, v in record.headers or ()]
+        headers += [
+            ("vkw.error.code", code.value.encode()),
+            ("vkw.error.detail", detail.encode()[:_DLQ_DETAIL_BYTES]),
+            ("vkw.source.topic", tp.topic.encode()),
+            ("vkw.source.partition", str(tp.partition).encode()),
+            ("vkw.source.offset", str(record.offset).encode()),
+        ]
+        size = record_bytes(record.key, record.value, headers)
+        copy = OutRecord(
+            RecordKind.DEAD_LETTER,
+            self._topics.dead_letter,
+            record.key,
+            record.value,
+            headers,
+            size,
+        )
+        return self._smaller_copy(copy, force=False)
+
+    def _smaller_copy(self, copy: OutRecord, *, force: bool) -> OutRecord:
+        """The copy without its value (the original stays in its topic at the offset the headers
+        name) when it does not fit or `force`; then without the original headers too."""
+        if not force and self._limits.refusal(copy.topic, copy.size) is None:
+            return copy
+        headers = copy.headers
+        if copy.value is not None:
+            headers = [*headers, ("vkw.value.dropped", str(len(copy.value)).encode())]
+            size = record_bytes(copy.key, None, headers)
+            smaller = OutRecord(RecordKind.DEAD_LETTER, copy.topic, copy.key, None, headers, size)
+            if self._limits.refusal(smaller.topic, smaller.size) is None:
+                return smaller
+        ours = [(k, v[:_MINIMAL_DETAIL_CHARS]) for k, v in headers if k.startswith("vkw.")]
+        key = copy.key if copy.key is None else copy.key[:_MINIMAL_KEY_BYTES]
+        size = record_bytes(key, None, ours)
+        return OutRecord(RecordKind.DEAD_LETTER, copy.topic, key, None, ours, size, True)
+
+
+def _replace(answer: Answer, index: int, record: OutRecord) -> Answer:
+    records = list(answer.records)
+    records[index] = record
+    return Answer(answer.job_id, tuple(records), answer.outcome, answer.code)
