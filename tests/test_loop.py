@@ -188,7 +188,7 @@ async def test_a_map_near_its_cap_holds_the_partition_until_the_gap_closes(start
     consumer.assign({P0})
     engine = ScriptedEngine(max_concurrency=100)
     loop = await start_loop(consumer, engine, offset_map_max_bytes=40, max_in_flight=16)
-    await wait_for(lambda: P0 in loop.worker._committer.held, what="the partition held")
+    await wait_for(lambda: P0 in loop.worker._committer.held(), what="the partition held")
     await asyncio.sleep(0.2)  # polls go on; no record of the held partition is taken
     started = len(engine.started)
     await asyncio.sleep(0.2)
@@ -198,7 +198,7 @@ async def test_a_map_near_its_cap_holds_the_partition_until_the_gap_closes(start
     engine.release("odd")
     await wait_for(lambda: len(loop.answered()) == 60, what="every job answered")
     await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all")
-    assert P0 not in loop.worker._committer.held
+    assert P0 not in loop.worker._committer.held()
 
 
 async def test_a_broker_refusing_the_map_gets_positions_alone(start_loop, caplog):

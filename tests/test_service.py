@@ -510,7 +510,7 @@ async def test_two_workers_split_partitions_and_one_leaving_loses_nothing(
         lambda: (
             one.worker.ready
             and two.worker.ready
-            and len(one.worker._consumer.assignment()) + len(two.worker._consumer.assignment()) == 4
+            and len(one.worker.assignment()) + len(two.worker.assignment()) == 4
         ),
         timeout_s=60,
         what="both workers to hold partitions",
@@ -705,7 +705,7 @@ async def test_a_revoke_longer_than_the_session_timeout_keeps_its_membership(
     topics = await make_topics(new_topic, jobs_partitions=2, bootstrap_servers=bs)
     tansu = {"bootstrap_servers": bs, "enable_idempotence": False, "session_timeout_ms": 6000}
     one = await start_worker(topics, revoke_grace_s=9, **tansu)
-    await wait_for(lambda: len(one.worker._consumer.assignment()) == 2, 60, "the first member")
+    await wait_for(lambda: len(one.worker.assignment()) == 2, 60, "the first member")
     await produce(bs, topics.jobs, [job_record(job("slow", metadata={"delay_s": "8"}))], 0)
     await wait_for(lambda: "slow" in one.engine.started, 30, "the slow job to start")
     revokes = 0
@@ -719,9 +719,7 @@ async def test_a_revoke_longer_than_the_session_timeout_keeps_its_membership(
     one.worker.on_partitions_revoked = counting
     two = await start_worker(topics, **tansu)  # joining revokes the slow job's partition
     await wait_for(
-        lambda: (
-            len(one.worker._consumer.assignment()) == len(two.worker._consumer.assignment()) == 1
-        ),
+        lambda: len(one.worker.assignment()) == len(two.worker.assignment()) == 1,
         90,
         "one partition each",
     )

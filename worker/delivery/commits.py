@@ -88,12 +88,17 @@ class Committer:
         self.tracker = OffsetTracker()
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
-        #: Partitions whose offset map is near its cap: the loop fetches no more of them.
-        self.held: set[TopicPartition] = set()
+        # Partitions whose offset map is near its cap, or whose map is being read.
+        self._held: set[TopicPartition] = set()
         self._maps_refused = False
         self._slow_commits_warned = False
         self._stuck: asyncio.Task[None] | None = None
         self._stripped: set[TopicPartition] = set()  # warned: committed without their map
+
+    def held(self) -> set[TopicPartition]:
+        """Partitions not to fetch now: their offset map is near its cap (until the gap
+        closes), or it is still being read after the assignment."""
+        return set(self._held)
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -158,7 +163,7 @@ class Committer:
             return
         # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
         # assignment meanwhile, and a record started before its map is known would run again.
-        self.held |= partitions
+        self._held |= partitions
         try:
             async with asyncio.timeout(self._timeout_s):
                 committed = await self._read_committed(sorted(partitions))
@@ -168,7 +173,7 @@ class Committer:
             )
             return
         finally:
-            self.held -= partitions
+            self._held -= partitions
         for tp, (position, metadata) in committed.items():
             if tp not in partitions or position < 0:
                 continue
@@ -205,7 +210,7 @@ class Committer:
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
         self.tracker.forget(partitions)
-        self.held -= partitions
+        self._held -= partitions
         for tp in partitions:
             with contextlib.suppress(KeyError):
                 self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
@@ -286,9 +291,9 @@ class Committer:
             else:
                 self._stripped.discard(tp)
             if limit and size >= _HOLD_AT * limit:
-                self.held.add(tp)
+                self._held.add(tp)
             else:
-                self.held.discard(tp)
+                self._held.discard(tp)
         return offsets
 
     def lag(self) -> int | None:

@@ -11,39 +11,51 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 
-__all__ = ["CrashLoopBreaker"]
+__all__ = ["CrashLoopBreaker", "Taken"]
 
 logger = logging.getLogger(__name__)
 
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 
 
+class Taken(NamedTuple):
+    """What the breaker decided for a fetched run of records."""
+
+    #: To run now.
+    run: list[Record]
+    #: To answer as having been in flight at that many deaths, without running them.
+    crash_looped: list[tuple[Record, int]]
+    #: Where to fetch the partition from next (records past it come again later), or None.
+    rewind_to: int | None = None
+
+
 class CrashLoopBreaker:
-    """Picks what runs of a partition with suspects; `held` partitions stay paused meanwhile."""
+    """Picks what runs of a partition with suspects; the partition is held meanwhile."""
 
     def __init__(
-        self, consumer: AIOKafkaConsumer, max_crash_attempts: int, metrics: Metrics
+        self,
+        max_crash_attempts: int,
+        metrics: Metrics,
+        partition_of: Callable[[TopicPartition], PartitionOffsets],
     ) -> None:
-        self._consumer = consumer
         self._limit = max_crash_attempts
         self._metrics = metrics
-        #: Partitions running a suspect alone, or waiting to: paused until they are idle.
-        self.held: set[TopicPartition] = set()
+        self._partition_of = partition_of
+        # Partitions running a suspect alone, or waiting to: held until they are idle.
+        self._suspected: set[TopicPartition] = set()
 
     @property
     def enabled(self) -> bool:
         return self._limit > 0
 
-    def take(
-        self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record]
-    ) -> tuple[list[Record], list[tuple[Record, int]]]:
+    def take(self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record]) -> Taken:
         """Of `records` (fetched, in order), those to run now, and those to answer as having
         been in flight at that many deaths. Records after a suspect are fetched again later."""
         run: list[Record] = []
@@ -55,10 +67,9 @@ class CrashLoopBreaker:
                     crash_looped.append((record, deaths))
                 continue
             if deaths:
-                self.held.add(tp)
+                self._suspected.add(tp)
                 if run or not partition.idle:
-                    self._consumer.seek(tp, record.offset)  # fetched again once idle
-                    return run, crash_looped
+                    return Taken(run, crash_looped, rewind_to=record.offset)  # again once idle
                 logger.info(
                     "%s-%s@%d was in flight at %d worker deaths: running it alone",
                     tp.topic,
@@ -68,18 +79,19 @@ class CrashLoopBreaker:
                 )
                 partition.start(record.offset)
                 run.append(record)
-                self._consumer.seek(tp, record.offset + 1)
-                return run, crash_looped
+                return Taken(run, crash_looped, rewind_to=record.offset + 1)
             if partition.start(record.offset):
                 run.append(record)
             else:
                 self._metrics.skipped.inc()
-        return run, crash_looped
+        return Taken(run, crash_looped)
 
-    def release_idle(self, partition_of: Callable[[TopicPartition], PartitionOffsets]) -> None:
-        """Let partitions whose suspect is answered and acknowledged be fetched again."""
-        if self.held:
-            self.held = {tp for tp in self.held if not partition_of(tp).idle}
+    def held(self) -> set[TopicPartition]:
+        """Partitions running a suspect alone or waiting to; one whose suspect is answered and
+        acknowledged is released here."""
+        if self._suspected:
+            self._suspected = {tp for tp in self._suspected if not self._partition_of(tp).idle}
+        return set(self._suspected)
 
     def forget(self, revoked: set[TopicPartition]) -> None:
-        self.held -= revoked
+        self._suspected -= revoked

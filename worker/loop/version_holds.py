@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Final
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 __all__ = ["VersionHolds"]
 
@@ -43,27 +43,26 @@ class VersionHolds:
     """Which partitions wait for a weight version, and until when."""
 
     def __init__(
-        self,
-        consumer: AIOKafkaConsumer,
-        weight_version: Callable[[], int],
-        clock: Callable[[], float] = time.time,
+        self, weight_version: Callable[[], int], clock: Callable[[], float] = time.time
     ) -> None:
-        self._consumer = consumer
         self._weight_version = weight_version
         self._clock = clock
         self._holds: dict[TopicPartition, _Hold] = {}
 
-    @property
     def held(self) -> set[TopicPartition]:
+        """The partitions held now; holds whose version has arrived or whose job's deadline
+        has passed end here."""
+        self._release()
         return set(self._holds)
 
     def runnable(
         self, tp: TopicPartition, records: list[ConsumerRecord[bytes, bytes]]
-    ) -> list[ConsumerRecord[bytes, bytes]]:
-        """The records to start now: those before the first that needs newer weights. From
-        that one on, the partition is rewound and held."""
+    ) -> tuple[list[ConsumerRecord[bytes, bytes]], int | None]:
+        """The records to start now: those before the first that needs newer weights; and the
+        offset to rewind the partition to (that record's), or None. The partition is held from
+        then on."""
         if tp in self._holds:
-            return []  # fetched before the hold took effect: fetched again after it
+            return [], None  # fetched before the hold took effect: fetched again after it
         version = self._weight_version()
         for i, record in enumerate(records):
             value = record.value
@@ -79,7 +78,6 @@ class VersionHolds:
             if needs.deadline is not None and needs.deadline < self._clock():
                 continue  # run it, and be answered `expired`
             self._holds[tp] = _Hold(record.offset, wanted, needs.deadline)
-            self._consumer.seek(tp, record.offset)
             logger.info(
                 "%s-%s@%s needs weights >= %d (serving %d): holding the partition",
                 tp.topic,
@@ -88,11 +86,10 @@ class VersionHolds:
                 wanted,
                 version,
             )
-            return records[:i]
-        return records
+            return records[:i], record.offset
+        return records, None
 
-    def release(self) -> None:
-        """End the holds whose version has arrived or whose job's deadline has passed."""
+    def _release(self) -> None:
         if not self._holds:
             return
         version, now = self._weight_version(), self._clock()

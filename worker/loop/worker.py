@@ -29,14 +29,13 @@ from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
 from worker.engines.protocol import Engine
 from worker.loop.breaker import CrashLoopBreaker
+from worker.loop.gate import Batch, PartitionGate
 from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
 
 __all__ = ["Worker"]
 
 logger = logging.getLogger(__name__)
-
-Batch = dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
 
 
 class Worker:
@@ -64,7 +63,6 @@ class Worker:
         read_committed: CommittedReader | None = None,
     ) -> None:
         self._settings = settings
-        self._consumer = consumer
         self._producer = producer
         self._engine = engine
         self.metrics = metrics or Metrics()
@@ -77,8 +75,14 @@ class Worker:
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
-        self._breaker = CrashLoopBreaker(consumer, settings.max_crash_attempts, self.metrics)
-        self._holds = VersionHolds(consumer, lambda: engine.weight_version)
+        self._breaker = CrashLoopBreaker(
+            settings.max_crash_attempts, self.metrics, self._committer.partition
+        )
+        self._holds = VersionHolds(lambda: engine.weight_version)
+        # The gate asks each reason afresh before every fetch: paused while a partition's
+        # offset map nears its cap or is being read, while it runs a suspect of a crash, and
+        # while its next job waits for newer weights.
+        self._gate = PartitionGate(consumer, (self._committer, self._breaker, self._holds))
         self._delivery = Delivery(
             producer,
             settings,
@@ -95,7 +99,7 @@ class Worker:
     def ready(self) -> bool:
         """Serving (the engine was started before `run`) and partitions held: what /readyz
         reports."""
-        return self._serving and bool(self._consumer.assignment())
+        return self._serving and bool(self._gate.assignment())
 
     def request_stop(self) -> None:
         """Stop fetching and drain."""
@@ -113,8 +117,7 @@ class Worker:
             stack.push_async_callback(self._delivery.close)
             stack.push_async_callback(self._committer.close)
             self._serving = True
-            self._consumer.subscribe([s.jobs_topic], listener=_RebalanceListener(self))
-            await self._consumer.start()
+            await self._gate.start(s.jobs_topic, _RebalanceListener(self))
             logger.info(
                 "worker %s serving %s -> %s (group %s, max_in_flight %d, engine %s)",
                 s.worker_id,
@@ -136,35 +139,22 @@ class Worker:
 
     async def _consume_loop(self) -> None:
         s = self._settings
-        consumer = self._consumer
+        gate = self._gate
         while not self._stopping.is_set() and self._fatal is None:
             free = self.max_in_flight - self._in_flight()
             if free <= 0:
                 # Full. Any free slot is filled at once: waiting for several left the engine's
                 # batch short and cost vLLM a third of its throughput at max_in_flight =
                 # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
-                # Long ones: pause the partitions and poll anyway, so the group does not evict
-                # us for exceeding max_poll_interval_ms (aiokafka #848).
+                # Long ones: poll with every partition paused.
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
                 except TimeoutError:
-                    consumer.pause(*consumer.assignment())
-                    # A rebalance can complete inside this call; records it returns are jobs
-                    # like any other (dropping them would skip their offsets).
-                    await self._start_jobs(await consumer.getmany(timeout_ms=0))
+                    await self._start_jobs(await gate.poll_paused())
             else:
-                # Paused: partitions whose offset map nears its cap (until the gap closes), and
-                # those running a suspect of a crash (until it is answered).
-                self._breaker.release_idle(self._committer.partition)
-                self._holds.release()
-                held = self._committer.held | self._breaker.held | self._holds.held
-                if resumable := consumer.paused() - held:
-                    consumer.resume(*resumable)
-                if held:
-                    consumer.pause(*(held & consumer.assignment()))
                 try:
-                    batch = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=free)
+                    batch = await gate.fetch(free, s.poll_timeout_ms)
                 except KafkaError as exc:
                     if exc.retriable:
                         logger.warning("fetch failed (%r); retrying", exc)
@@ -179,34 +169,47 @@ class Worker:
     async def _start_jobs(self, batch: Batch) -> None:
         if not batch:
             return
-        assigned = self._consumer.assignment()
-        breaker = self._breaker
+        assigned = self._gate.assignment()
         runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
         for tp, fetched in batch.items():
-            if tp not in assigned:
-                continue  # revoked between the fetch and now: the next owner reads them
-            records = self._holds.runnable(tp, fetched)
-            if not records:
-                continue
-            partition = self._committer.partition(tp)
-            if breaker.enabled and partition.deaths:
-                run, crash_looped = breaker.take(tp, partition, records)
-                runnable += [(tp, partition, record) for record in run]
-                for record, deaths in crash_looped:
-                    job = functools.partial(self._job, tp, partition, record, deaths=deaths)
-                    self._jobs.start(tp, job)
-                continue
-            for record in records:
-                if partition.start(record.offset):
-                    runnable.append((tp, partition, record))
-                else:  # answered before a crash or rebalance, as the committed map says
-                    self.metrics.skipped.inc()
-        if breaker.enabled and runnable:
+            if tp in assigned:  # else revoked between the fetch and now: the next owner reads it
+                runnable += self._runnable(tp, fetched)
+        if self._breaker.enabled and runnable:
             # Written ahead: the commit names these as running before any of them runs, so if
             # one kills the process, the next owner knows which records were in flight.
             await self._committer.write_ahead({tp for tp, _, _ in runnable})
         for tp, partition, record in runnable:
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+
+    def _runnable(
+        self, tp: TopicPartition, fetched: list[ConsumerRecord[bytes, bytes]]
+    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
+        """Of one partition's fetched records, those to run now. Those that wait (for newer
+        weights, or behind a suspect of a crash) are fetched again later; those answered
+        before a crash or rebalance are skipped; those in flight at too many crashes are
+        answered at once, without running."""
+        records, rewind_to = self._holds.runnable(tp, fetched)
+        if rewind_to is not None:
+            self._gate.rewind(tp, rewind_to)
+        if not records:
+            return []
+        partition = self._committer.partition(tp)
+        if self._breaker.enabled and partition.deaths:
+            taken = self._breaker.take(tp, partition, records)
+            if taken.rewind_to is not None:
+                self._gate.rewind(tp, taken.rewind_to)
+            for record, deaths in taken.crash_looped:
+                self._jobs.start(
+                    tp, functools.partial(self._job, tp, partition, record, deaths=deaths)
+                )
+            return [(tp, partition, record) for record in taken.run]
+        runnable = []
+        for record in records:
+            if partition.start(record.offset):
+                runnable.append((tp, partition, record))
+            else:  # answered before a crash or rebalance, as the committed map says
+                self.metrics.skipped.inc()
+        return runnable
 
     async def _job(
         self,
@@ -246,8 +249,12 @@ class Worker:
         """Stop the consumer (leaving the group), then the producer. `run` does it on its way
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
-        await self._bounded(self._consumer.stop, "consumer stop")
+        await self._bounded(self._gate.stop, "consumer stop")
         await self._bounded(self._producer.stop, "producer stop")
+
+    def assignment(self) -> set[TopicPartition]:
+        """The partitions this worker holds now."""
+        return self._gate.assignment()
 
     @property
     def jobs_in_flight(self) -> int:
@@ -257,7 +264,7 @@ class Worker:
     @property
     def held_partitions(self) -> int:
         """Partitions waiting for a newer weight version."""
-        return len(self._holds.held)
+        return len(self._holds.held())
 
     def lag(self) -> int | None:
         """Jobs behind the ends of this worker's partitions, from the committed positions."""
@@ -327,12 +334,11 @@ class Worker:
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
         # offset maps are read, and paused again after that while at the cap.
-        if assigned:
-            self._consumer.pause(*assigned)
+        self._gate.pause(assigned)
         await self._committer.assigned(assigned)
         if assigned and self._in_flight() < self.max_in_flight:
-            self._consumer.resume(*(assigned - self._committer.held))
-        self.metrics.assigned_partitions.set(len(self._consumer.assignment()))
+            self._gate.resume(assigned)
+        self.metrics.assigned_partitions.set(len(self._gate.assignment()))
         logger.info("assigned %s", sorted(map(str, assigned)))
 
     async def _drain(self) -> None:

@@ -1,0 +1,86 @@
+"""The one owner of fetching: which partitions are paused and why, and where each is rewound.
+
+The crash-loop breaker, the version holds and the committer each decide which partitions must
+not be fetched for now (`HoldReason`); the gate asks them afresh before every fetch, so no
+hold outlives its reason, and it alone pauses, resumes and seeks the consumer. The loop keeps
+polling while partitions are held, so the group never evicts the worker for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+
+__all__ = ["Batch", "HoldReason", "PartitionGate"]
+
+Batch: TypeAlias = "dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]"
+
+
+class HoldReason(Protocol):
+    """Something that keeps partitions from being fetched until its reason is gone."""
+
+    def held(self) -> set[TopicPartition]:
+        """The partitions held now; asked before every fetch, so it may re-examine them."""
+        ...
+
+
+class PartitionGate:
+    """Fetches from the consumer what no `HoldReason` holds back."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, reasons: Sequence[HoldReason]) -> None:
+        self._consumer = consumer
+        self._reasons = reasons
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
+
+    async def start(self, topic: str, listener: ConsumerRebalanceListener) -> None:
+        self._consumer.subscribe([topic], listener=listener)
+        await self._consumer.start()
+
+    async def stop(self) -> None:
+        """Leave the group and close the consumer."""
+        await self._consumer.stop()
+
+    async def fetch(self, max_records: int, timeout_ms: int) -> Batch:
+        """Records of the partitions nothing holds, at most `max_records`."""
+        consumer = self._consumer
+        held = self.held()
+        if resumable := consumer.paused() - held:
+            consumer.resume(*resumable)
+        if held:
+            consumer.pause(*(held & consumer.assignment()))
+        batch: Batch = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        return batch
+
+    async def poll_paused(self) -> Batch:
+        """At the in-flight cap: pause everything and poll anyway, so the group does not evict
+        the worker for exceeding `max_poll_interval_ms` (aiokafka #848). A rebalance can
+        complete inside this call; the records it returns are jobs like any other (dropping
+        them would skip their offsets)."""
+        consumer = self._consumer
+        consumer.pause(*consumer.assignment())
+        batch: Batch = await consumer.getmany(timeout_ms=0)
+        return batch
+
+    def pause(self, partitions: set[TopicPartition]) -> None:
+        if partitions:
+            self._consumer.pause(*partitions)
+
+    def resume(self, partitions: set[TopicPartition]) -> None:
+        """Let `partitions` be fetched again, those no reason holds."""
+        if resumable := partitions - self.held():
+            self._consumer.resume(*resumable)
+
+    def rewind(self, tp: TopicPartition, offset: int) -> None:
+        """Fetch `tp` from `offset` next: records fetched past it are fetched again later."""
+        self._consumer.seek(tp, offset)
+
+    def held(self) -> set[TopicPartition]:
+        held: set[TopicPartition] = set()
+        for reason in self._reasons:
+            held |= reason.held()
+        return held
