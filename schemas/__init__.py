@@ -1,7 +1,7 @@
 """Wire types shared by job producers, the worker and trainers (needs only msgspec and numpy)."""
 
 from schemas.assembler import Incomplete, ResultAssembler, merge_parts
-from schemas.codec import decode_job, decode_result, encode, peek_job_id
+from schemas.codec import as_job, decode_job, decode_result, encode, peek_job_id
 from schemas.control import (
     Abort,
     Command,
@@ -78,6 +78,7 @@ __all__ = [
     "UpdateWeights",
     "VersionSpan",
     "WorkerStatus",
+    "as_job",
     "decode_command",
     "decode_job",
     "decode_result",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
@@ -11,7 +12,7 @@ from schemas.errors import SchemaError
 from schemas.jobs import MAX_JOB_ID_CHARS, Job
 from schemas.results import Completed, Failed, Result
 
-__all__ = ["decode_job", "decode_result", "encode", "peek_job_id"]
+__all__ = ["as_job", "decode_job", "decode_result", "encode", "peek_job_id"]
 
 
 class _JobIdOnly(msgspec.Struct):
@@ -43,6 +44,17 @@ def decode_job(data: bytes | str) -> Job:
     except RecursionError:
         # msgspec gives up on deep nesting with RecursionError, not DecodeError.
         raise SchemaError("not a JSON job: nested too deeply") from None
+
+
+def as_job(job: Job | Mapping[str, Any]) -> Job:
+    """`job` (a `Job`, or a mapping of its fields) checked as a worker will check it on the
+    wire: constructing a Struct in Python checks no constraint, decoding does. Raises
+    `SchemaError` naming the bad field."""
+    try:
+        data = _ENCODER.encode(job)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise SchemaError(f"not a job: {exc}") from None
+    return decode_job(data)
 
 
 def decode_result(data: bytes | str) -> Result:

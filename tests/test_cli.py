@@ -195,3 +195,28 @@ def test_the_demo_prints_one_row_per_result_with_routing_shapes():
     assert len(lines) == 3
     assert lines[1].split()[:2] == ["job-1", "completed"] and "3 tokens, 4x2x2" in lines[1]
     assert lines[2].split()[:3] == ["b", "failed:", "invalid_job"] and "start 10" in lines[2]
+
+
+def test_submit_wait_connects_with_the_security_flags(tmp_path: Path, monkeypatch, capsys):
+    from worker.cli.main import main  # noqa: PLC0415
+
+    seen: dict[str, object] = {}
+
+    class Refused(Exception):
+        pass
+
+    def rollout_client(**kwargs: object) -> object:
+        seen.update(kwargs)
+        raise Refused
+
+    monkeypatch.setattr("worker.client.rollout.RolloutClient", rollout_client)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "hi", "sampling": {"max_tokens": 2}}\n')
+    args = ["submit", str(jobs), "--wait", "--bootstrap-servers", "127.0.0.1:1"]
+    sasl = ["--security-protocol", "SASL_PLAINTEXT", "--sasl-mechanism", "PLAIN"]
+    sasl += ["--sasl-username", "trainer", "--sasl-password", "secret"]
+    with pytest.raises(Refused):
+        main([*args, *sasl])
+    assert seen["bootstrap_servers"] == "127.0.0.1:1"
+    assert seen["security_protocol"] == "SASL_PLAINTEXT"
+    assert (seen["sasl_mechanism"], seen["sasl_plain_username"]) == ("PLAIN", "trainer")

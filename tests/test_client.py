@@ -25,6 +25,7 @@ from schemas import (
     Result,
     RoutedExperts,
     SamplingSpec,
+    SchemaError,
     decode_job,
     encode,
 )
@@ -369,3 +370,80 @@ async def test_a_job_the_producer_refuses_fails_alone(kafka_bootstrap_servers, n
         assert isinstance(await fine, Completed)
         assert c.in_flight == 0
     assert [j.job_id for j in responder.seen] == ["fine"]
+
+
+async def test_jobs_may_be_mappings_and_a_bad_one_names_its_field_before_anything_is_sent(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    async with (
+        Responder(bs, jobs_topic, results_topic, lambda j, n: [done(j)]) as responder,
+        client(bs, jobs_topic, results_topic) as c,
+    ):
+        wire = {"job_id": "as-dict", "prompt": "hi", "sampling": {"max_tokens": 2}}
+        (result,) = await c.generate([wire])
+        assert isinstance(result, Completed) and result.job_id == "as-dict"
+        bad = {"job_id": "bad", "prompt": "hi", "sampling": {"max_tokens": -1}}
+        with pytest.raises(SchemaError) as caught:
+            await c.generate([job("fine"), bad])
+        assert caught.value.path == "$.sampling.max_tokens"
+        assert str(caught.value).startswith("job 1: ")
+        # A Job built in Python is checked as the wire checks it too.
+        with pytest.raises(SchemaError, match=r"\$\.sampling\.n"):
+            c.submit(Job(job_id="n0", prompt="hi", sampling=SamplingSpec(n=0)))
+        assert c.in_flight == 0
+        await c.generate([job("after")])
+    assert [j.job_id for j in responder.seen] == ["as-dict", "after"]  # nothing bad was sent
+
+
+async def test_a_reader_that_dies_fails_every_pending_job_at_once(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    async with client(bs, jobs_topic, results_topic, timeout_s=600) as c:
+        assert c._consumer is not None
+
+        async def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("the reader broke")
+
+        c._consumer.getmany = broken  # type: ignore[method-assign]
+        future = c.submit(job("waiting"))
+        t0 = time.monotonic()
+        with pytest.raises(RolloutError, match="the reader broke"):
+            await asyncio.wait_for(future, 30)
+        assert time.monotonic() - t0 < 30  # not at its 600 s timeout
+        with pytest.raises(RolloutError, match="stopped"):
+            c.submit(job("later"))
+
+
+async def test_the_clients_connection_options_reach_the_fleet_it_steers(monkeypatch):
+    seen: list[dict[str, Any]] = []
+
+    class Refused(Exception):
+        pass
+
+    def fleet(connection: dict[str, Any], **topics: str) -> Any:
+        seen.append({**connection, **topics})
+        raise Refused
+
+    monkeypatch.setattr("worker.client.rollout.Fleet", fleet)
+    c = RolloutClient(
+        bootstrap_servers="127.0.0.1:1",
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="PLAIN",
+        sasl_plain_username="trainer",
+        sasl_plain_password="secret",
+        control_topic="ctl",
+        status_topic="st",
+    )
+    with pytest.raises(Refused):
+        await c.status()
+    with pytest.raises(Refused):
+        await c.update_weights("/ckpt", 1)
+    for connection in seen:
+        assert connection["security_protocol"] == "SASL_PLAINTEXT"
+        assert connection["sasl_plain_username"] == "trainer"
+        assert (connection["control_topic"], connection["status_topic"]) == ("ctl", "st")
+    assert len(seen) == 2

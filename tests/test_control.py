@@ -460,3 +460,17 @@ async def test_control_cli_refuses_bad_arguments_with_exit_2(args, message):
     rc, _, err = await cli("control", *args, "--bootstrap-servers", "127.0.0.1:1")
     assert rc == 2, err
     assert message in err
+
+
+async def test_a_failed_heartbeat_task_stops_the_worker_at_once(
+    kafka_bootstrap_servers, new_topic, start_steered, monkeypatch, caplog
+):
+    async def broken_heartbeats(self: Any) -> None:
+        raise RuntimeError("heartbeats broke")
+
+    monkeypatch.setattr("worker.control.plane.ControlPlane._heartbeats", broken_heartbeats)
+    fleet = await make_fleet(new_topic)
+    w = await start_steered(fleet, "w1")
+    # A worker whose control plane is half dead must not go on serving unsteered.
+    assert await asyncio.wait_for(w.task, 60) == 1
+    assert "the control plane stopped: RuntimeError('heartbeats broke')" in caplog.text

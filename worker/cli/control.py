@@ -132,7 +132,7 @@ def build_command(args: argparse.Namespace, settings: Settings) -> Command:
 
 async def run_control(args: argparse.Namespace, settings: Settings) -> int:
     command = build_command(args, settings)
-    async with Fleet(settings) as fleet:
+    async with Fleet.from_settings(settings) as fleet:
         live = await fleet.live_workers(command.target) if args.wait else {}
         since = await fleet.status_end()
         await fleet.send(command)
@@ -170,7 +170,7 @@ def ack_table(workers: list[str], acks: dict[str, CommandAck]) -> str:
 
 async def run_status(args: argparse.Namespace, settings: Settings) -> int:
     target = None if args.all_groups else Target(group=settings.group_id)
-    async with Fleet(settings) as fleet:
+    async with Fleet.from_settings(settings) as fleet:
         live = await fleet.live_workers(target)
     print(status_table(list(live.values())))
     return EXIT_OK

@@ -337,6 +337,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
     from tqdm import tqdm  # noqa: PLC0415
 
     from worker.client.rollout import RolloutClient  # noqa: PLC0415
+    from worker.core.kafka import client_kwargs  # noqa: PLC0415
 
     try:
         jobs = [decode_job(value) for _, value in _read_jobs(args.file)]
@@ -347,8 +348,11 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
     bar = tqdm(total=len(jobs), unit="result", disable=args.no_progress, file=sys.stderr)
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(args.out.open("wb")) if args.out is not None else None
+        # Connected as every other command is: the security flags reach the client.
+        connection = client_kwargs(settings)
         async with RolloutClient(
-            bootstrap_servers=settings.bootstrap_servers,
+            bootstrap_servers=connection.pop("bootstrap_servers"),
+            **connection,
             jobs_topic=settings.jobs_topic,
             results_topic=settings.results_topic,
             timeout_s=args.timeout_s,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
-from typing import Final
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
@@ -39,20 +39,34 @@ def new_command_id() -> str:
 
 
 class Fleet:
-    """A connection to the control and status topics (`async with Fleet(settings) as fleet`)."""
+    """A connection to the control and status topics (`async with Fleet(...) as fleet`).
 
-    def __init__(self, settings: Settings) -> None:
-        self._settings = settings
-        self._producer = AIOKafkaProducer(**client_kwargs(settings), acks="all")
-        self._consumer = AIOKafkaConsumer(
-            **client_kwargs(settings), group_id=None, enable_auto_commit=False
-        )
+    `connection`: aiokafka's connection and security arguments (`bootstrap_servers`,
+    `security_protocol`, `ssl_context`, `sasl_*`, ...), given to every client it opens.
+    """
+
+    def __init__(
+        self, connection: Mapping[str, Any], *, control_topic: str, status_topic: str
+    ) -> None:
+        self._control_topic = control_topic
+        self._status_topic = status_topic
+        self._producer = AIOKafkaProducer(**connection, acks="all")
+        self._consumer = AIOKafkaConsumer(**connection, group_id=None, enable_auto_commit=False)
         self._partitions: list[TopicPartition] = []
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Fleet:
+        """The fleet `settings` name, connected as the worker's own clients are."""
+        return cls(
+            client_kwargs(settings),
+            control_topic=settings.control_topic,
+            status_topic=settings.status_topic,
+        )
 
     async def __aenter__(self) -> Fleet:
         await self._producer.start()
         await self._consumer.start()
-        topic = self._settings.status_topic
+        topic = self._status_topic
         partitions = self._consumer.partitions_for_topic(topic)
         if partitions is None:
             await self._consumer.topics()
@@ -98,7 +112,7 @@ class Fleet:
     async def send(self, command: Command) -> None:
         """Produce `command` to the control topic and wait for the broker's acknowledgement."""
         await self._producer.send_and_wait(
-            self._settings.control_topic, value=encode(command), key=command.command_id.encode()
+            self._control_topic, value=encode(command), key=command.command_id.encode()
         )
 
     async def acks(

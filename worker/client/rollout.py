@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, Final, TypeAlias
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -40,6 +40,7 @@ from schemas import (
     Target,
     UpdateWeights,
     WorkerStatus,
+    as_job,
     decode_result,
     encode,
 )
@@ -53,6 +54,10 @@ logger = logging.getLogger(__name__)
 # answer is not taken for a duplicate of the failed one.
 RETRY_SEPARATOR: Final = "~retry"
 _SWEEP_S: Final = 0.2
+
+
+#: What `submit` and `generate` take: a `Job`, or a mapping of its fields as on the wire.
+JobLike: TypeAlias = Job | Mapping[str, Any]
 
 
 class RolloutError(Exception):
@@ -77,7 +82,9 @@ class RolloutClient:
     `timeout_s`: per job; the job's `deadline` is set to it too, so no worker starts it later.
     `max_retries`: how often a `retryable` failure is resubmitted before it is returned.
     `resolve_payloads`: read and check routed experts kept in a payload store, so results
-    come back self-contained (`data` filled in).
+    come back self-contained (`data` filled in). `client_options`: aiokafka's connection and
+    security arguments (`security_protocol`, `ssl_context`, `sasl_*`, ...), given to every
+    client it opens, those of `update_weights` and `status` too.
     """
 
     def __init__(
@@ -98,7 +105,10 @@ class RolloutClient:
     ) -> None:
         if timeout_s <= 0 or max_retries < 0:
             raise ValueError("timeout_s must be > 0 and max_retries >= 0")
-        self._bootstrap = bootstrap_servers
+        self._connection: dict[str, Any] = {
+            "bootstrap_servers": bootstrap_servers,
+            **client_options,
+        }
         self._jobs_topic = jobs_topic
         self._results_topic = results_topic
         self._control_topic = control_topic
@@ -109,7 +119,6 @@ class RolloutClient:
         self._max_retries = max_retries
         self._resolve = resolve_payloads
         self._on_progress = on_progress
-        self._options = client_options
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -119,6 +128,8 @@ class RolloutClient:
         self._answered = 0
         self._send_lock = asyncio.Lock()
         self._sends: set[asyncio.Task[None]] = set()
+        # Why the client cannot answer jobs any more (a background task ended), or None.
+        self._stopped: str | None = None
 
     async def __aenter__(self) -> RolloutClient:
         await self.start()
@@ -128,16 +139,13 @@ class RolloutClient:
         await self.close()
 
     async def start(self) -> None:
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=self._bootstrap, acks="all", linger_ms=5, **self._options
-        )
+        self._producer = AIOKafkaProducer(**self._connection, acks="all", linger_ms=5)
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap,
+            **self._connection,
             group_id=None,
             enable_auto_commit=False,
             max_partition_fetch_bytes=32 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
-            **self._options,
         )
         await self._producer.start()
         await self._consumer.start()
@@ -158,16 +166,15 @@ class RolloutClient:
             asyncio.create_task(self._read(), name="rollout-client-read"),
             asyncio.create_task(self._sweep(), name="rollout-client-timeouts"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._background_stopped)
 
     async def close(self) -> None:
         for task in [*self._tasks, *self._sends]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
         self._tasks = []
-        for pending in self._pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(RolloutError("the client was closed"))
-        self._pending.clear()
+        self._fail_pending(RolloutError("the client was closed"))
         for client in (self._consumer, self._producer):
             if client is not None:
                 await client.stop()
@@ -178,10 +185,16 @@ class RolloutClient:
         """Jobs submitted and not yet answered."""
         return len(self._pending)
 
-    def submit(self, job: Job) -> asyncio.Future[Result]:
-        """Send `job`; the returned future resolves to its result (its `job_id` as sent)."""
+    def submit(self, job: JobLike) -> asyncio.Future[Result]:
+        """Send `job`; the returned future resolves to its result (its `job_id` as sent).
+
+        `job` is checked as a worker checks it on the wire: a bad one raises `SchemaError`
+        naming the field, and nothing is sent."""
         if self._producer is None:
             raise RolloutError("the client is not started (use `async with RolloutClient(...)`)")
+        if self._stopped is not None:
+            raise RolloutError(f"the client stopped: {self._stopped}")
+        job = as_job(job)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         deadline = time.time() + self._timeout_s
@@ -193,9 +206,16 @@ class RolloutClient:
         self._track(asyncio.create_task(self._send(job.job_id, pending)))
         return future
 
-    async def generate(self, jobs: Iterable[Job]) -> list[Result]:
-        """Submit every job and return their results in job order."""
-        futures = [self.submit(job) for job in jobs]
+    async def generate(self, jobs: Iterable[JobLike]) -> list[Result]:
+        """Submit every job and return their results in job order. Every job is checked
+        before any is sent: a bad one raises `SchemaError` naming it and its field."""
+        checked = []
+        for index, job in enumerate(jobs):
+            try:
+                checked.append(as_job(job))
+            except SchemaError as exc:
+                raise SchemaError(f"job {index}: {exc.message}", exc.path) from None
+        futures = [self.submit(job) for job in checked]
         return list(await asyncio.gather(*futures))
 
     async def update_weights(
@@ -240,18 +260,10 @@ class RolloutClient:
 
     @contextlib.asynccontextmanager
     async def _fleet(self) -> AsyncIterator[Fleet]:
-        from worker.core.config import settings_from  # noqa: PLC0415
-
-        settings = settings_from(
-            {
-                "bootstrap_servers": self._bootstrap,
-                "control_topic": self._control_topic,
-                "status_topic": self._status_topic,
-                "group_id": self._group_id,
-            },
-            {},
+        fleet = Fleet(
+            self._connection, control_topic=self._control_topic, status_topic=self._status_topic
         )
-        async with Fleet(settings) as fleet:
+        async with fleet:
             yield fleet
 
     # ---- internals ---------------------------------------------------------------------------
@@ -282,7 +294,30 @@ class RolloutClient:
     def _track(self, task: asyncio.Task[None]) -> None:
         """Keep a send task referenced until it ends (the loop holds tasks only weakly)."""
         self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+        task.add_done_callback(self._send_done)
+
+    def _send_done(self, task: asyncio.Task[None]) -> None:
+        self._sends.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # `_send` answers the broker's refusals itself; anything else is a bug, said now.
+            logger.error("a job's send failed", exc_info=exc)
+            self._fail_pending(RolloutError(f"a send failed: {exc!r}"))
+
+    def _background_stopped(self, task: asyncio.Task[None]) -> None:
+        """The reader and the sweeper run until `close`: if one ends, no pending job can be
+        answered any more, so every one fails now rather than at its timeout."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        logger.error("the client's %s task stopped", task.get_name(), exc_info=exc)
+        self._stopped = f"{task.get_name()} stopped: {exc!r}"
+        self._fail_pending(RolloutError(f"the client's {self._stopped}"))
+
+    def _fail_pending(self, error: RolloutError) -> None:
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+        self._pending.clear()
 
     async def _read(self) -> None:
         assert self._consumer is not None  # noqa: S101

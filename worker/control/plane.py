@@ -170,26 +170,37 @@ class ControlPlane:
         )
 
     async def run(self) -> None:
-        """Follow the control topic and send heartbeats, until cancelled."""
-        heartbeats = asyncio.create_task(self._heartbeats(), name="heartbeats")
+        """Follow the control topic and send heartbeats, until cancelled. Neither ends by
+        itself: if one fails, the other is stopped and the failure raised at once."""
+        tasks = {
+            asyncio.create_task(self._follow(), name="control-follow"),
+            asyncio.create_task(self._heartbeats(), name="control-heartbeats"),
+        }
         try:
-            while True:
-                if not self._following:
-                    await asyncio.sleep(self._settings.status_interval_s)
-                    if self._settings.control_topic in await self._consumer.topics():
-                        logger.info("control topic %s appeared", self._settings.control_topic)
-                        self._follow_from_beginning()
-                    continue
-                for record in await self._fetch():
-                    command = await self._decode(record)
-                    if command is None or command.command_id in self._applied:
-                        continue
-                    self._applied.add(command.command_id)
-                    if self._addressed(command):
-                        await self._apply(command)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises what ended it
+            raise RuntimeError(f"{', '.join(t.get_name() for t in done)} ended by itself")
         finally:
-            heartbeats.cancel()
-            await asyncio.gather(heartbeats, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        while True:
+            if not self._following:
+                await asyncio.sleep(self._settings.status_interval_s)
+                if self._settings.control_topic in await self._consumer.topics():
+                    logger.info("control topic %s appeared", self._settings.control_topic)
+                    self._follow_from_beginning()
+                continue
+            for record in await self._fetch():
+                command = await self._decode(record)
+                if command is None or command.command_id in self._applied:
+                    continue
+                self._applied.add(command.command_id)
+                if self._addressed(command):
+                    await self._apply(command)
 
     def _follow_from_beginning(self) -> None:
         self._consumer.assign([self._tp])
