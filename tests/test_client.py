@@ -408,7 +408,7 @@ async def test_a_reader_that_dies_fails_every_pending_job_at_once(
         async def broken(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("the reader broke")
 
-        c._consumer.getmany = broken  # type: ignore[method-assign]
+        c._consumer.getmany = broken
         future = c.submit(job("waiting"))
         t0 = time.monotonic()
         with pytest.raises(RolloutError, match="the reader broke"):
