@@ -20,8 +20,8 @@ from aiokafka.errors import KafkaError, for_code
 from tests.workers import spawn, start_steered, start_worker  # noqa: F401
 from worker.dev.broker import (
     BrokerBinaryNotFoundError,
-    BrokerError,
     LocalBroker,
+    LocalBrokerError,
     TansuBroker,
     wait_until_ready_blocking,
 )
@@ -128,7 +128,7 @@ def kafka_bootstrap_servers() -> Iterator[str]:
     )
     try:
         broker.start()
-    except BrokerError as exc:
+    except LocalBrokerError as exc:
         # Installed but not working is a bug to see, so this fails even outside CI.
         pytest.fail(f"noida-db is installed but did not start: {exc}", pytrace=False)
     try:

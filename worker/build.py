@@ -191,7 +191,7 @@ def tune_gc_for_serving() -> None:
     Freezing moves what exists now (modules, the engine, its model: with vLLM, millions of
     objects) out of the collector's reach, as vLLM does after start-up. A higher first
     threshold lets a job's short-lived objects die young instead of being promoted and
-    scanned again; on the mock engine the collector took up to a fifth of the worker's time.
+    scanned again: on a busy worker the collector is otherwise a visible share of the time.
     """
     gc.collect()
     gc.freeze()

@@ -86,7 +86,7 @@ class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
             fetch_max_bytes=max(50 * MiB, 2 * request),
         )
 
-    def refusal(
+    def limit_exceeded(
         self, topic: str, size: int, *, result_value_bytes: int | None = None
     ) -> str | None:
         """Why a record of `size` bytes (see `record_bytes`) for `topic` would be refused, naming
@@ -140,17 +140,17 @@ class ValueBudgets:
         budget = self._limits.max_result_bytes
         if fit - framing >= budget:
             return budget, f"max_result_bytes ({budget})"
-        reason = self._limits.refusal(topic, fit + 1) or ""
+        reason = self._limits.limit_exceeded(topic, fit + 1) or ""
         return fit - framing, reason.removeprefix("the limit is ")
 
 
 def producer_batch_bytes(topic_limits: list[int | None]) -> int:
     """The producer's batch size for topics with these `max.message.bytes` (None: unknown).
 
-    Larger batches mean fewer produce round trips: with 1 MiB batches and jobs finishing by the
-    hundred, a job waited ~70 ms on average for a full batch to drain (mock engine, 3 KB
-    results). But aiokafka sizes a batch before compression and, unlike the Java client, does
-    not split one the broker refuses as too large: every record in it would fail. So a batch
+    Larger batches mean fewer produce round trips: with small batches and jobs finishing by the
+    hundred, each job waits for a full batch to drain. But aiokafka sizes a batch before
+    compression and, unlike the Java client, does not split one the broker refuses as too
+    large: every record in it would fail. So a batch
     never exceeds the smallest limit; when a limit is unknown, it stays at 1 MiB.
     """
     known = [limit for limit in topic_limits if limit is not None]

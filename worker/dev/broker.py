@@ -46,11 +46,11 @@ _LOG_TAIL_BYTES = 2000
 _PORT_ATTEMPTS = 3
 
 
-class BrokerError(RuntimeError):
+class LocalBrokerError(RuntimeError):
     """A local broker could not be started, restarted or stopped."""
 
 
-class BrokerBinaryNotFoundError(BrokerError):
+class BrokerBinaryNotFoundError(LocalBrokerError):
     """The broker executable is not installed; the message says how to install it."""
 
 
@@ -111,7 +111,7 @@ class _ChildBroker(abc.ABC):
     def bootstrap_servers(self) -> str:
         """`host:port` of the broker; once chosen, the port stays the same for this object."""
         if self._port is None:
-            raise BrokerError("the broker has no port yet: call start() first")
+            raise LocalBrokerError("the broker has no port yet: call start() first")
         return f"{self._host}:{self._port}"
 
     @abc.abstractmethod
@@ -165,7 +165,7 @@ class LocalBroker(_ChildBroker):
     def data_dir(self) -> Path:
         """Where the broker keeps its data file, log and control file."""
         if self._data_dir is None:
-            raise BrokerError("the broker has no data dir yet: call start() first")
+            raise LocalBrokerError("the broker has no data dir yet: call start() first")
         return self._data_dir
 
     @property
@@ -176,7 +176,7 @@ class LocalBroker(_ChildBroker):
     def start(self) -> None:
         """Launch the broker and return once it answers a metadata request."""
         if self._pid is not None:
-            raise BrokerError(f"noida-db is already running at {self.bootstrap_servers}")
+            raise LocalBrokerError(f"noida-db is already running at {self.bootstrap_servers}")
         if self._data_dir is None:
             self._data_dir = Path(tempfile.mkdtemp(prefix="noida-kafka-"))
         # From here on stop() has something to clean up, whatever fails next.
@@ -185,7 +185,7 @@ class LocalBroker(_ChildBroker):
         try:
             self._up()
             self._pid = self._read_pid()
-        except BrokerError:
+        except LocalBrokerError:
             self.stop()
             raise
         self._wait_ready("start")
@@ -209,7 +209,7 @@ class LocalBroker(_ChildBroker):
         pid = self._pid if self._pid is not None else self._read_pid_or_none()
         try:
             result = self._command("down")
-        except BrokerError as exc:
+        except LocalBrokerError as exc:
             # The pid check below still ends the process.
             logger.warning("%s", exc)
         else:
@@ -236,11 +236,11 @@ class LocalBroker(_ChildBroker):
         stayed connected fails once (IllegalGeneration, `CommitFailedError`) and it rejoins.
         """
         if self._pid is None:
-            raise BrokerError("restart() needs a running broker: call start() first")
+            raise LocalBrokerError("restart() needs a running broker: call start() first")
         started = time.monotonic()
         result = self._command("restart", "kafka")
         if result.returncode != 0:
-            raise BrokerError(
+            raise LocalBrokerError(
                 f"`noida-db restart kafka` failed with exit code {result.returncode}:\n"
                 f"{_tail_text(result.stdout + result.stderr)}\n{self._log_tail()}"
             )
@@ -258,11 +258,11 @@ class LocalBroker(_ChildBroker):
         Writes of the last second or so before the kill can be lost (noida-db saves periodically).
         """
         if self._pid is None:
-            raise BrokerError("kill() needs a running broker: call start() first")
+            raise LocalBrokerError("kill() needs a running broker: call start() first")
         pid, self._pid = self._pid, None
         _kill_pid(pid)
         if not _wait_pid_gone(pid, _EXIT_TIMEOUT_S):
-            raise BrokerError(f"noida-db pid {pid} survived SIGKILL for {_EXIT_TIMEOUT_S} s")
+            raise LocalBrokerError(f"noida-db pid {pid} survived SIGKILL for {_EXIT_TIMEOUT_S} s")
         logger.info("noida-db kafka at %s killed (pid %s)", self.bootstrap_servers, pid)
 
     def _up(self) -> None:
@@ -286,7 +286,7 @@ class LocalBroker(_ChildBroker):
                 logger.info("port %s was taken before noida-db bound it; retrying", self._port)
                 continue
             # `up` prints the end of the broker log itself when the broker fails to start.
-            raise BrokerError(
+            raise LocalBrokerError(
                 f"`noida-db up` failed with exit code {result.returncode}:\n{_tail_text(output)}"
             )
 
@@ -302,7 +302,9 @@ class LocalBroker(_ChildBroker):
                 check=False,
             )
         except subprocess.TimeoutExpired as exc:
-            raise BrokerError(f"{command} did not return within {_COMMAND_TIMEOUT_S} s") from exc
+            raise LocalBrokerError(
+                f"{command} did not return within {_COMMAND_TIMEOUT_S} s"
+            ) from exc
         logger.debug("exit code %s: %s", result.returncode, result.stdout + result.stderr)
         return result
 
@@ -318,7 +320,7 @@ class LocalBroker(_ChildBroker):
     def _read_pid(self) -> int:
         pid = self._read_pid_or_none()
         if pid is None:
-            raise BrokerError(
+            raise LocalBrokerError(
                 f"noida-db left no readable pid in {self.data_dir}\n{self._log_tail()}"
             )
         return pid
@@ -331,10 +333,10 @@ class LocalBroker(_ChildBroker):
                     self.bootstrap_servers, self._start_timeout_s, is_alive=lambda: _pid_alive(pid)
                 )
             )
-        except (TimeoutError, BrokerError) as exc:
+        except (TimeoutError, LocalBrokerError) as exc:
             log_tail = self._log_tail()
             self.stop()
-            raise BrokerError(
+            raise LocalBrokerError(
                 f"noida-db kafka at {self.bootstrap_servers} not ready after {action}: {exc}\n"
                 f"{log_tail}"
             ) from exc
@@ -376,7 +378,7 @@ class TansuBroker(_ChildBroker):
     def start(self) -> None:
         """Launch tansu and return once it answers a metadata request."""
         if self._process is not None:
-            raise BrokerError(f"tansu is already running at {self.bootstrap_servers}")
+            raise LocalBrokerError(f"tansu is already running at {self.bootstrap_servers}")
         started = time.monotonic()
         choose_port = self._port is None
         for attempt in range(1, _PORT_ATTEMPTS + 1):
@@ -390,7 +392,7 @@ class TansuBroker(_ChildBroker):
                     )
                 )
                 break
-            except (TimeoutError, BrokerError) as exc:
+            except (TimeoutError, LocalBrokerError) as exc:
                 log_tail = self._log_tail()
                 exited = not self._alive()
                 self.stop()
@@ -398,7 +400,7 @@ class TansuBroker(_ChildBroker):
                     # Most likely the port was taken before tansu bound it.
                     logger.info("tansu exited at start on port %s; retrying: %s", self._port, exc)
                     continue
-                raise BrokerError(
+                raise LocalBrokerError(
                     f"tansu at {self.bootstrap_servers} not ready: {exc}\n{log_tail}"
                 ) from exc
         logger.info(
@@ -426,7 +428,7 @@ class TansuBroker(_ChildBroker):
         """SIGKILL tansu, as a crash would; its in-memory data is gone."""
         process, self._process = self._process, None
         if process is None:
-            raise BrokerError("kill() needs a running broker: call start() first")
+            raise LocalBrokerError("kill() needs a running broker: call start() first")
         process.kill()
         process.wait()
         self._close_log()
@@ -509,7 +511,7 @@ async def _wait_until_ready(
     last_error = "no attempt finished"
     while True:
         if is_alive is not None and not is_alive():
-            raise BrokerError("the broker process exited")
+            raise LocalBrokerError("the broker process exited")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(

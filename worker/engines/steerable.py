@@ -50,7 +50,7 @@ class _Request:
         #: Why the control plane interrupted it (None: it was not).
         self.reason: _Reason | None = None
         #: Set by an abort: a job waiting at the gate is answered at once. Made only for a
-        #: job that waits (one per job cost 3% of the mock engine's throughput).
+        #: job that waits: an event per job is measurable on the hot path.
         self.aborted: asyncio.Event | None = None
 
 

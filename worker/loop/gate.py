@@ -58,7 +58,7 @@ class PartitionGate:
 
     async def poll_paused(self) -> Batch:
         """At the in-flight cap: pause everything and poll anyway, so the group does not evict
-        the worker for exceeding `max_poll_interval_ms` (aiokafka #848). A rebalance can
+        the worker for exceeding `max_poll_interval_ms` (counted client-side between fetches). A rebalance can
         complete inside this call; the records it returns are jobs like any other (dropping
         them would skip their offsets)."""
         consumer = self._consumer

@@ -143,8 +143,8 @@ class Worker:
         while not self._stopping.is_set() and self._fatal is None:
             free = self.max_in_flight - self._in_flight()
             if free <= 0:
-                # Full. Any free slot is filled at once: waiting for several left the engine's
-                # batch short and cost vLLM a third of its throughput at max_in_flight =
+                # Full. Any free slot is filled at once: waiting for several leaves the engine's
+                # batch short, which costs vLLM throughput when max_in_flight is near
                 # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
                 # Long ones: poll with every partition paused.
                 self._wake.clear()
