@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.build import Service, build_worker
 from worker.core.config import settings_from
+from worker.core.kafka import ensure_topics
 from worker.dev.broker import env_or_local_broker
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
@@ -109,17 +109,10 @@ class WorkerPath:
         )
 
     async def start(self) -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap)
-        await admin.start()
-        try:
-            await admin.create_topics(
-                [
-                    NewTopic(name, num_partitions=1, replication_factor=1)
-                    for name in (self.jobs_topic, self.results_topic, self.dlq_topic)
-                ]
-            )
-        finally:
-            await admin.close()
+        await ensure_topics(
+            {"bootstrap_servers": self._bootstrap},
+            dict.fromkeys((self.jobs_topic, self.results_topic, self.dlq_topic), 1),
+        )
         await self._producer.start()
         await self._results.start()
         self._results.assign([TopicPartition(self.results_topic, 0)])

@@ -38,13 +38,13 @@ from typing import Any, Final
 
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
 from worker.answering.encoder import encode_result
 from worker.build import build_worker, tune_gc_for_serving
 from worker.core.config import Settings, settings_from
 from worker.core.kafka import (
+    ensure_topics,
     make_consumer,
     make_producer,
     read_record_limits,
@@ -73,18 +73,12 @@ def _jobs(count: int) -> list[Job]:
 
 
 async def _create_topics(bootstrap: str, *names: str, max_message_bytes: int | None = None) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     configs = {} if max_message_bytes is None else {"max.message.bytes": str(max_message_bytes)}
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [
-                NewTopic(n, num_partitions=1, replication_factor=1, topic_configs=configs)
-                for n in names
-            ]
-        )
-    finally:
-        await admin.close()
+    await ensure_topics(
+        {"bootstrap_servers": bootstrap},
+        dict.fromkeys(names, 1),
+        configs=dict.fromkeys(names, configs),
+    )
 
 
 def _topic() -> str:

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import NoReturn, Protocol
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaError, for_code
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 # Fixtures any module may ask for: a worker in-process, and one as a real process.
 from tests.workers import spawn, start_steered, start_worker  # noqa: F401
+from worker.core.kafka import ensure_topics
 from worker.dev.broker import (
     BrokerBinaryNotFoundError,
     LocalBroker,
@@ -154,22 +155,12 @@ async def new_topic(kafka_bootstrap_servers: str) -> AsyncIterator[TopicFactory]
     ) -> str:
         servers = bootstrap_servers or kafka_bootstrap_servers
         name = f"test-{uuid.uuid4().hex}"
-        topic = NewTopic(
-            name,
-            num_partitions=partitions,
-            replication_factor=1,
-            topic_configs=dict(configs or {}),
-        )
-        admin = AIOKafkaAdminClient(bootstrap_servers=servers)
-        try:
-            async with asyncio.timeout(_TOPIC_ADMIN_TIMEOUT_S):
-                await admin.start()
-                response = await admin.create_topics([topic])
-        finally:
-            await admin.close()
-        for topic_name, error_code, *_ in response.topic_errors:
-            if error_code:
-                raise for_code(error_code)(f"creating topic {topic_name}")
+        async with asyncio.timeout(_TOPIC_ADMIN_TIMEOUT_S):
+            await ensure_topics(
+                {"bootstrap_servers": servers},
+                {name: partitions},
+                configs={name: dict(configs or {})},
+            )
         if servers == kafka_bootstrap_servers:
             shared_topics.append(name)
         return name

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -20,6 +20,7 @@ __all__ = [
     "RECORD_OVERHEAD_BYTES",
     "client_kwargs",
     "create_topics",
+    "ensure_topics",
     "make_consumer",
     "make_producer",
     "read_record_limits",
@@ -127,54 +128,73 @@ async def read_record_limits(settings: Settings) -> RecordLimits:
     return limits
 
 
-async def create_topics(settings: Settings) -> list[str]:
-    """Create the jobs, results, dead-letter, control and status topics when missing; return
-    the ones created.
-
-    Each gets `max.message.bytes` matching `max_result_bytes`, since the broker's default (~1 MiB)
-    rejects an 8k-token result with routed experts.
-    """
-    admin = AIOKafkaAdminClient(**client_kwargs(settings))
+async def ensure_topics(
+    connection: Mapping[str, Any],
+    partitions: Mapping[str, int],
+    *,
+    replication_factor: int = 1,
+    configs: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[str]:
+    """Create the topics of `partitions` (name: partition count) that do not exist yet, each
+    with its `configs`; return the ones created. The one place topics are created (the CLI's
+    --create-topics, the test fixtures, the demos and benchmarks). Raises `BrokerError` naming
+    a topic the broker refuses or a broker that cannot be reached."""
+    admin = AIOKafkaAdminClient(**connection)
     try:
         await admin.start()
     except KafkaError as exc:
         raise BrokerError(
-            f"cannot reach {settings.bootstrap_servers} to create topics: {exc}"
+            f"cannot reach {connection.get('bootstrap_servers')} to create topics: {exc}"
         ) from exc
     created: list[str] = []
     try:
         existing = set(await admin.list_topics())
-        configs = {"max.message.bytes": str(record_size_limit(settings))}
-        partitions = dict.fromkeys(
-            [settings.jobs_topic, settings.results_topic, settings.dead_letter_topic],
-            settings.topic_partitions,
-        )
-        # Every worker reads the whole control topic in order: one partition. Statuses are
-        # keyed by worker; a few partitions are plenty.
-        partitions.setdefault(settings.control_topic, 1)
-        partitions.setdefault(settings.status_topic, 1)
         for name, count in partitions.items():
             if name in existing:
                 continue
             topic = NewTopic(
                 name=name,
                 num_partitions=count,
-                replication_factor=settings.topic_replication_factor,
-                topic_configs=configs,
+                replication_factor=replication_factor,
+                topic_configs=dict((configs or {}).get(name, {})),
             )
             response = await admin.create_topics([topic])
             for _, code, *rest in response.topic_errors:
                 if code == TopicAlreadyExistsError.errno:
-                    break  # another worker of the group created it first
+                    break  # another worker (or test) created it first
                 if code:
                     detail = rest[0] if rest and rest[0] else for_code(code).__name__
                     raise BrokerError(f"cannot create topic {name}: {detail}")
             else:
                 created.append(name)
-            logger.info("created topic %s (%d partitions)", name, count)
+                logger.info("created topic %s (%d partitions)", name, count)
     finally:
         await admin.close()
     return created
+
+
+async def create_topics(settings: Settings) -> list[str]:
+    """Create the jobs, results, dead-letter, control and status topics when missing; return
+    the ones created.
+
+    Each gets `max.message.bytes` matching `max_result_bytes`, since the broker's default
+    (~1 MiB) rejects an 8k-token result with routed experts.
+    """
+    partitions = dict.fromkeys(
+        [settings.jobs_topic, settings.results_topic, settings.dead_letter_topic],
+        settings.topic_partitions,
+    )
+    # Every worker reads the whole control topic in order: one partition. Statuses are keyed
+    # by worker; a few partitions are plenty.
+    partitions.setdefault(settings.control_topic, 1)
+    partitions.setdefault(settings.status_topic, 1)
+    record_limit = {"max.message.bytes": str(record_size_limit(settings))}
+    return await ensure_topics(
+        client_kwargs(settings),
+        partitions,
+        replication_factor=settings.topic_replication_factor,
+        configs=dict.fromkeys(partitions, record_limit),
+    )
 
 
 async def topics_max_message_bytes(

@@ -23,8 +23,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
+
+from worker.core.kafka import ensure_topics
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +72,16 @@ async def new_topics(
     count: int,
     *,
     prefix: str = "bench",
+    partitions: int = 1,
     configs: dict[str, str] | None = None,
 ) -> list[str]:
-    """Create `count` fresh single-partition topics (`configs` their settings); their names."""
+    """Create `count` fresh uuid-named topics (`configs` their settings); their names."""
     names = [f"{prefix}-{uuid.uuid4().hex[:12]}" for _ in range(count)]
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(name, 1, 1, topic_configs=dict(configs or {})) for name in names]
-        )
-    finally:
-        await admin.close()
+    await ensure_topics(
+        {"bootstrap_servers": bootstrap_servers},
+        dict.fromkeys(names, partitions),
+        configs=dict.fromkeys(names, configs or {}),
+    )
     return names
 
 
