@@ -242,15 +242,7 @@ class RolloutClient:
             since = await fleet.status_end()
             await fleet.send(command)
             acks = await fleet.acks(command.command_id, live, since, timeout_s)
-        if not live:
-            raise RolloutError("no live worker of the target to update")
-        bad = {w: a for w, a in acks.items() if a.outcome != "ok"}
-        missing = sorted(set(live) - set(acks))
-        if bad or missing:
-            details = [f"{w}: {a.detail}" for w, a in bad.items()] + [
-                f"{w}: no answer in {timeout_s:.0f}s" for w in missing
-            ]
-            raise RolloutError(f"update to version {version} failed: " + "; ".join(details))
+        _check_every_worker_updated(version, live, acks, timeout_s)
         return acks
 
     async def status(self, target: Target | None = None) -> dict[str, WorkerStatus]:
@@ -375,27 +367,43 @@ class RolloutClient:
                     continue
                 del self._pending[wire_id]
                 self._assembler.discard(wire_id)
-                pending.future.set_result(
-                    Failed(
-                        job_id=pending.job.job_id,
-                        error=ErrorInfo(
-                            code=ErrorCode.EXPIRED,
-                            detail=(
-                                f"no result within {self._timeout_s:.0f}s of submitting "
-                                f"(client timeout; {pending.retries} resubmissions)"
-                            ),
-                            retryable=True,
-                        ),
-                        metadata=pending.job.metadata,
-                        worker="rollout-client",
-                    )
-                )
+                pending.future.set_result(_expired(pending, self._timeout_s))
                 self._progress()
 
     def _progress(self) -> None:
         self._answered += 1
         if self._on_progress is not None:
             self._on_progress(self._answered, self._submitted)
+
+
+def _expired(pending: _Pending, timeout_s: float) -> Failed:
+    """The answer to a job no worker answered within the client's timeout."""
+    detail = (
+        f"no result within {timeout_s:.0f}s of submitting "
+        f"(client timeout; {pending.retries} resubmissions)"
+    )
+    return Failed(
+        job_id=pending.job.job_id,
+        error=ErrorInfo(code=ErrorCode.EXPIRED, detail=detail, retryable=True),
+        metadata=pending.job.metadata,
+        worker="rollout-client",
+    )
+
+
+def _check_every_worker_updated(
+    version: int, live: Iterable[str], acks: dict[str, CommandAck], timeout_s: float
+) -> None:
+    """Raise `RolloutError` unless every live worker acknowledged the update `ok`."""
+    live = sorted(live)
+    if not live:
+        raise RolloutError("no live worker of the target to update")
+    bad = {w: a for w, a in acks.items() if a.outcome != "ok"}
+    missing = sorted(set(live) - set(acks))
+    if bad or missing:
+        details = [f"{w}: {a.detail}" for w, a in bad.items()] + [
+            f"{w}: no answer in {timeout_s:.0f}s" for w in missing
+        ]
+        raise RolloutError(f"update to version {version} failed: " + "; ".join(details))
 
 
 def _has_references(result: Completed) -> bool:

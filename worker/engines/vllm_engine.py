@@ -219,8 +219,9 @@ class VllmEngine:
     async def _ready(self) -> None:
         """Verify the capture and stamp the weight version on a freshly built engine."""
         if self._capture:
+            assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
             try:
-                await self._self_check()
+                await _verify_capture(self._llm, self._vllm_config, self._layout)
             except BaseException:
                 await self.close()
                 raise
@@ -231,37 +232,6 @@ class VllmEngine:
             self._model_name,
             self.max_concurrency,
             "on" if self.supports_routed_experts else "off",
-        )
-
-    async def _self_check(self) -> None:
-        """One probe generation: the routed experts must have the right shape and look real."""
-        from vllm import SamplingParams  # noqa: PLC0415
-        from vllm.exceptions import VLLMError  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
-
-        assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
-        vocab_size = int(self._vllm_config.model_config.get_vocab_size())
-        # Spread-out ids rather than a run of one token, so routing varies across rows.
-        prompt = [(1 + 97 * i) % vocab_size for i in range(_SELF_CHECK_PROMPT_LEN)]
-        params = SamplingParams(max_tokens=_SELF_CHECK_MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        final: Any = None
-        try:
-            async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt), params, _SELF_CHECK_REQUEST_ID
-            ):
-                final = out
-        except VLLMError as exc:
-            raise _map_error(exc) from exc
-        if final is None or not final.outputs:
-            raise _capture_failed("the probe request returned no output")
-        completion = final.outputs[0]
-        rows = len(prompt) + len(completion.token_ids) - 1
-        check_capture(completion.routed_experts, rows=rows, layout=self._layout)
-        logger.info(
-            "routed-experts capture verified: %d rows x %d layers x top-%d",
-            rows,
-            self._layout.num_layers,
-            self._layout.top_k,
         )
 
     async def generate(self, job: Job, request_id: str) -> EngineOutput:
@@ -451,6 +421,37 @@ class VllmEngine:
         if self._llm is None:
             raise EngineDeadError("the vLLM engine is not running (not started, or closed)")
         return self._llm
+
+
+async def _verify_capture(llm: Any, vllm_config: Any, layout: MoeLayout) -> None:
+    """One probe generation: the routed experts must have the right shape and look real."""
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.exceptions import VLLMError  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    vocab_size = int(vllm_config.model_config.get_vocab_size())
+    # Spread-out ids rather than a run of one token, so routing varies across rows.
+    prompt = [(1 + 97 * i) % vocab_size for i in range(_SELF_CHECK_PROMPT_LEN)]
+    params = SamplingParams(max_tokens=_SELF_CHECK_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    final: Any = None
+    try:
+        async for out in llm.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, _SELF_CHECK_REQUEST_ID
+        ):
+            final = out
+    except VLLMError as exc:
+        raise _map_error(exc) from exc
+    if final is None or not final.outputs:
+        raise _capture_failed("the probe request returned no output")
+    completion = final.outputs[0]
+    rows = len(prompt) + len(completion.token_ids) - 1
+    check_capture(completion.routed_experts, rows=rows, layout=layout)
+    logger.info(
+        "routed-experts capture verified: %d rows x %d layers x top-%d",
+        rows,
+        layout.num_layers,
+        layout.top_k,
+    )
 
 
 def _sampling_params(job: Job) -> Any:

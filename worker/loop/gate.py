@@ -26,6 +26,10 @@ class HoldReason(Protocol):
         """The partitions held now; asked before every fetch, so it may re-examine them."""
         ...
 
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        """`partitions` were revoked: whatever held them is their next owner's business."""
+        ...
+
 
 class PartitionGate:
     """Fetches from the consumer what no `HoldReason` holds back."""
@@ -78,6 +82,10 @@ class PartitionGate:
     def rewind(self, tp: TopicPartition, offset: int) -> None:
         """Fetch `tp` from `offset` next: records fetched past it are fetched again later."""
         self._consumer.seek(tp, offset)
+
+    def forget(self, revoked: set[TopicPartition]) -> None:
+        for reason in self._reasons:
+            reason.forget(revoked)
 
     def held(self) -> set[TopicPartition]:
         held: set[TopicPartition] = set()

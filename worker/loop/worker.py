@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -32,6 +31,7 @@ from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.gate import Batch, PartitionGate
 from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
+from worker.loop.watchdog import Watchdog
 
 __all__ = ["Worker"]
 
@@ -41,14 +41,11 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Consumes jobs, runs them on an engine, publishes answers, commits answered offsets.
 
-    The consumer, producer and engine are given, not built here (`worker.build` wires them),
-    so tests pass fakes or clients pointed at a test broker; `limits` are the record limits the
-    producer was built with, and `read_committed` reads the group's committed offset maps on
-    assignment (without it, records answered out of order before a crash run again).
-    The engine is started and closed by whoever owns it; `run()` starts the clients, serves
-    until `request_stop()` or a fatal error, drains, closes the clients, and returns the
-    process exit status (0 clean, 1 fatal). Jobs' `min_weight_version` is held against the
-    engine's `weight_version`.
+    Its parts are given (`worker.build` wires them; tests pass fakes): `limits` are those the
+    producer was built with, `read_committed` reads the offset maps on assignment. The engine
+    is started and closed by its owner; `run()` starts the clients, serves until
+    `request_stop()` or a fatal error, drains, closes the clients, and returns the exit status
+    (0 clean, 1 fatal).
     """
 
     def __init__(
@@ -71,7 +68,6 @@ class Worker:
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
         self._serving = False
-        self._last_health_check = time.monotonic()
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
@@ -92,13 +88,13 @@ class Worker:
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
         )
+        self._watchdog = Watchdog(settings, engine, self._delivery)
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
 
     @property
     def ready(self) -> bool:
-        """Serving (the engine was started before `run`) and partitions held: what /readyz
-        reports."""
+        """Serving and holding partitions: what /readyz reports."""
         return self._serving and bool(self._gate.assignment())
 
     def request_stop(self) -> None:
@@ -163,8 +159,8 @@ class Worker:
                     break
                 await self._start_jobs(batch)
             self._committer.tick()
-            await self._maybe_check_engine()
-            self._check_deliveries()
+            if (found := await self._watchdog.check()) is not None:
+                self._fail(*found)
 
     async def _start_jobs(self, batch: Batch) -> None:
         if not batch:
@@ -249,8 +245,8 @@ class Worker:
         """Stop the consumer (leaving the group), then the producer. `run` does it on its way
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
-        await self._bounded(self._gate.stop, "consumer stop")
-        await self._bounded(self._producer.stop, "producer stop")
+        await bounded(self._gate.stop, "consumer stop", self._settings.close_timeout_s)
+        await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions this worker holds now."""
@@ -286,29 +282,6 @@ class Worker:
         """
         return len(self._jobs) + self._delivery.pending
 
-    def _check_deliveries(self) -> None:
-        """Give up when the broker has not acknowledged an answer for `publish_timeout_s`."""
-        waited = self._delivery.oldest_wait_s()
-        if waited > self._settings.publish_timeout_s:
-            self._fail(
-                BrokerError(
-                    f"no acknowledgement from the broker for {waited:.1f}s "
-                    f"(publish_timeout_s={self._settings.publish_timeout_s})"
-                ),
-                "delivery",
-            )
-
-    async def _maybe_check_engine(self) -> None:
-        """A dead engine must stop the worker even when no job is running to notice it."""
-        now = time.monotonic()
-        if now - self._last_health_check < self._settings.health_check_interval_s:
-            return
-        self._last_health_check = now
-        try:
-            await self._engine.check_health()
-        except FatalError as exc:
-            self._fail(exc, "engine health check")
-
     def _fail(self, exc: FatalError, where: str) -> None:
         if self._fatal is None:
             self._fatal = exc
@@ -327,9 +300,7 @@ class Worker:
             )
         await self._settle(revoked, grace)
         await self._committer.commit_now(revoked, clean=True)
-        self._committer.forget(revoked)
-        self._breaker.forget(revoked)
-        self._holds.forget(revoked)
+        self._gate.forget(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
@@ -347,13 +318,12 @@ class Worker:
         if busy := self._jobs.busy():
             logger.info("draining %d jobs (grace %.1fs)", busy, grace)
         await self._settle(None, grace)
-        await self._bounded(self._producer.flush, "flush")
+        await bounded(self._producer.flush, "flush", self._settings.close_timeout_s)
         await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
         # Clean unless fatal: after a fatal error the jobs cut off may be what caused it.
         clean = self._fatal is None
-        await self._bounded(
-            functools.partial(self._committer.commit_now, clean=clean), "final commit"
-        )
+        final_commit = functools.partial(self._committer.commit_now, clean=clean)
+        await bounded(final_commit, "final commit", self._settings.close_timeout_s)
         self._delivery.stop_resending()
 
     async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
@@ -368,9 +338,6 @@ class Worker:
                 "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
                 aborted,
             )
-
-    async def _bounded(self, step: Callable[[], Awaitable[object]], what: str) -> None:
-        await bounded(step, what, self._settings.close_timeout_s)
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
