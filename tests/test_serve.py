@@ -17,16 +17,22 @@ from worker.config import Settings, settings_from
 from worker.errors import EngineDeadError
 from worker.limits import RecordLimits
 
+#: Probes the health server must answer while the model loads; the load gives up after
+#: `_LOAD_LIMIT_S`, so a server that does not answer then fails the test instead of hanging it.
+_ANSWERS_WANTED = 10
+_LOAD_LIMIT_S = 60.0
+
 
 class SlowLoadingEngine(ScriptedEngine):
-    """Builds its model synchronously, as vLLM's AsyncLLM does, blocking the event loop."""
+    """Builds its model synchronously, as vLLM's AsyncLLM does, blocking the event loop, until
+    `loaded` is set (or the limit passes)."""
 
-    def __init__(self, load_s: float) -> None:
+    def __init__(self, loaded: threading.Event) -> None:
         super().__init__()
-        self._load_s = load_s
+        self._loaded = loaded
 
     async def start(self) -> None:
-        time.sleep(self._load_s)  # noqa: ASYNC251 - the point: the loop is blocked
+        self._loaded.wait(_LOAD_LIMIT_S)  # the point: the loop is blocked meanwhile
         raise EngineDeadError("the model did not load (on purpose)")
 
 
@@ -52,7 +58,8 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
     settings = settings_from(
         {"engine": "mock", "metrics_port": str(port), "metrics_host": "127.0.0.1"}, {}
     )
-    monkeypatch.setattr(cli, "build_engine", lambda *_: SlowLoadingEngine(load_s=3.0))
+    loaded = threading.Event()
+    monkeypatch.setattr(cli, "build_engine", lambda *_: SlowLoadingEngine(loaded))
 
     async def no_broker(s: Settings) -> Any:
         return RecordLimits.from_topic_limits(s, {})
@@ -69,6 +76,8 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
                     _status(f"http://127.0.0.1:{port}/readyz"),
                 )
             )
+            if sum(1 for s in seen if s[0] != 0) >= _ANSWERS_WANTED:
+                loaded.set()  # the model "loads" once the server has answered enough probes
             time.sleep(0.1)
 
     prober = threading.Thread(target=probe)
@@ -80,6 +89,7 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
         done.set()
         prober.join()
     answered = [s for s in seen if s[0] != 0]
-    # The load took 3 s; the probe asked every 0.1 s and was answered throughout.
-    assert len(answered) >= 10
+    # The loop was blocked until the server had answered enough probes, each as "alive, not
+    # ready"; had it not answered, the load would have given up first.
+    assert len(answered) >= _ANSWERS_WANTED, seen
     assert all(s == (200, 503) for s in answered)

@@ -156,8 +156,6 @@ class VllmEngine:
         self._verified = False
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
-        # Tokens generated so far by each request in the engine (all its children together).
-        self._generated: dict[str, int] = {}
         self._transfer_ready = False
         # While a new engine is built for new weights there is none to ask; the control plane
         # holds every job meanwhile, and a failed rebuild raises there.
@@ -177,9 +175,24 @@ class VllmEngine:
 
     @property
     def generated_tokens(self) -> dict[str, int]:
-        """Tokens generated so far by each running request: what a caller waits on to know
-        that a request is under way, instead of sleeping."""
-        return dict(self._generated)
+        """Tokens generated so far by each running request (its children together): what a
+        caller waits on to know that a request is under way, instead of sleeping.
+
+        Requests stream only their final output (FINAL_ONLY), so this is read from vLLM's
+        output processor, which counts every step's tokens (with stats on; else 1 once
+        prefill is done). Diagnostics only: an engine without that state reports nothing.
+        """
+        processor = getattr(self._llm, "output_processor", None)
+        states = getattr(processor, "request_states", None) or {}
+        generated: dict[str, int] = {}
+        for state in list(states.values()):
+            stats = getattr(state, "stats", None)
+            count = stats.num_generation_tokens if stats is not None else 0
+            if not count and not getattr(state, "is_prefilling", True):
+                count = 1
+            request_id = str(getattr(state, "external_req_id", None) or state.request_id)
+            generated[request_id] = generated.get(request_id, 0) + count
+        return generated
 
     @property
     def async_llm(self) -> Any:
@@ -273,13 +286,10 @@ class VllmEngine:
                 request_output = out
                 for child in out.outputs:
                     latest[child.index] = child
-                self._generated[request_id] = sum(len(c.token_ids) for c in latest.values())
         # AsyncLLM.generate raises only vLLM's own exceptions: anything else arrives wrapped in
         # EngineGenerateError. Cancellation passes through (it aborts the request on its way).
         except VLLMError as exc:
             raise _map_error(exc) from exc
-        finally:
-            self._generated.pop(request_id, None)
         if request_output is None or len(latest) != job.sampling.n:
             raise EngineError(
                 f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
