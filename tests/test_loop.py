@@ -305,3 +305,21 @@ async def test_jobs_are_named_running_in_a_commit_before_they_start(start_loop):
     await wait_for(lambda: bool(seen), what="the job to start")
     assert seen == [frozenset({0})]
     engine.release("g")
+
+
+async def test_an_inherited_map_near_its_cap_does_not_stall_the_new_owner(start_loop):
+    # The previous owner answered every fourth record from 20 on out of order: its map is 37
+    # bytes, past 3/4 of the 40-byte cap. Once this owner has nothing in flight no gap of its
+    # own can close, and those offsets leave the map only as they are fetched.
+    consumer = consumer_with_jobs(60)
+    engine = ScriptedEngine(max_concurrency=100)
+    answered_before = set(range(20, 60, 4))
+    previous = committed_as((0, encode_offset_map(0, answered_before)))
+    await start_loop(
+        consumer, engine, read_committed=previous, offset_map_max_bytes=40, max_in_flight=16
+    )
+    await wait_for(
+        lambda: consumer.commits and consumer.commits[-1] == {P0: 60},
+        what=lambda: f"the commit of all 60 (commits so far end {consumer.commits[-3:]})",
+    )
+    assert sorted(engine.started) == sorted(f"j{i}" for i in range(60) if i not in answered_before)

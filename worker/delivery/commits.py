@@ -88,17 +88,23 @@ class Committer:
         self.tracker = OffsetTracker()
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
-        # Partitions whose offset map is near its cap, or whose map is being read.
-        self._held: set[TopicPartition] = set()
+        # Partitions whose offset map was near its cap at their last commit, and those whose
+        # committed map is being read after the assignment.
+        self._near_cap: set[TopicPartition] = set()
+        self._reading: set[TopicPartition] = set()
         self._maps_refused = False
         self._slow_commits_warned = False
         self._stuck: asyncio.Task[None] | None = None
         self._stripped: set[TopicPartition] = set()  # warned: committed without their map
 
     def held(self) -> set[TopicPartition]:
-        """Partitions not to fetch now: their offset map is near its cap (until the gap
-        closes), or it is still being read after the assignment."""
-        return set(self._held)
+        """Partitions not to fetch now: their committed map is still being read after the
+        assignment, or their offset map is near its cap while records of theirs are in
+        flight (until the gap closes). With nothing in flight no gap can close: what fills the
+        map then is what an earlier owner answered ahead, which leaves the map only as it is
+        fetched, so such a partition is fetched again rather than held for ever."""
+        near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
+        return self._reading | near_cap
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -163,7 +169,7 @@ class Committer:
             return
         # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
         # assignment meanwhile, and a record started before its map is known would run again.
-        self._held |= partitions
+        self._reading |= partitions
         try:
             async with asyncio.timeout(self._timeout_s):
                 committed = await self._read_committed(sorted(partitions))
@@ -173,7 +179,7 @@ class Committer:
             )
             return
         finally:
-            self._held -= partitions
+            self._reading -= partitions
         for tp, (position, metadata) in committed.items():
             if tp not in partitions or position < 0:
                 continue
@@ -210,7 +216,8 @@ class Committer:
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
         self.tracker.forget(partitions)
-        self._held -= partitions
+        self._near_cap -= partitions
+        self._reading -= partitions
         for tp in partitions:
             with contextlib.suppress(KeyError):
                 self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
@@ -291,9 +298,9 @@ class Committer:
             else:
                 self._stripped.discard(tp)
             if limit and size >= _HOLD_AT * limit:
-                self._held.add(tp)
+                self._near_cap.add(tp)
             else:
-                self._held.discard(tp)
+                self._near_cap.discard(tp)
         return offsets
 
     def lag(self) -> int | None:
