@@ -206,8 +206,10 @@ async def test_updates_in_every_mode_on_real_vllm(
     bs = kafka_bootstrap_servers
     fleet = await make_fleet(new_topic)
     engine = build_vllm_engine(tiny_model_engine_args(a))
-    w = await start_steered(fleet, "vllm-1", engine=engine, status_interval_s=1.0)
+    # The readers connect first: vLLM builds its engine on the event loop they share, blocking
+    # it for longer than a connection attempt waits on a busy machine.
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        w = await start_steered(fleet, "vllm-1", engine=engine, status_interval_s=1.0)
         session = Session(bs, fleet, status, results, engine)
         on_a = await wait_mode_serves_what_a_fresh_engine_serves(session, a, b)
         await keep_mode_gives_two_spans(session, a)
