@@ -20,7 +20,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import committed
+from tests.kafka_helpers import committed, wait_for
 from worker.build import Service, build_worker
 from worker.core.config import Settings, settings_from
 from worker.engines.mock import MockEngine, MockEngineSettings
@@ -55,6 +55,11 @@ class Running:
     @property
     def worker(self) -> Worker:
         return self.service.worker
+
+    async def serving(self, timeout_s: float = 300) -> None:
+        """Until the engine is up and the worker holds its partitions. A vLLM engine is built
+        on the event loop the test shares: a client started meanwhile may time out."""
+        await wait_for(lambda: self.service.ready, timeout_s, "the worker to serve")
 
     async def stop(self) -> int:
         self.service.request_stop()
