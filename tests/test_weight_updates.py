@@ -210,6 +210,7 @@ async def test_updates_in_every_mode_on_real_vllm(
     # it for longer than a connection attempt waits on a busy machine.
     async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
         w = await start_steered(fleet, "vllm-1", engine=engine, status_interval_s=1.0)
+        await w.serving()  # before the first job's producer connects
         session = Session(bs, fleet, status, results, engine)
         on_a = await wait_mode_serves_what_a_fresh_engine_serves(session, a, b)
         await keep_mode_gives_two_spans(session, a)

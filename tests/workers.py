@@ -20,7 +20,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import committed
+from tests.kafka_helpers import committed, wait_for
 from worker.config import Settings, settings_from
 from worker.engine import ControllableEngine
 from worker.kafka import GroupOffsetsReader, make_consumer, make_producer, read_record_limits
@@ -150,6 +150,11 @@ class Steered:
     @property
     def engine(self) -> PolicyEngine:
         return self.steered.engine
+
+    async def serving(self, timeout_s: float = 300) -> None:
+        """Until the engine is up and the worker holds its partitions. A vLLM engine is built
+        on the event loop the test shares: a client started meanwhile may time out."""
+        await wait_for(lambda: self.steered.ready, timeout_s, "the worker to serve")
 
     async def stop(self) -> int:
         self.steered.request_stop()
