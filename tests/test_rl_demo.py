@@ -17,8 +17,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.broker]
 
 
 # A subprocess that starts vLLM and rebuilds it twice: 174 s measured on an idle 2-core
-# machine. The demo's own bound (600 s) fires first and says where it got to.
-@pytest.mark.timeout(660)
+# machine, 378 s with two other test runs beside it. The demo's own bound (840 s) fires first
+# and says where it got to.
+@pytest.mark.timeout(900)
 async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_their_layout(
     kafka_bootstrap_servers, tmp_path: Path
 ):
@@ -36,12 +37,12 @@ async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_th
         stderr=asyncio.subprocess.STDOUT,
     )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), 600)
+        out, _ = await asyncio.wait_for(proc.communicate(), 840)
     except TimeoutError:
         proc.kill()
         out, _ = await proc.communicate()
         raise AssertionError(
-            f"the RL demo did not finish in 600 s; its output ends:\n{out.decode()[-4000:]}"
+            f"the RL demo did not finish in 840 s; its output ends:\n{out.decode()[-4000:]}"
         ) from None
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
