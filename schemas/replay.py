@@ -217,8 +217,9 @@ def replay_array(
     """The routing of `completion` (with `earlier` turns before it) as `layout` says (default:
     `ReplayLayout()`, vLLM's rows from 0 with nothing filled in).
 
-    Rows are absolute positions from 0 (or from `prompt_len` with `prompt_rows=False`):
-    `prompt_len + len(token_ids)` of them, one fewer with `last_row="drop"`, then padding.
+    Rows are absolute positions from 0 (from the first turn's prompt length with
+    `prompt_rows=False`): `prompt_len + len(token_ids)` of them, one fewer with
+    `last_row="drop"`, then padding.
     With `earlier`, `prompt_token_ids` (this turn's prompt) is required and checked to extend
     them. `moe_layers` names the MoE layers for `moe_layers_only` (default: the layers that
     are not all zeros). `num_experts` is the model's expert count (default: the records').
