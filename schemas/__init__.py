@@ -26,8 +26,10 @@ from schemas.replay import (
     RECIPES,
     ReplayError,
     ReplayLayout,
+    ReplaySample,
     Turn,
     replay_array,
+    replay_arrays,
     stitch_turns,
 )
 from schemas.results import (
@@ -63,6 +65,7 @@ __all__ = [
     "PayloadError",
     "ReplayError",
     "ReplayLayout",
+    "ReplaySample",
     "ResetPrefixCache",
     "Result",
     "ResultAssembler",
@@ -87,5 +90,6 @@ __all__ = [
     "merge_parts",
     "peek_job_id",
     "replay_array",
+    "replay_arrays",
     "stitch_turns",
 ]

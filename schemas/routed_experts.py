@@ -54,8 +54,17 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.UNSET
     )
     nbytes: Annotated[int, msgspec.Meta(ge=0)] | msgspec.UnsetType = msgspec.UNSET
+    #: How many experts each MoE layer of the served model has (ids are below it). Absent from
+    #: records of older workers, and whenever the writer does not know the model. A replay
+    #: dtype that follows the model (`schemas.replay`) reads it: the ids seen in a batch can
+    #: stay below 256 on a model with more experts, and a dtype taken from them would change
+    #: from one batch to the next.
+    num_experts: Annotated[int, msgspec.Meta(ge=1)] | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
+        # msgspec checks `Meta` constraints only when decoding; a writer gets the same rule.
+        if isinstance(self.num_experts, int) and self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
         given = [f for f in ("uri", "sha256", "nbytes") if getattr(self, f) is not msgspec.UNSET]
         if given and len(given) < 3:
             raise ValueError(f"a payload reference needs uri, sha256 and nbytes; got only {given}")
@@ -82,8 +91,11 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
         return self.data
 
     @classmethod
-    def from_array(cls, array: npt.ArrayLike, start: int = 0) -> RoutedExperts:
-        """Encode an integer `[rows, layers, top_k]` array in the narrowest dtype that holds it.
+    def from_array(
+        cls, array: npt.ArrayLike, start: int = 0, *, num_experts: int | None = None
+    ) -> RoutedExperts:
+        """Encode an integer `[rows, layers, top_k]` array in the narrowest dtype that holds it;
+        `num_experts` is the model's expert count when the writer knows it.
 
         Narrowing shrinks vLLM-era int32 arrays 4x (uint8 for models with <= 256 experts) and
         never loses a value: negatives (older vLLM's -1 sentinels) keep a signed dtype.
@@ -97,8 +109,16 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
             raise RoutedExpertsError(f"routed experts must be integers, got dtype {arr.dtype}")
         if start < 0:
             raise RoutedExpertsError(f"start must be >= 0, got {start}")
+        if num_experts is not None and num_experts < 1:
+            raise RoutedExpertsError(f"num_experts must be >= 1, got {num_experts}")
         data, narrow = _pack(arr)
-        return cls(data=data, shape=list(arr.shape), dtype=_NAMES[narrow], start=start)
+        return cls(
+            data=data,
+            shape=list(arr.shape),
+            dtype=_NAMES[narrow],
+            start=start,
+            num_experts=msgspec.UNSET if num_experts is None else num_experts,
+        )
 
     def to_array(self) -> npt.NDArray[np.integer]:
         """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length

@@ -117,6 +117,50 @@ async def test_results_summarises_routed_experts_and_writes_json_lines(
     assert out.read_bytes() == encode(result) + b"\n"
 
 
+async def test_results_replay_writes_each_completed_jobs_arrays_to_an_npz(
+    kafka_bootstrap_servers, new_topic, tmp_path: Path
+):
+    topic = await new_topic(1)
+
+    def routed(index: int, tokens: int, start: int) -> Completion:
+        rows = np.arange((3 + tokens - 1 - start) * 2 * 2).reshape(-1, 2, 2) % 7 + index
+        return Completion(
+            index=index,
+            token_ids=list(range(tokens)),
+            text="",
+            finish_reason="length",
+            routed_experts=RoutedExperts.from_array(rows, start=start, num_experts=8),
+        )
+
+    group = Completed(
+        job_id="g", prompt_token_count=3, completions=[routed(0, 2, 0), routed(1, 4, 0)]
+    )
+    late = Completed(job_id="late", prompt_token_count=3, completions=[routed(0, 2, 1)])
+    failed = Failed(job_id="f", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late"))
+    await produce(
+        kafka_bootstrap_servers,
+        topic,
+        [(b"g", encode(group), []), (b"late", encode(late), []), (b"f", encode(failed), [])],
+    )
+    out = tmp_path / "run.npz"
+    common = ["--bootstrap-servers", kafka_bootstrap_servers, "--results-topic", topic]
+    proc = cli("results", *common, "--quiet", "--replay", "verl", "--out", str(out))
+    assert proc.returncode == 1, proc.stderr  # one completion verl cannot take
+    assert "late/0: not replayable as verl: routing starts at position 1" in proc.stderr
+    assert f"2 replay arrays (verl, int16) written to {out}, 1 not replayable" in proc.stderr
+    with np.load(out) as arrays:
+        assert sorted(arrays.files) == ["g/0", "g/1"]
+        for c in group.completions:
+            array = arrays[f"g/{c.index}"]
+            assert c.routed_experts is not None
+            # verl: one row per position, rows from 0, the last row zero.
+            assert array.shape == (3 + len(c.token_ids), 2, 2) and array.dtype == np.int16
+            np.testing.assert_array_equal(array[:-1], c.routed_experts.to_array())
+            assert (array[-1] == 0).all()
+    unknown = cli("results", *common, "--replay", "no-such-trainer", "--out", str(out))
+    assert unknown.returncode == 2 and "invalid choice: 'no-such-trainer'" in unknown.stderr
+
+
 async def test_results_reassembles_split_results_and_raw_shows_the_parts(
     kafka_bootstrap_servers, new_topic, tmp_path: Path
 ):

@@ -55,6 +55,7 @@ async def test_routed_experts_follow_vllms_row_rule_with_distinct_ids(start: int
     routed = completion.routed_experts
     assert routed is not None
     assert routed.start == start
+    assert routed.num_experts == 40  # the configured model's, for replay dtypes that follow it
     assert routed.shape == [5 + len(completion.token_ids) - 1 - start, 6, 4]
     ids = routed.to_array()
     assert ids.min() >= 0 and ids.max() < 40

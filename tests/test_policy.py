@@ -65,6 +65,8 @@ def assert_rows_follow_the_rule(output: EngineOutput, j: Job) -> None:
         rows = len(PROMPT) + len(c.token_ids) - 1 - j.routed_experts_prompt_start
         assert c.routed_experts.to_array().shape == (rows, 4, 2)
         assert c.routed_experts.start == j.routed_experts_prompt_start
+        # The model's expert count survives a continuation joined onto its first half.
+        assert c.routed_experts.num_experts == 8
 
 
 async def started(

@@ -376,6 +376,8 @@ def test_decoded_record_with_wrong_length_is_rejected_by_to_array() -> None:
         ("data", "not base64!", "$.completions[0].routed_experts.data"),
         ("start", -1, "$.completions[0].routed_experts.start"),
         ("dtype", 8, "$.completions[0].routed_experts.dtype"),
+        ("num_experts", 0, "$.completions[0].routed_experts.num_experts"),
+        ("num_experts", "128", "$.completions[0].routed_experts.num_experts"),
     ],
 )
 def test_decode_result_rejects_a_malformed_routed_experts_record(
@@ -918,6 +920,25 @@ def test_failed_result_from_a_newer_worker_with_unknown_fields_decodes() -> None
     assert decode_result(data) == Failed(
         job_id="j", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late", retryable=True)
     )
+
+
+def test_routed_experts_carry_the_models_expert_count_only_when_the_writer_knows_it() -> None:
+    rows = np.ones((2, 3, 4), np.int32)
+    old = json.loads(encode(completed_with(RoutedExperts.from_array(rows, start=1))))
+    # A record of a worker that predates the field: absent, not null, and it still decodes.
+    assert "num_experts" not in old["completions"][0]["routed_experts"]
+    assert routed_experts_of(decode_result(json.dumps(old))).num_experts is msgspec.UNSET
+
+    known = RoutedExperts.from_array(rows, start=1, num_experts=384)
+    doc = json.loads(encode(completed_with(known)))
+    assert doc["completions"][0]["routed_experts"]["num_experts"] == 384
+    # `data` stays the first field: the worker's fast encoder splices base64 in after it.
+    assert next(iter(doc["completions"][0]["routed_experts"])) == "data"
+    assert routed_experts_of(decode_result(encode(completed_with(known)))) == known
+    with pytest.raises(RoutedExpertsError, match="num_experts must be >= 1, got 0"):
+        RoutedExperts.from_array(rows, num_experts=0)
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got -3"):
+        RoutedExperts(data=b"", shape=[0, 3, 4], dtype="uint8", num_experts=-3)
 
 
 def test_result_from_an_older_worker_with_only_required_fields_decodes() -> None:

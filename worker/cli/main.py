@@ -17,6 +17,7 @@ from typing import IO, Any, Final
 import msgspec
 
 from schemas import (
+    RECIPES,
     Completed,
     Failed,
     Part,
@@ -29,6 +30,7 @@ from schemas import (
 from worker import __version__
 from worker.answering.encoder import encode_result
 from worker.cli.control import add_control_parsers, run_control, run_status
+from worker.cli.replay_out import ReplayWriter
 from worker.core.config import Settings, add_settings_arguments, settings_from
 from worker.core.errors import BrokerError, ConfigError, WorkerError
 
@@ -108,13 +110,32 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read results from the beginning of the results topic and summarise each one.",
     )
     results.add_argument("--follow", action="store_true", help="keep reading new results")
-    results.add_argument("--out", type=Path, help="also write every result as a JSON line here")
+    results.add_argument(
+        "--out",
+        type=Path,
+        help="also write every result as a JSON line here (with --replay: the .npz file)",
+    )
     results.add_argument("--max", type=int, default=None, help="stop after this many results")
     results.add_argument("--quiet", action="store_true", help="no per-result lines, only the total")
     results.add_argument(
         "--raw",
         action="store_true",
         help="one line per record, parts of split results as they are (default: reassembled)",
+    )
+    results.add_argument(
+        "--replay",
+        metavar="RECIPE",
+        choices=sorted(RECIPES),
+        help=(
+            "write each completed job's replay arrays in this trainer's layout to --out as "
+            f".npz, one entry <job_id>/<index> per completion ({', '.join(sorted(RECIPES))})"
+        ),
+    )
+    results.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="with --replay: the model's expert count, for records that do not carry it",
     )
     add_settings_arguments(results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes"))
 
@@ -184,14 +205,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.wait:
                 return asyncio.run(_submit_and_wait(settings, args))
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
+        replay = _replay_writer(args)
         return asyncio.run(
             _results(
                 settings,
                 follow=args.follow,
-                out=args.out,
+                out=None if replay is not None else args.out,
                 limit=args.max,
                 quiet=args.quiet,
                 raw=args.raw,
+                replay=replay,
             )
         )
     except ConfigError as exc:
@@ -402,12 +425,15 @@ def summarize(result: Completed | Failed) -> str:
 class _ResultsReport:
     """What `results` prints and writes: whole results (reassembled), or every record (`raw`)."""
 
-    def __init__(self, *, quiet: bool, raw: bool, sink: IO[bytes] | None) -> None:
+    def __init__(
+        self, *, quiet: bool, raw: bool, sink: IO[bytes] | None, replay: ReplayWriter | None
+    ) -> None:
         self.counts = {"completed": 0, "failed": 0, "undecodable": 0}
         self.shown = 0
         self._quiet = quiet
         self._raw = raw
         self._sink = sink
+        self._replay = replay
         self._assembler = ResultAssembler()
 
     def take(self, record: Any) -> None:
@@ -429,8 +455,11 @@ class _ResultsReport:
         if self._sink is not None:
             value = record.value if self._raw else encode_result(shown)
             self._sink.write((value or b"") + b"\n")
+        if self._replay is not None and isinstance(shown, Completed):
+            self._replay.add(shown)
 
-    def finish(self) -> None:
+    def finish(self) -> int:
+        """Print the totals (and write the replay arrays); returns the exit status."""
         incomplete = self._assembler.incomplete()
         for attempt in incomplete:
             print(
@@ -445,6 +474,9 @@ class _ResultsReport:
             + tail,
             file=sys.stderr,
         )
+        if self._replay is not None and self._replay.finish():
+            return EXIT_FATAL
+        return EXIT_OK
 
 
 async def _results(
@@ -455,6 +487,7 @@ async def _results(
     limit: int | None,
     quiet: bool,
     raw: bool,
+    replay: ReplayWriter | None = None,
 ) -> int:
     from aiokafka import TopicPartition  # noqa: PLC0415
 
@@ -465,7 +498,7 @@ async def _results(
     await consumer.start()
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(out.open("wb")) if out is not None else None
-        report = _ResultsReport(quiet=quiet, raw=raw, sink=sink)
+        report = _ResultsReport(quiet=quiet, raw=raw, sink=sink, replay=replay)
         try:
             partitions = consumer.partitions_for_topic(settings.results_topic) or set()
             if not partitions:
@@ -486,5 +519,19 @@ async def _results(
                         break
         finally:
             await consumer.stop()
-    report.finish()
-    return EXIT_OK
+    return report.finish()
+
+
+def _replay_writer(args: argparse.Namespace) -> ReplayWriter | None:
+    """`results --replay`'s writer, once its flags are known to fit together."""
+    if args.replay is None:
+        if args.num_experts is not None:
+            raise ConfigError("--num-experts is for --replay")
+        return None
+    if args.out is None:
+        raise ConfigError("--replay writes its arrays to --out FILE.npz: pass --out")
+    if args.raw:
+        raise ConfigError("--replay takes whole results: leave out --raw")
+    if args.follow:
+        raise ConfigError("--replay writes its file once all results are read: leave out --follow")
+    return ReplayWriter(args.replay, args.out, args.num_experts)

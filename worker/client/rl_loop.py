@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from schemas import Failed, Job, ReplayLayout, SamplingSpec, replay_array
+from schemas import Completion, Failed, Job, ReplayLayout, ReplaySample, SamplingSpec, replay_arrays
 from schemas.replay import PRIME_RL
 from worker.client.rollout import RolloutClient, RolloutError
 
@@ -75,30 +75,37 @@ async def rl_loop(
         t0 = time.perf_counter()
         results = await client.generate(jobs)
         seconds = time.perf_counter() - t0
-        samples: list[SampleReport] = []
         advantages: list[float] = []
+        scored: list[tuple[str, int, Completion, float]] = []  # job id, version, completion, reward
         for job, result in zip(jobs, results, strict=True):
             if isinstance(result, Failed):
                 raise RolloutError(f"step {step}: {job.job_id} failed: {result.error.detail}")
-            prompt_len = len(job.prompt_token_ids or ())
             rewards = [
                 float(np.mean([t % 2 == 0 for t in c.token_ids])) for c in result.completions
             ]
             baseline = float(np.mean(rewards))  # GRPO: the group's mean is the baseline
-            for c, reward in zip(result.completions, rewards, strict=True):
-                replay = replay_array(c, prompt_len, layout)
-                advantages.append(reward - baseline)
-                samples.append(
-                    SampleReport(
-                        job_id=job.job_id,
-                        index=c.index,
-                        weight_version=_version(result.weight_version),
-                        prompt_len=prompt_len,
-                        tokens=len(c.token_ids),
-                        replay_shape=tuple(replay.shape),
-                        reward=reward,
-                    )
-                )
+            advantages += [reward - baseline for reward in rewards]
+            version = _version(result.weight_version)
+            scored += [
+                (job.job_id, version, c, reward)
+                for c, reward in zip(result.completions, rewards, strict=True)
+            ]
+        prompt_lens = {job.job_id: len(job.prompt_token_ids or ()) for job in jobs}
+        # One call for the step's samples: a trainer packs them into micro-batches, which take
+        # one dtype.
+        arrays = replay_arrays([ReplaySample(c, prompt_lens[j]) for j, _, c, _ in scored], layout)
+        samples = [
+            SampleReport(
+                job_id=job_id,
+                index=c.index,
+                weight_version=version,
+                prompt_len=prompt_lens[job_id],
+                tokens=len(c.token_ids),
+                replay_shape=tuple(replay.shape),
+                reward=reward,
+            )
+            for (job_id, version, c, reward), replay in zip(scored, arrays, strict=True)
+        ]
         tokens = sum(s.tokens for s in samples)
         report = StepReport(
             step=step,

@@ -419,7 +419,11 @@ def _resolved(result: Completed) -> Completed:
         routed = c.routed_experts
         if routed is not None and routed.is_reference:
             inline = RoutedExperts(
-                data=routed.payload(), shape=routed.shape, dtype=routed.dtype, start=routed.start
+                data=routed.payload(),
+                shape=routed.shape,
+                dtype=routed.dtype,
+                start=routed.start,
+                num_experts=routed.num_experts,
             )
             inline.to_array()  # the shape and dtype agree with the bytes
             completions.append(msgspec.structs.replace(c, routed_experts=inline))

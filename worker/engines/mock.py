@@ -292,7 +292,11 @@ class MockEngine:
         if job.return_routed_experts:
             start = job.routed_experts_prompt_start
             rows = max(prompt_len + len(tokens) - 1 - start, 0)
-            routed = RoutedExperts.from_array(pools.routing(first_offset or 0, rows), start=start)
+            routed = RoutedExperts.from_array(
+                pools.routing(first_offset or 0, rows),
+                start=start,
+                num_experts=self._settings.num_experts,
+            )
         return Completion(
             index=index,
             token_ids=tokens,
@@ -315,7 +319,9 @@ class MockEngine:
         if job.return_routed_experts:
             start = job.routed_experts_prompt_start
             rows = max(prompt_len + chunk.end - 1 - start, 0)
-            routed = RoutedExperts.from_array(pools.routing(a, rows), start=start)
+            routed = RoutedExperts.from_array(
+                pools.routing(a, rows), start=start, num_experts=self._settings.num_experts
+            )
         with_logprobs = job.sampling.logprobs is not None
         return Completion(
             index=index,

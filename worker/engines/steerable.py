@@ -316,7 +316,12 @@ def _join(first: Completion, rest: Completion, *, whole: bool) -> Completion:
     routed = None
     if first.routed_experts is not None and rest.routed_experts is not None:
         rows = np.concatenate([first.routed_experts.to_array(), rest.routed_experts.to_array()])
-        routed = RoutedExperts.from_array(rows, start=first.routed_experts.start)
+        num_experts = first.routed_experts.num_experts
+        routed = RoutedExperts.from_array(
+            rows,
+            start=first.routed_experts.start,
+            num_experts=num_experts if isinstance(num_experts, int) else None,
+        )
     spans = _spans(first) + [
         VersionSpan(version=s.version, start=s.start + offset, end=s.end + offset)
         for s in _spans(rest)

@@ -270,7 +270,8 @@ class VllmEngine:
         aborted = any(c.finish_reason == "abort" for c in children)
         if aborted and not interrupted:
             raise EngineError("the request was aborted before it finished", retryable=True)
-        completions = [_completion(job, c, self._version) for c in children]
+        num_experts = self._layout.num_experts if self._layout is not None else None
+        completions = [_completion(job, c, self._version, num_experts) for c in children]
         return EngineOutput(
             prompt_token_ids=list(request_output.prompt_token_ids or ()),
             completions=completions,
@@ -485,7 +486,9 @@ def _sampling_params(job: Job) -> Any:
         raise InvalidJobError(f"vLLM rejected the sampling parameters: {exc}") from exc
 
 
-def _completion(job: Job, child: Any, version: int) -> Completion:
+def _completion(job: Job, child: Any, version: int, num_experts: int | None) -> Completion:
+    """Our completion from vLLM's; `num_experts` (the served model's, when it is MoE) travels
+    with the routed experts so that a trainer's replay dtype can follow the model."""
     token_ids = list(child.token_ids)
     logprobs: list[float | None] | None = None
     if job.sampling.logprobs is not None and child.logprobs is not None:
@@ -498,7 +501,7 @@ def _completion(job: Job, child: Any, version: int) -> Completion:
         if child.routed_experts is None:
             raise EngineError("vLLM returned no routed experts for this completion")
         routed = RoutedExperts.from_array(
-            child.routed_experts, start=job.routed_experts_prompt_start
+            child.routed_experts, start=job.routed_experts_prompt_start, num_experts=num_experts
         )
     return Completion(
         index=int(child.index),
