@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from schemas import Job, SamplingSpec
+from tests.kafka_helpers import wait_for
 from worker.core.errors import EngineDeadError, InvalidJobError
 from worker.engines.mock import MockEngine, MockEngineSettings
 
@@ -139,3 +140,17 @@ def test_max_tokens_is_capped_by_the_context() -> None:
 
     assert len(output.completions[0].token_ids) == 6
     assert np.all(np.asarray(output.completions[0].token_ids) < SETTINGS.vocab_size)
+
+
+async def test_a_request_interrupted_in_its_first_step_is_answered_as_aborted() -> None:
+    # One token a step, half a second each: the interrupt lands inside the second step, so the
+    # request has exactly one chunk (the path kept lean for whole completions) when it ends.
+    engine = MockEngine(MockEngineSettings(per_token_latency_ms=500, num_layers=4, top_k=2))
+    running = asyncio.create_task(engine.generate(job(sampling=SamplingSpec(max_tokens=50)), "r"))
+    await wait_for(lambda: engine.generated_tokens.get("r", 0) > 0, 10, "the first token")
+    await engine.interrupt("r")
+    out = await asyncio.wait_for(running, 10)
+    assert out.interrupted
+    (completion,) = out.completions
+    assert len(completion.token_ids) == 1
+    assert completion.finish_reason == "abort"

@@ -251,7 +251,9 @@ class MockEngine:
         # measures the worker and the broker rather than the mock.
         pools = self._pools()
         if len(chunks) == 1 and not job.sampling.stop_token_ids:
-            return self._whole_completion(job, index, seed, prompt_len, chunks[0])
+            return self._whole_completion(
+                job, index, seed, prompt_len, chunks[0], max_tokens=max_tokens
+            )
         tokens: list[int] = []
         logprob_values: list[float | None] = []
         text: list[str] = []
@@ -309,9 +311,10 @@ class MockEngine:
         )
 
     def _whole_completion(
-        self, job: Job, index: int, seed: int, prompt_len: int, chunk: _Chunk
+        self, job: Job, index: int, seed: int, prompt_len: int, chunk: _Chunk, *, max_tokens: int
     ) -> Completion:
-        """The common case, kept lean for load tests: one set of weights, no stop tokens."""
+        """The common case, kept lean for load tests: one set of weights, no stop tokens (and
+        a request interrupted in its first step)."""
         pools = self._pools()
         a = (seed * _MIX + index * _POOL_STEP + chunk.weights_seed) % _POOL_VARIETY
         b = a + chunk.end
@@ -327,7 +330,7 @@ class MockEngine:
             index=index,
             token_ids=pools.token_list[a:b],
             text=pools.text[a:b],
-            finish_reason="length",
+            finish_reason="length" if chunk.end >= max_tokens else "abort",
             logprobs=pools.logprob_list[a:b] if with_logprobs else None,
             cumulative_logprob=float(pools.logprobs[a:b].sum()) if with_logprobs else None,
             routed_experts=routed,
