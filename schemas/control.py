@@ -134,6 +134,15 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field
     at: float
 
 
+class WeightReload(msgspec.Struct, frozen=True, kw_only=True):
+    """How a worker's engine takes a new checkpoint, and why it was chosen."""
+
+    #: `in-place`: the running engine loads the checkpoint (a fraction of a second; running
+    #: requests can be kept). `rebuild`: a new engine is built on it (as long as a start).
+    mode: Literal["in-place", "rebuild"]
+    reason: str
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
     """A worker's periodic heartbeat on the status topic."""
 
@@ -150,6 +159,8 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_
     at: float
     #: Seconds between heartbeats: a worker silent for a few of them is gone.
     interval_s: float
+    #: None from workers that predate it.
+    weight_reload: WeightReload | None = None
 
 
 class ControlRecordError(

@@ -178,7 +178,17 @@ async def run_status(args: argparse.Namespace, settings: Settings) -> int:
 
 def status_table(statuses: list[WorkerStatus]) -> str:
     rows: list[tuple[str, ...]] = [
-        ("worker", "group", "version", "paused", "in_flight", "lag", "healthy", "uptime_s")
+        (
+            "worker",
+            "group",
+            "version",
+            "paused",
+            "in_flight",
+            "lag",
+            "healthy",
+            "reload",
+            "uptime_s",
+        )
     ]
     for s in sorted(statuses, key=lambda s: s.worker):
         rows.append(
@@ -190,6 +200,7 @@ def status_table(statuses: list[WorkerStatus]) -> str:
                 str(s.in_flight),
                 "-" if s.lag is None else str(s.lag),
                 "yes" if s.engine_healthy else "NO",
+                "-" if s.weight_reload is None else s.weight_reload.mode,
                 f"{s.uptime_s:.0f}",
             )
         )

@@ -348,6 +348,7 @@ class ControlPlane:
             uptime_s=time.monotonic() - self._started,
             at=self._clock(),
             interval_s=s.status_interval_s,
+            weight_reload=self._engine.weight_reload,
         )
 
     async def _send(self, message: StatusMessage) -> None:

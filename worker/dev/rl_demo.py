@@ -36,6 +36,12 @@ TOPICS: Final = {
 def print_step(report: StepReport) -> None:
     versions = sorted({s.weight_version for s in report.samples})
     shapes = sorted({s.replay_shape for s in report.samples})
+    if report.update_seconds is not None:
+        print(
+            f"update: the fleet serves version {report.step} after {report.update_seconds:.2f} s "
+            "(the update_weights call, until every worker acknowledged)",
+            flush=True,
+        )
     print(
         f"step {report.step}: {len(report.samples)} samples in {report.seconds:.1f} s "
         f"({report.samples_per_s:.1f} samples/s, {report.tokens_per_s:.0f} tokens/s); "
