@@ -72,17 +72,15 @@ def test_a_front_end_is_charged_its_own_cpu_not_its_childrens() -> None:
     )
     me = psutil.Process()
     before = bench.own_cpu_s(me)
-    child = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
+    ) as child:
         assert child.stdout is not None and child.stdin is not None
-        assert child.stdout.readline().strip() == "spun"  # blocks until the child has spun
-        spent = bench.children_cpu_s(me)
-        assert spent[child.pid] >= 0.45
-        assert bench.own_cpu_s(me) - before < 0.3
-        assert child.pid not in bench.children_cpu_s(me, skip=child.pid)
-    finally:
-        if child.stdin is not None:
-            child.stdin.close()
-        child.wait(timeout=30)
+        try:
+            assert child.stdout.readline().strip() == "spun"  # blocks until the child has spun
+            spent = bench.children_cpu_s(me)
+            assert spent[child.pid] >= 0.45
+            assert bench.own_cpu_s(me) - before < 0.3
+            assert child.pid not in bench.children_cpu_s(me, skip=child.pid)
+        finally:
+            child.stdin.close()  # the child exits; leaving the block waits for it
