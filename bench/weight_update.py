@@ -57,9 +57,11 @@ PROMPT: Final = list(range(11, 43))
 class Fleet:
     """Topics of one benchmark fleet and readers of its status and results."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, weights_root: Path) -> None:
         self.bootstrap = bootstrap
         self.group = f"bench-{uuid.uuid4().hex[:8]}"
+        #: Where the checkpoints the updates name are written (the workers load from it only).
+        self.weights_root = weights_root
 
     async def create(self) -> Fleet:
         self.jobs, self.results, self.dlq, self.control, self.status = await new_topics(
@@ -81,6 +83,7 @@ class Fleet:
                 "commit_interval_ms": 0,
                 "poll_timeout_ms": 50,
                 "status_interval_s": 1.0,
+                "weights_root": [str(self.weights_root)],
             },
             {},
         )
@@ -162,7 +165,7 @@ def mock_checkpoint(root: Path, name: str) -> Path:
 
 
 async def control_path(bootstrap: str, workers: int, root: Path) -> None:
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, root).create()
     running = [
         await fleet.start(
             f"mock-{i}",
@@ -195,7 +198,7 @@ async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None
 
     cold_s = await restart_seconds(bootstrap, b)
     print(f"baseline: a worker restarted on the new checkpoint serves after {cold_s:.1f} s")
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, root).create()
     steered, task = await fleet.start("vllm-0", engine_on(a))
     await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=300)  # serving
     done = 0
@@ -225,7 +228,7 @@ async def real_vllm(bootstrap: str, count: int, tokens: int, root: Path) -> None
 
 async def restart_seconds(bootstrap: str, checkpoint: Path) -> float:
     """From starting a worker process on `checkpoint` to its first heartbeat."""
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, checkpoint.parent).create()
     flags = {
         "bootstrap-servers": bootstrap,
         "jobs-topic": fleet.jobs,
@@ -235,6 +238,7 @@ async def restart_seconds(bootstrap: str, checkpoint: Path) -> float:
         "status-topic": fleet.status,
         "group-id": fleet.group,
         "worker-id": "restarted",
+        "weights-root": str(checkpoint.parent),
     }
     argv = [sys.executable, "-m", "worker", "serve"]
     for name, value in flags.items():

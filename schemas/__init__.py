@@ -16,8 +16,11 @@ from schemas.control import (
     Target,
     UpdateWeights,
     WorkerStatus,
+    command_signature,
     decode_command,
     decode_status,
+    sign_command,
+    signature_problem,
 )
 from schemas.errors import RoutedExpertsError, SchemaError
 from schemas.jobs import Job, SamplingSpec
@@ -82,6 +85,7 @@ __all__ = [
     "VersionSpan",
     "WorkerStatus",
     "as_job",
+    "command_signature",
     "decode_command",
     "decode_job",
     "decode_result",
@@ -91,5 +95,7 @@ __all__ = [
     "peek_job_id",
     "replay_array",
     "replay_arrays",
+    "sign_command",
+    "signature_problem",
     "stitch_turns",
 ]
