@@ -127,7 +127,7 @@ def test_a_fifo_or_device_in_the_checkpoint_is_refused_without_reading_it(tmp_pa
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("/no/such/dir", "cannot be resolved"),
+        ("/no/such/dir", "no checkpoint at /no/such/dir: /no/such/dir/config.json is missing"),
         ("/tmp/a\x00b", "NUL character"),
         ("/dev/null", "not a directory"),
     ],

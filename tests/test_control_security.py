@@ -38,6 +38,7 @@ from worker.client.rollout import RolloutClient
 from worker.core.config import settings_from
 from worker.core.errors import ConfigError
 from worker.core.kafka import create_topics
+from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker
 
@@ -307,7 +308,9 @@ async def test_a_stale_update_from_an_earlier_run_is_not_applied(
     )
     await produce(bs, fleet.topics.jobs, [job_record(job("first"))])
     async with Results(bs, fleet.topics.results) as results:
-        w = await start_steered(fleet, "w1", weight_version=10)
+        # A worker started on the new run's checkpoint, version 10.
+        started_on_10 = MockEngineSettings(num_layers=4, top_k=2, num_experts=8, weight_version=10)
+        w = await start_steered(fleet, "w1", mock=started_on_10, weight_version=10)
         assert completed((await results.wait("first"))["first"]).weight_version == 10
     assert w.inner.loads == []
     assert await w.stop() == 0

@@ -80,6 +80,10 @@ class WeightsPolicy:
             )
         try:
             directory = Path(path).resolve(strict=True)
+        except FileNotFoundError:
+            raise WeightUpdateError(
+                f"no checkpoint at {path}: {Path(path) / 'config.json'} is missing"
+            ) from None
         except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
             raise WeightUpdateError(f"checkpoint {path} cannot be resolved: {exc}") from None
         roots = self._resolved_roots()
