@@ -302,6 +302,8 @@ def hostile_commands(root: Path) -> st.SearchStrategy[Command]:
         st.text(max_size=30),
         st.sampled_from(["/", "/dev/zero", "/proc/self/root", "/etc", f"{root}/..", f"{root}/x"]),
         st.text(max_size=10).map(lambda s: f"{root}/good/../../{s}"),
+        # A NUL stopped the whole control plane (ValueError from the filesystem).
+        st.text(max_size=10).map(lambda s: f"{root}/good\x00{s}"),
     ).filter(bool)
     return st.one_of(
         st.builds(
@@ -373,6 +375,15 @@ async def feed(records: list[bytes], good: list[Command], key: bytes | None, roo
     for command in good:
         ack = acks[command.command_id]
         assert ack.outcome == "ok", (ack, records)
+    if key is not None:
+        # Under a key, the only command applied per id is the good one: everything else said
+        # `unauthorized` (the hostile copies before the real command included).
+        good_ids = {c.command_id for c in good}
+        applied = [m for m in status.sent if isinstance(m, CommandAck) and m.outcome == "ok"]
+        assert sorted(m.command_id for m in applied) == sorted(good_ids), applied
+        for m in status.sent:
+            if isinstance(m, CommandAck) and m.outcome != "ok":
+                assert m.detail.startswith("unauthorized: "), m
     versions = [c.version for c in good if isinstance(c, UpdateWeights)]
     assert engine.weight_version == max(versions, default=0)
 
