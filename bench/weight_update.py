@@ -63,9 +63,11 @@ PENDING_RESTART_GOAL: Final = 1.1
 class Fleet:
     """Topics of one benchmark fleet and readers of its status and results."""
 
-    def __init__(self, bootstrap: str) -> None:
+    def __init__(self, bootstrap: str, weights_root: Path) -> None:
         self.bootstrap = bootstrap
         self.group = f"bench-{uuid.uuid4().hex[:8]}"
+        #: Where the checkpoints the updates name are written (the workers load from it only).
+        self.weights_root = weights_root
 
     async def create(self) -> Fleet:
         self.jobs, self.results, self.dlq, self.control, self.status = await new_topics(
@@ -87,6 +89,7 @@ class Fleet:
                 "commit_interval_ms": 0,
                 "poll_timeout_ms": 50,
                 "status_interval_s": 1.0,
+                "weights_root": [str(self.weights_root)],
             },
             {},
         )
@@ -168,7 +171,7 @@ def mock_checkpoint(root: Path, name: str) -> Path:
 
 
 async def control_path(bootstrap: str, workers: int, root: Path) -> None:
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, root).create()
     running = [
         await fleet.start(
             f"mock-{i}",
@@ -222,7 +225,7 @@ async def updates_per_mode(
 
     a, b = checkpoints
     engine = build_vllm_engine(engine_args_fast(a), weight_reload=reload)  # type: ignore[arg-type]
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, a.parent).create()
     steered, task = await fleet.start("vllm-0", engine)
     await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=300)  # serving
     chosen = engine.weight_reload
@@ -262,7 +265,7 @@ async def restart_seconds(bootstrap: str, checkpoint: Path, pending: Path | None
     """From starting a worker process on `checkpoint` to its first heartbeat; with `pending`,
     the control topic first names that checkpoint (version 1), and the clock stops at the
     first heartbeat on version 1."""
-    fleet = await Fleet(bootstrap).create()
+    fleet = await Fleet(bootstrap, checkpoint.parent).create()
     if pending is not None:
         command = UpdateWeights(command_id="pending", version=1, path=str(pending))
         await fleet.produce(fleet.control, [encode(command)])
@@ -275,6 +278,7 @@ async def restart_seconds(bootstrap: str, checkpoint: Path, pending: Path | None
         "status-topic": fleet.status,
         "group-id": fleet.group,
         "worker-id": "restarted",
+        "weights-root": str(checkpoint.parent),
     }
     argv = [sys.executable, "-m", "worker", "serve"]
     for name, value in flags.items():

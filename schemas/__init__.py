@@ -17,8 +17,11 @@ from schemas.control import (
     UpdateWeights,
     WeightReload,
     WorkerStatus,
+    command_signature,
     decode_command,
     decode_status,
+    sign_command,
+    signature_problem,
 )
 from schemas.errors import RoutedExpertsError, SchemaError
 from schemas.jobs import Job, SamplingSpec
@@ -84,6 +87,7 @@ __all__ = [
     "WeightReload",
     "WorkerStatus",
     "as_job",
+    "command_signature",
     "decode_command",
     "decode_job",
     "decode_result",
@@ -93,5 +97,7 @@ __all__ = [
     "peek_job_id",
     "replay_array",
     "replay_arrays",
+    "sign_command",
+    "signature_problem",
     "stitch_turns",
 ]

@@ -106,7 +106,7 @@ def test_secrets_never_appear_in_repr_errors_or_help(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "hunter2" not in capsys.readouterr().out
-    assert set(SECRET_FIELDS) == {"sasl_password", "ssl_key_password"}
+    assert set(SECRET_FIELDS) == {"sasl_password", "ssl_key_password", "control_hmac_key"}
 
 
 async def test_sasl_settings_reach_the_kafka_clients():

@@ -84,7 +84,8 @@ class RolloutClient:
     `resolve_payloads`: read and check routed experts kept in a payload store, so results
     come back self-contained (`data` filled in). `client_options`: aiokafka's connection and
     security arguments (`security_protocol`, `ssl_context`, `sasl_*`, ...), given to every
-    client it opens, those of `update_weights` and `status` too.
+    client it opens, those of `update_weights` and `status` too. `control_hmac_key`: the
+    fleet's `--control-hmac-key`, which `update_weights` signs its commands with.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class RolloutClient:
         max_retries: int = 2,
         resolve_payloads: bool = True,
         on_progress: Callable[[int, int], None] | None = None,
+        control_hmac_key: str | None = None,
         **client_options: Any,
     ) -> None:
         if timeout_s <= 0 or max_retries < 0:
@@ -113,6 +115,7 @@ class RolloutClient:
         self._results_topic = results_topic
         self._control_topic = control_topic
         self._status_topic = status_topic
+        self._control_hmac_key = control_hmac_key
         self._group_id = group_id
         self._reply_to = results_topic if reply_to else None
         self._timeout_s = timeout_s
@@ -226,9 +229,11 @@ class RolloutClient:
         mode: InflightMode = "wait",
         target: Target | None = None,
         timeout_s: float = 600.0,
+        force: bool = False,
     ) -> dict[str, CommandAck]:
         """Have every live worker of `target` (default: `group_id`) serve `path` as `version`;
-        their acknowledgements (RolloutError if one failed or did not answer)."""
+        their acknowledgements (RolloutError if one failed or did not answer). Workers refuse
+        a version older than the one they serve unless `force` (a rollback)."""
         command = UpdateWeights(
             command_id=new_command_id(),
             target=target or Target(group=self._group_id),
@@ -236,6 +241,7 @@ class RolloutClient:
             path=path,
             on_inflight=mode,
             issued_at=time.time(),
+            force=force,
         )
         async with self._fleet() as fleet:
             live = await fleet.live_workers(command.target)
@@ -253,7 +259,10 @@ class RolloutClient:
     @contextlib.asynccontextmanager
     async def _fleet(self) -> AsyncIterator[Fleet]:
         fleet = Fleet(
-            self._connection, control_topic=self._control_topic, status_topic=self._status_topic
+            self._connection,
+            control_topic=self._control_topic,
+            status_topic=self._status_topic,
+            control_hmac_key=self._control_hmac_key,
         )
         async with fleet:
             yield fleet

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -17,6 +17,7 @@ from worker.core.errors import BrokerError, ConfigError
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
 
 __all__ = [
+    "CONTROL_TOPIC_CONFIGS",
     "RECORD_OVERHEAD_BYTES",
     "client_kwargs",
     "create_topics",
@@ -29,6 +30,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The control topic keeps every command for ever: a worker restarted after a quiet week must
+#: still find the fleet's latest weights, and its catch-up replays the history (a refused
+#: update, a rollback with `force`, the update before one that fails to load), which
+#: compaction would cut down to one record per key. Compaction would also refuse the keyless
+#: records other producers send. Commands are a few hundred bytes, one per trainer step.
+CONTROL_TOPIC_CONFIGS: Final = {
+    "cleanup.policy": "delete",
+    "retention.ms": "-1",
+    "retention.bytes": "-1",
+}
 
 
 def client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -189,11 +201,13 @@ async def create_topics(settings: Settings) -> list[str]:
     partitions.setdefault(settings.control_topic, 1)
     partitions.setdefault(settings.status_topic, 1)
     record_limit = {"max.message.bytes": str(record_size_limit(settings))}
+    configs = dict.fromkeys(partitions, record_limit)
+    configs[settings.control_topic] = {**record_limit, **CONTROL_TOPIC_CONFIGS}
     return await ensure_topics(
         client_kwargs(settings),
         partitions,
         replication_factor=settings.topic_replication_factor,
-        configs=dict.fromkeys(partitions, record_limit),
+        configs=configs,
     )
 
 

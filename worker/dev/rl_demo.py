@@ -55,7 +55,7 @@ async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) 
     work.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = DEMO_DIR / "rl-worker.log"
-    worker = _spawn_worker(bootstrap, model_dir, port, log_path)
+    worker = _spawn_worker(bootstrap, model_dir, port, log_path, work)
     try:
         print(f"worker: starting vLLM on the tiny model (log: {log_path})", flush=True)
         await asyncio.to_thread(_wait_ready, worker, port, log_path)
@@ -93,7 +93,7 @@ async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) 
 
 
 def _spawn_worker(
-    bootstrap: str, model_dir: Path, port: int, log_path: Path
+    bootstrap: str, model_dir: Path, port: int, log_path: Path, checkpoints: Path
 ) -> subprocess.Popen[bytes]:
     flags = [f"--{k}={v}" for k, v in TOPICS.items()]
     with log_path.open("wb") as log:
@@ -117,6 +117,9 @@ def _spawn_worker(
                 str(port),
                 "--metrics-host",
                 "127.0.0.1",
+                # The steps' checkpoints are written there; updates load from nowhere else.
+                "--weights-root",
+                str(checkpoints.resolve()),
                 "--",
                 *tiny_model_engine_args(model_dir),
             ],
