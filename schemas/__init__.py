@@ -1,7 +1,14 @@
 """Wire types shared by job producers, the worker and trainers (needs only msgspec and numpy)."""
 
 from schemas.assembler import Incomplete, ResultAssembler, merge_parts
-from schemas.codec import as_job, decode_job, decode_result, encode, peek_job_id
+from schemas.codec import (
+    as_job,
+    decode_job,
+    decode_result,
+    encode,
+    peek_job_id,
+    peek_reply_to,
+)
 from schemas.control import (
     Abort,
     Command,
@@ -95,6 +102,7 @@ __all__ = [
     "encode",
     "merge_parts",
     "peek_job_id",
+    "peek_reply_to",
     "replay_array",
     "replay_arrays",
     "sign_command",

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--out", type=Path, help="with --wait: write every result as a JSON line")
     add_settings_arguments(
-        submit, (*CONNECTION_SETTINGS, "jobs_topic", "results_topic", "max_result_bytes")
+        submit,
+        (*CONNECTION_SETTINGS, "jobs_topic", "results_topic", "max_result_bytes", "payload_store"),
     )
 
     results = commands.add_parser(
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --replay: the model's expert count, for records that do not carry it",
     )
-    add_settings_arguments(results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes"))
+    add_settings_arguments(
+        results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes", "payload_store")
+    )
 
     payloads = commands.add_parser(
         "payloads",
@@ -205,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.wait:
                 return asyncio.run(_submit_and_wait(settings, args))
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
-        replay = _replay_writer(args)
+        replay = _replay_writer(args, settings)
         return asyncio.run(
             _results(
                 settings,
@@ -380,6 +383,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
             results_topic=settings.results_topic,
             timeout_s=args.timeout_s,
             max_retries=args.max_retries,
+            payload_root=settings.payload_store,
             on_progress=lambda done, _: _advance(bar, done),
         ) as client:
             results = await client.generate(jobs)
@@ -522,7 +526,7 @@ async def _results(
     return report.finish()
 
 
-def _replay_writer(args: argparse.Namespace) -> ReplayWriter | None:
+def _replay_writer(args: argparse.Namespace, settings: Settings) -> ReplayWriter | None:
     """`results --replay`'s writer, once its flags are known to fit together."""
     if args.replay is None:
         if args.num_experts is not None:
@@ -534,4 +538,4 @@ def _replay_writer(args: argparse.Namespace) -> ReplayWriter | None:
         raise ConfigError("--replay takes whole results: leave out --raw")
     if args.follow:
         raise ConfigError("--replay writes its file once all results are read: leave out --follow")
-    return ReplayWriter(args.replay, args.out, args.num_experts)
+    return ReplayWriter(args.replay, args.out, args.num_experts, settings.payload_store)

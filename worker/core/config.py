@@ -105,6 +105,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     weight_version: Annotated[
         int, Meta(ge=0), _d("version of the weights the engine starts with (the trainer's step)")
     ] = 0
+    max_version_hold_s: Annotated[
+        float,
+        Meta(gt=0, le=30 * 86400),
+        _d(
+            "longest a job's min_weight_version holds its partition; then it is answered "
+            "expired and the partition moves on"
+        ),
+    ] = 600.0
     weight_reload: Annotated[
         Literal["auto", "in-place", "rebuild"],
         _d(

@@ -9,8 +9,17 @@ from typing import Any, Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    InvalidTopicError,
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.metadata import MetadataRequest
 
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
@@ -19,6 +28,7 @@ from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_
 __all__ = [
     "CONTROL_TOPIC_CONFIGS",
     "RECORD_OVERHEAD_BYTES",
+    "broker_has_topic",
     "client_kwargs",
     "create_topics",
     "ensure_topics",
@@ -66,6 +76,36 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
         kwargs["sasl_plain_username"] = settings.sasl_username
         kwargs["sasl_plain_password"] = settings.sasl_password
     return kwargs
+
+
+# Metadata error codes that say a producer cannot write to the topic at all.
+_NO_SUCH_TOPIC: Final = frozenset(
+    {
+        UnknownTopicOrPartitionError.errno,
+        InvalidTopicError.errno,
+        TopicAuthorizationFailedError.errno,
+    }
+)
+
+
+async def broker_has_topic(producer: AIOKafkaProducer, topic: str) -> bool:
+    """Whether the broker has `topic` for this producer to write to, from one metadata
+    request for that topic alone; KafkaError when no broker answers.
+
+    Not `producer.partitions_for`: that adds the topic to those the producer tracks for good
+    and, for a topic that does not exist, retries until `request_timeout_ms`. On a broker that
+    creates topics on first use this request creates it too, as the producer's first send
+    would (its metadata then comes back `LEADER_NOT_AVAILABLE`: present).
+    """
+    client = producer.client
+    node = client.get_random_node()
+    if node is None:
+        raise KafkaConnectionError("no broker is known to ask for topic metadata")
+    response = await client.send(node, MetadataRequest([topic]))
+    for error_code, name, *_ in response.topics:
+        if name == topic:
+            return error_code not in _NO_SUCH_TOPIC
+    return False
 
 
 def make_consumer(
