@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -391,6 +393,53 @@ async def test_auto_rebuilds_where_reloading_in_place_changes_the_model(checkpoi
         await engine.close()
     got = Completed(job_id="after-check", completions=out.completions, prompt_token_count=12)
     assert_same_answer(got, fresh_a)  # the wrong model was replaced
+
+
+# A process of its own: vLLM's import and one engine build, 60-100 s idle here, over 300 s
+# on a machine running two other test suites.
+@pytest.mark.timeout(900)
+async def test_a_restarted_worker_builds_its_engine_once_on_the_fleets_checkpoint(
+    kafka_bootstrap_servers, new_topic, checkpoints, capture_env, tmp_path
+):
+    """`serve` started on A while the control topic names B: the engine is built on B (one
+    build, not one on A and a load of B), and B's update is acknowledged without a load."""
+    a, b = checkpoints
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    await send(bs, fleet, UpdateWeights(command_id="fleet-b", version=9, path=str(b)))
+    await produce(bs, fleet.topics.jobs, [job_record(greedy("first", 16))])
+    t = fleet.topics
+    command = [
+        sys.executable,
+        *("-m", "worker", "serve"),
+        *("--bootstrap-servers", bs, "--jobs-topic", t.jobs, "--results-topic", t.results),
+        *("--dead-letter-topic", t.dlq, "--group-id", t.group, "--shutdown-grace-s", "5"),
+        *("--control-topic", fleet.control, "--status-topic", fleet.status),
+        *("--weights-root", str(b.parent), "--weight-reload", "rebuild"),
+        "--",
+        *tiny_model_engine_args(a),
+    ]
+    log_path = tmp_path / "serve.log"
+    async with Status(bs, fleet.status) as status, Results(bs, t.results) as results:
+        with log_path.open("wb") as log:
+            serve = await asyncio.create_subprocess_exec(
+                *command, stdout=log, stderr=asyncio.subprocess.STDOUT
+            )
+            try:
+                first = completed((await results.wait("first", timeout_s=750))["first"])
+                (ack,) = await status.wait_acks("fleet-b", 1, timeout_s=60)
+            finally:
+                serve.send_signal(signal.SIGTERM)
+                returncode = await asyncio.wait_for(serve.wait(), 60)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-3000:]
+    assert ack.outcome == "ok" and ack.weight_version == 9, ack
+    assert ack.detail == "the engine was built on this checkpoint at start"
+    assert text.count("vLLM engine ready") == 1, text[-3000:]
+    assert f"names {b.resolve()} (version 9, command fleet-b)" in text
+    assert first.weight_version == 9
+    (reference,) = await fresh_greedy(b, greedy("first", 16))
+    assert_same_answer(first, reference)
 
 
 async def test_a_restarted_worker_serves_the_updated_weights_from_its_first_job(

@@ -252,11 +252,16 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port)
         server.start()
     try:
-        engine = build_engine(settings, engine_args)
+        engine = build_engine(settings, engine_args)  # bad arguments fail before Kafka
         if settings.create_topics:
             await create_topics(settings)
+        settings, moved_args, built_on = await _start_on_the_fleets_checkpoint(
+            settings, engine_args
+        )
+        if built_on is not None:
+            engine = build_engine(settings, moved_args)
         service = await build_worker(
-            settings, engine, metrics=metrics, on_serving=tune_gc_for_serving
+            settings, engine, metrics=metrics, on_serving=tune_gc_for_serving, built_on=built_on
         )
         if server is not None:
             server.is_ready = lambda: service.ready
@@ -267,6 +272,31 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+async def _start_on_the_fleets_checkpoint(
+    settings: Settings, engine_args: list[str]
+) -> tuple[Settings, list[str], str | None]:
+    """A vLLM worker joining a fleet that the control topic moved to a newer checkpoint builds
+    its engine on that one (and version) directly: one engine build instead of two. The update
+    it came from, for the control plane to acknowledge without loading it again."""
+    if settings.engine != "vllm":
+        return settings, engine_args, None
+    from worker.control.catch_up import checkpoint_to_start_on  # noqa: PLC0415
+    from worker.engines.vllm_weights import model_of, with_model  # noqa: PLC0415
+
+    model = model_of(engine_args)
+    start = await checkpoint_to_start_on(settings, None if model is None else Path(model))
+    if start is None:
+        return settings, engine_args, None
+    logger.info(
+        "the control topic names %s (version %d, command %s): building the engine on it",
+        start.path,
+        start.update.version,
+        start.update.command_id,
+    )
+    settings = msgspec.structs.replace(settings, weight_version=start.update.version)
+    return settings, with_model(engine_args, start.path), start.update.command_id
 
 
 @contextlib.contextmanager

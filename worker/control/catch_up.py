@@ -19,9 +19,12 @@ checkpoint to build an engine on before the engine (and the control plane) exist
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
@@ -35,14 +38,18 @@ from schemas import (
     decode_command,
     signature_problem,
 )
+from worker.control.policy import WeightsPolicy
 from worker.core.config import Settings
-from worker.core.errors import ConfigError
+from worker.core.errors import ConfigError, WeightUpdateError
 from worker.core.kafka import client_kwargs
+from worker.engines.vllm_weights import check_checkpoint, tensor_shapes
 
 __all__ = [
     "CatchUpPlan",
     "CatchUpPlanner",
+    "StartingCheckpoint",
     "check_control_partitions",
+    "checkpoint_to_start_on",
     "read_catch_up_plan",
     "read_control_topic",
 ]
@@ -172,3 +179,43 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
         return await read_control_topic(consumer, settings, start_version)
     finally:
         await consumer.stop()
+
+
+@dataclass(frozen=True)
+class StartingCheckpoint:
+    """The checkpoint the control topic names for a worker that has not built its engine."""
+
+    update: UpdateWeights
+    path: str
+
+
+async def checkpoint_to_start_on(
+    settings: Settings, served: Path | None
+) -> StartingCheckpoint | None:
+    """The newest checkpoint-path update the control topic holds for this worker that passes
+    every check made before a load (the update policy, and against the start-up checkpoint
+    `served`: architecture and tensor shapes); None when there is none. A worker builds its
+    engine on it directly instead of on its start-up checkpoint and then again on this one."""
+    if served is None:
+        return None
+    plan = await read_catch_up_plan(settings, settings.weight_version)
+    if not plan.checkpoints:
+        return None
+    policy = WeightsPolicy(settings)
+    try:
+        config = json.loads((served / "config.json").read_text(encoding="utf-8"))
+        shapes = await asyncio.to_thread(tensor_shapes, served)
+    except (OSError, ValueError, WeightUpdateError):
+        return None  # the engine's own start reports what is wrong with it
+    for update in plan.checkpoints:
+        assert update.path is not None  # noqa: S101 - checkpoint updates carry a path
+        try:
+            await asyncio.to_thread(policy.check, update)
+            checked = await asyncio.to_thread(
+                check_checkpoint, Path(update.path), SimpleNamespace(**config), shapes
+            )
+        except WeightUpdateError as exc:
+            logger.info("not starting on %s: %s", update.path, exc)
+            continue
+        return StartingCheckpoint(update=update, path=str(checked))
+    return None

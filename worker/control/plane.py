@@ -74,8 +74,12 @@ class ControlPlane:
         consumer: AIOKafkaConsumer | None = None,
         producer: AIOKafkaProducer | None = None,
         clock: Callable[[], float] = time.time,
+        built_on: str | None = None,
     ) -> None:
+        """`built_on`: the id of the update whose checkpoint the engine was built on
+        (`worker.control.catch_up.checkpoint_to_start_on`): acknowledged, not loaded again."""
         self._settings = settings
+        self._built_on = built_on
         self._engine = engine
         self._metrics = metrics
         self._clock = clock
@@ -143,7 +147,9 @@ class ControlPlane:
         )
         self._applied |= plan.seen
         for update in plan.checkpoints:
-            ack = await self._apply(update, catching_up=True)
+            ack = await self._apply(
+                update, catching_up=True, loaded=update.command_id == self._built_on
+            )
             if ack.outcome == "ok":
                 break
         if isinstance(plan.pause, Pause):
@@ -251,15 +257,25 @@ class ControlPlane:
         return command.target.matches(self._settings.group_id, self._settings.worker_id)
 
     async def _apply(
-        self, command: Command, *, catching_up: bool = False, unauthorized: str | None = None
+        self,
+        command: Command,
+        *,
+        catching_up: bool = False,
+        unauthorized: str | None = None,
+        loaded: bool = False,
     ) -> CommandAck:
+        """Run `command` and acknowledge it; `loaded`: the engine was built on its checkpoint,
+        so there is nothing to run."""
         kind = type(command).__name__
         t0 = time.monotonic()
         outcome, detail = "ok", ""
         try:
-            detail = await self._runner.run(
-                command, catching_up=catching_up, unauthorized=unauthorized
-            )
+            if loaded:
+                detail = "the engine was built on this checkpoint at start"
+            else:
+                detail = await self._runner.run(
+                    command, catching_up=catching_up, unauthorized=unauthorized
+                )
         except WeightUpdateError as exc:
             outcome, detail = "failed", str(exc)
         except FatalError as exc:

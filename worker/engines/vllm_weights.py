@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from worker.core.errors import WeightUpdateError
 
-__all__ = ["check_checkpoint", "tensor_shapes", "transfer_weights", "with_model"]
+__all__ = ["check_checkpoint", "model_of", "tensor_shapes", "transfer_weights", "with_model"]
 
 # A checkpoint must agree with the served model on these to be loaded into it.
 _ARCHITECTURE_KEYS: Final = (
@@ -56,6 +56,16 @@ def _shapes(shards: list[Path]) -> dict[str, tuple[int, ...]]:
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in the checkpoint at `path`, read from the shards' headers."""
     return _shapes(sorted(path.glob("*.safetensors")))
+
+
+def model_of(engine_args: list[str]) -> str | None:
+    """The `--model` the engine arguments name (None when they name none)."""
+    for i, arg in enumerate(engine_args):
+        if arg == "--model" and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+        if arg.startswith("--model="):
+            return arg.removeprefix("--model=")
+    return None
 
 
 def with_model(engine_args: list[str], model: str) -> list[str]:
