@@ -227,7 +227,12 @@ async def updates_per_mode(
     engine = build_vllm_engine(engine_args_fast(a), weight_reload=reload)  # type: ignore[arg-type]
     fleet = await Fleet(bootstrap, a.parent).create()
     steered, task = await fleet.start("vllm-0", engine)
-    await fleet.read(fleet.status, lambda r: len(r) > 0, timeout_s=300)  # serving
+    # vLLM builds its engine on this event loop: a client connecting meanwhile times out, so
+    # the readers wait until the worker serves.
+    while not steered.ready:
+        if task.done():
+            raise RuntimeError(f"the worker stopped at start (status {task.result()})")
+        await asyncio.sleep(0.2)
     chosen = engine.weight_reload
     print(f"--weight-reload {reload}: updates {chosen.mode} ({chosen.reason})")
     done = 0
