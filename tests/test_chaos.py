@@ -891,7 +891,9 @@ async def test_chaos_kills_over_eight_partitions_lose_nothing_and_blame_only_the
     # The CI size of `bench/chaos.py` (2 workers, 8 partitions, 5,000 jobs, 50 SIGKILLs, 10
     # SIGTERM-then-SIGKILL stops, 3 crash-token jobs): 8 SIGKILLs, 2 such stops, 1 killer.
     topics = Topics(jobs=await new_topic(8), results=await new_topic(1), dlq=await new_topic(1))
-    plan = ChaosPlan(jobs=800, kills=8, term_kills=2, crash_jobs=1, max_in_flight=8, long_every=80)
+    plan = ChaosPlan(
+        jobs=800, kills=8, term_kills=2, crash_jobs=1, max_in_flight=8, long_every=80, timeout_s=150
+    )
     figures = await Chaos(kafka_bootstrap_servers, topics, spawn, plan).run()
     print("\n" + figures.line())
     assert figures.lost == 0

@@ -139,6 +139,12 @@ class Metrics:
             "Jobs running now, or answered and not yet handed to the producer",
             registry=r,
         )
+        self.uncommitted = prom.Gauge(
+            "vkw_jobs_uncommitted",
+            "Records started and not yet below the committed position: what a death now may "
+            "have run again",
+            registry=r,
+        )
         self.crash_suspects = prom.Gauge(
             "vkw_crash_suspects",
             "Records in flight at an earlier process death still to run alone (the crash-loop "

@@ -382,6 +382,17 @@ class Committer:
             "; ".join(f"{s} ({consequence[s]})" for s in plan.dropped),
         )
 
+    def uncommitted(self) -> int:
+        """Records started and not yet below the committed position of their partition."""
+        total = 0
+        for _, partition in self.tracker.items():
+            position = partition.commit_position()
+            committed = partition.committed
+            total += partition.pending
+            if position is not None and committed is not None:
+                total += max(position - committed[0] - partition.pending, 0)
+        return total
+
     def lag(self) -> int | None:
         """Records behind the ends of the assigned partitions, from the committed positions;
         None before anything is known."""

@@ -92,6 +92,7 @@ class Worker:
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
         self.metrics.crash_suspects.set_function(self._breaker.suspects)
+        self.metrics.uncommitted.set_function(self._committer.uncommitted)
 
     @property
     def ready(self) -> bool:
