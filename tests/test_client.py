@@ -240,7 +240,7 @@ async def test_payload_references_are_read_checked_and_inlined(
 
     async with (
         Responder(bs, jobs_topic, results_topic, answer),
-        client(bs, jobs_topic, results_topic) as c,
+        client(bs, jobs_topic, results_topic, payload_root=tmp_path) as c,
     ):
         result = await c.submit(job("ref"))
         with pytest.raises(RolloutError, match="is missing"):

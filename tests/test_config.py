@@ -80,6 +80,13 @@ def test_boolean_flags_and_env_vars():
         ([], {"VKW_OFFSET_MAP_MAX_BYTES": "many"}, "invalid VKW_OFFSET_MAP_MAX_BYTES"),
         (["--mock-crash-token-id", "-3"], {}, "invalid --mock-crash-token-id"),
         (
+            ["--max-version-hold-s", "0"],
+            {},
+            "invalid --max-version-hold-s: Expected `float` > 0.0 (got '0')",
+        ),
+        ([], {"VKW_MAX_VERSION_HOLD_S": "forever"}, "invalid VKW_MAX_VERSION_HOLD_S"),
+        (["--max-version-hold-s", "1e9"], {}, "invalid --max-version-hold-s: Expected `float` <="),
+        (
             ["--revoke-grace-s", "20", "--rebalance-timeout-ms", "25000"],
             {},
             "rebalance_timeout_ms (25000) must be above revoke_grace_s + commit_timeout_s (30000 ms)",
@@ -113,7 +120,7 @@ def test_secrets_never_appear_in_repr_errors_or_help(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     assert "hunter2" not in capsys.readouterr().out
-    assert set(SECRET_FIELDS) == {"sasl_password", "ssl_key_password"}
+    assert set(SECRET_FIELDS) == {"sasl_password", "ssl_key_password", "control_hmac_key"}
 
 
 async def test_sasl_settings_reach_the_kafka_clients():

@@ -62,7 +62,7 @@ def test_an_inlined_payload_reference_keeps_the_expert_count(tmp_path: Path) -> 
             Completion(index=0, token_ids=[1], text="", finish_reason="stop", routed_experts=ref)
         ],
     )
-    routed = _resolved(result).completions[0].routed_experts
+    routed = _resolved(result, tmp_path).completions[0].routed_experts
     assert routed is not None and not routed.is_reference
     assert routed.num_experts == 512
     np.testing.assert_array_equal(routed.to_array(), inline.to_array())

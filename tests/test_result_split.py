@@ -176,7 +176,7 @@ async def test_a_tampered_or_missing_payload_is_a_clear_error(tmp_path: Path):
     with pytest.raises(PayloadError, match="altered: its sha256 is"):
         routed.to_array()
     path.write_bytes(original[:-1])
-    with pytest.raises(PayloadError, match="altered: it is"):
+    with pytest.raises(PayloadError, match="altered: its size is not the record's"):
         routed.to_array()
     path.unlink()
     with pytest.raises(PayloadError, match="is missing"):

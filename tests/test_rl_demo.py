@@ -60,6 +60,12 @@ async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_th
             )
         assert step.samples_per_s > 0 and step.tokens_per_s > 0
         assert f"step {step.step}: 8 samples" in text
+        # Each step after the first says what its update cost.
+        if step.step == 0:
+            assert step.update_seconds is None
+        else:
+            assert step.update_seconds is not None and step.update_seconds > 0
+            assert f"the fleet serves version {step.step} after" in text
     # Each step after the first ran on a checkpoint the loop wrote.
     written = sorted(p.name for p in (tmp_path / ".demo" / "rl-checkpoints").iterdir())
     assert written == ["step-1", "step-2"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Final
@@ -26,7 +27,7 @@ import numpy.typing as npt
 import pytest
 import pytest_asyncio
 
-from schemas import Completed, Failed, Job, SamplingSpec, decode_result, encode
+from schemas import Completed, Failed, Job, SamplingSpec, WeightReload, decode_result, encode
 from tests.kafka_helpers import assembled, collect, job_record, produce, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.build import build_worker
@@ -573,24 +574,36 @@ async def test_vllm_errors_map_to_the_workers_by_kind_and_origin():
 
 
 class RecordingLLM:
-    """The AsyncLLM calls a weight update makes, recorded; `fail` makes one of them raise."""
+    """The AsyncLLM calls a weight update makes, recorded; `fail` makes one of them raise (the
+    first `fail_times` calls), and `reset_prefix_cache` answers from `cache_resets` (True when
+    it runs out)."""
 
-    def __init__(self, fail: str | None = None) -> None:
+    def __init__(
+        self, fail: str | None = None, fail_times: int = 1_000, cache_resets: Sequence[bool] = ()
+    ) -> None:
         self.calls: list[tuple[str, Any]] = []
         self._fail = fail
+        self._fail_times = fail_times
+        self._cache_resets = list(cache_resets)
 
     def __getattr__(self, name: str) -> Any:
-        async def call(*args: Any, **kwargs: Any) -> None:
+        async def call(*args: Any, **kwargs: Any) -> Any:
             self.calls.append((name, args[0] if args else kwargs))
-            if name == self._fail:
+            if name == self._fail and self._fail_times > 0:
+                self._fail_times -= 1
                 raise RuntimeError(f"{name} failed (scripted)")
+            if name == "reset_prefix_cache":
+                return self._cache_resets.pop(0) if self._cache_resets else True
+            return None
 
         return call
 
 
 def seam_engine(model_dir: Path, llm: RecordingLLM, **kwargs: Any) -> VllmEngine:
     config = json.loads((model_dir / "config.json").read_text())
-    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=SimpleNamespace(**config)))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(**config), model=str(model_dir))
+    )
     engine = VllmEngine(vllm_config, capture=False, layout=None, model_name="seam", **kwargs)
     engine._llm = llm
     return engine
@@ -631,17 +644,97 @@ async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_di
     assert failing.weight_version == 0
 
 
-async def test_in_place_reload_calls_vllms_reload_then_stamps_the_version(model_dir, tmp_path):
+async def test_in_place_reload_runs_our_extension_once_then_stamps_the_version(model_dir, tmp_path):
     llm = RecordingLLM()
     engine = seam_engine(model_dir, llm, weight_reload="in-place")
-    assert engine.keeps_requests_across_loads
-    await engine.load_weights(str(model_dir), 3)
+    assert engine.weight_reload.mode == "in-place"
+    other = tmp_path / "b"
+    shutil.copytree(model_dir, other)
+    await engine.load_weights(str(other), 3)
+    # One RPC per update: our method clears the MoE kernels and reloads together (preparing
+    # the weights twice is as wrong as not at all, ../NOTES §6). The version is stamped before
+    # the cache reset, so no request in between keys its KV with the old version.
     assert llm.calls == [
-        ("collective_rpc", "reload_weights"),
-        ("reset_prefix_cache", {}),
+        ("collective_rpc", "vkw_reload_checkpoint"),
         ("update_weight_version", "3"),
+        ("reset_prefix_cache", {}),
     ]
     assert engine.weight_version == 3
+
+
+async def test_a_failed_in_place_reload_builds_an_engine_on_the_old_checkpoint(
+    model_dir, tmp_path, monkeypatch
+):
+    llm = RecordingLLM(fail="collective_rpc")
+    engine = seam_engine(model_dir, llm, weight_reload="in-place")
+    rebuilt: list[Any] = []
+
+    async def replace_llm(config: Any) -> None:
+        rebuilt.append(config)
+
+    async def ready() -> None:
+        assert engine._rebuilding  # health checks wait while there is no engine to ask
+
+    monkeypatch.setattr(engine, "_replace_llm", replace_llm)
+    monkeypatch.setattr(engine, "_ready", ready)
+    other = tmp_path / "b"
+    shutil.copytree(model_dir, other)
+    with pytest.raises(WeightUpdateError, match=r"in-place reload from .* failed"):
+        await engine.load_weights(str(other), 3)
+    # The reload may have loaded part of B, and vLLM cannot reload in place after a failed
+    # reload: A (what served before) gets a new engine.
+    assert llm.calls == [("collective_rpc", "vkw_reload_checkpoint")]
+    assert rebuilt == [engine._vllm_config]
+    assert engine.weight_version == 0 and not engine._rebuilding
+
+
+async def test_a_checkpoint_whose_tensors_have_other_shapes_is_refused_before_loading(
+    model_dir, tmp_path
+):
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    llm = RecordingLLM()
+    engine = seam_engine(model_dir, llm, weight_reload="in-place")
+    other = tmp_path / "narrow"
+    shutil.copytree(model_dir, other)
+    for shard in other.glob("*.safetensors"):
+        tensors = load_file(shard)
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:, :-1]
+        save_file({k: v.contiguous() for k, v in tensors.items()}, shard)
+    with pytest.raises(WeightUpdateError, match=r"model.embed_tokens.weight has shape"):
+        await engine.load_weights(str(other), 3)
+    assert llm.calls == [] and engine.weight_version == 0
+
+
+async def test_a_failed_reload_after_a_transfer_stops_the_engine(model_dir, tmp_path):
+    llm = RecordingLLM(fail="collective_rpc")
+    engine = seam_engine(model_dir, llm, weight_reload="in-place")
+    await engine.transfer_weights("nccl", {}, {"names": []}, 1)
+    # What serves came from the trainer's memory: nothing on disk to go back to.
+    with pytest.raises(EngineDeadError, match="came from a transfer"):
+        await engine.load_weights(str(model_dir), 2)
+
+
+async def test_a_refused_prefix_cache_reset_is_tried_again(model_dir, caplog):
+    # vLLM refuses while requests hold blocks (frozen across a `keep` update): the engine says
+    # so and resets again later (after the last running request, in `generate`).
+    llm = RecordingLLM(cache_resets=[False, True])
+    engine = seam_engine(model_dir, llm, weight_reload="in-place")
+    with caplog.at_level(logging.INFO, logger="worker.engines.vllm_loads"):
+        await engine.reset_prefix_cache()
+    assert engine.prefix_cache_reset_pending
+    assert "running requests still hold blocks" in caplog.text
+    await engine.reset_prefix_cache()
+    assert not engine.prefix_cache_reset_pending
+
+
+async def test_weight_reload_modes_say_why(model_dir):
+    assert seam_engine(model_dir, RecordingLLM(), weight_reload="rebuild").weight_reload == (
+        WeightReload(mode="rebuild", reason="--weight-reload rebuild")
+    )
+    auto = seam_engine(model_dir, RecordingLLM())
+    assert auto.weight_reload.mode == "rebuild"
+    assert "not chosen yet" in auto.weight_reload.reason
 
 
 async def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_torn_down(

@@ -159,8 +159,13 @@ class Steered(Running):
 
 
 @pytest.fixture
-async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[..., Any]]:
-    """Start a worker with a control plane, as `serve` runs it, on the mock engine."""
+async def start_steered(
+    kafka_bootstrap_servers: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Callable[..., Any]]:
+    """Start a worker with a control plane, as `serve` runs it, on the mock engine. Weight
+    updates may load checkpoints under the session's temporary directory (`--weights-root`),
+    where `tmp_path` and `tmp_path_factory` put them."""
+    weights_root = str(tmp_path_factory.getbasetemp())
     running: list[Steered] = []
 
     async def start(
@@ -183,6 +188,11 @@ async def start_steered(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[
                 "group_id": group or fleet.topics.group,
                 "worker_id": worker_id,
                 "status_interval_s": 0.5,
+                **(
+                    {}
+                    if "allow_any_weights_path" in overrides
+                    else {"weights_root": [weights_root]}
+                ),
                 **overrides,
             },
         )

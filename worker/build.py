@@ -113,6 +113,7 @@ async def build_worker(
     wrap_producer: Callable[[AIOKafkaProducer], AIOKafkaProducer] | None = None,
     on_serving: Callable[[], None] | None = None,
     owns_engine: bool = True,
+    built_on: str | None = None,
 ) -> Service:
     """Build the worker `settings` describe around `engine`.
 
@@ -121,7 +122,9 @@ async def build_worker(
     answer topics' `max.message.bytes` read from the broker; `wrap_producer` lets a test put a
     producer that misbehaves on purpose in front of the real one. `owns_engine=False`: the
     engine is running already and outlives this worker (one expensive engine shared by several
-    workers in tests and benchmarks): it is neither started nor closed here.
+    workers in tests and benchmarks): it is neither started nor closed here. `built_on`: the
+    control command whose checkpoint `engine` was built on (see
+    `worker.control.catch_up.checkpoint_to_start_on`), acknowledged at catch-up without a load.
     """
     served: Engine = engine
     if steered:
@@ -150,7 +153,7 @@ async def build_worker(
         read_committed=read_committed,
     )
     control = (
-        ControlPlane(settings, served, metrics, worker)
+        ControlPlane(settings, served, metrics, worker, built_on=built_on)
         if isinstance(served, SteerableEngine)
         else None
     )

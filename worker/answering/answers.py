@@ -7,11 +7,12 @@ import logging
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import ErrorCode, Job
+from schemas import ErrorCode, Job, peek_reply_to
 from worker.answering.payload_store import open_payload_store
-from worker.answering.records import Answer, AnswerTopics, RecordShaper
+from worker.answering.records import Answer, RecordShaper
 from worker.answering.runner import JobRunner, Ran, where
 from worker.answering.split import ResultSplitter
+from worker.answering.topics import AnswerTopics, TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import (
     FatalError,
@@ -34,13 +35,19 @@ class AnswerBuilder:
 
     `answer` returns for every record; only cancellation and `FatalError` (the engine is gone)
     leave it without an answer. `smaller` builds what to send instead of a record the broker
-    refused for its size after all (its limit could not be read).
+    refused for its size after all (its limit could not be read). `topic_lookup` says whether
+    the broker has a job's `reply_to` (see `AnswerTopics`).
     """
 
     def __init__(
-        self, settings: Settings, engine: Engine, limits: RecordLimits, metrics: Metrics
+        self,
+        settings: Settings,
+        engine: Engine,
+        limits: RecordLimits,
+        metrics: Metrics,
+        topic_lookup: TopicLookup | None = None,
     ) -> None:
-        topics = AnswerTopics(settings)
+        topics = AnswerTopics(settings, topic_lookup)
         self._topics = topics
         self._metrics = metrics
         self._runner = JobRunner(engine, topics, metrics, settings.worker_id)
@@ -49,14 +56,23 @@ class AnswerBuilder:
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
 
-    async def answer(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> Answer:
-        """The answer to one record; raises only `FatalError` (and cancellation)."""
+    async def answer(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        *,
+        expired: str | None = None,
+    ) -> Answer:
+        """The answer to one record; raises only `FatalError` (and cancellation). `expired`:
+        the job is not run but answered `expired` with this detail."""
         job: Job | None = None
         try:
             job = self._runner.read(record)
-            ran = await self._runner.run(tp, record, job)
+            await self._topics.check(job.reply_to)
+            ran = await self._runner.run(tp, record, job, expired=expired)
             return await self._completed(tp, record, job, ran)
         except InvalidRecordError as exc:
+            await self._check_peeked_reply_to(record)
             return self._shaper.rejected(tp, record, exc.code, exc.detail, dead_letter="always")
         except JobError as exc:
             assert job is not None  # noqa: S101 - only reading raises before there is a job
@@ -69,12 +85,13 @@ class AnswerBuilder:
         except Exception as exc:  # The one broad catch: one job's bug must not stop the worker.
             logger.exception("unexpected error answering %s", where(tp, record))
             detail = f"internal error: {type(exc).__name__}: {exc}"
+            await self._check_peeked_reply_to(record)
             # A readable job gets a failed result; only an unreadable one needs the copy.
             return self._shaper.rejected(
                 tp, record, ErrorCode.INTERNAL_ERROR, detail, dead_letter="if_no_id"
             )
 
-    def crash_looped(
+    async def crash_looped(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], deaths: int
     ) -> Answer:
         """The answer to a record that was in flight at `deaths` process deaths: it is not run
@@ -84,9 +101,16 @@ class AnswerBuilder:
             f"not run again: the job was in flight at {deaths} worker process deaths "
             "(--max-crash-attempts); it may crash the engine"
         )
+        await self._check_peeked_reply_to(record)
         return self._shaper.rejected(
             tp, record, ErrorCode.ENGINE_ERROR, detail, dead_letter="always"
         )
+
+    async def _check_peeked_reply_to(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        """Check the `reply_to` a record that did not become a job names, so its failed
+        result goes there when it is answered on (as a valid job's would)."""
+        if record.value is not None:
+            await self._topics.check(peek_reply_to(record.value))
 
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
         """`answer` with record `index` replaced by a smaller one; see `RecordShaper.smaller`."""

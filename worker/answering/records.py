@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import enum
 import logging
-import re
 from typing import Final, Literal
 
 import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import ErrorCode, ErrorInfo, Failed, Job, peek_job_id
+from schemas import ErrorCode, ErrorInfo, Failed, Job, peek_job_id, peek_reply_to
 from worker.answering.encoder import encode_result
+from worker.answering.topics import AnswerTopics
 from worker.core.config import Settings
 from worker.core.limits import RecordLimits, record_bytes
 from worker.engines.protocol import EngineOutput
 
 __all__ = [
     "DLQ_HEADERS",
+    "DLQ_REPLY_HEADER",
     "Answer",
-    "AnswerTopics",
     "OutRecord",
     "Outcome",
     "RecordKind",
@@ -43,6 +43,8 @@ DLQ_HEADERS: Final = (
     "vkw.source.partition",
     "vkw.source.offset",
 )
+#: Added to a dead-letter copy whose job's answer went to its `reply_to`: that topic.
+DLQ_REPLY_HEADER: Final = "vkw.reply.topic"
 
 # A dead-letter copy's detail header, and the detail of the last-resort failed result.
 _DLQ_DETAIL_BYTES: Final = 4096
@@ -104,29 +106,6 @@ class Answer(msgspec.Struct, frozen=True):
         return tuple(labels)
 
 
-class AnswerTopics:
-    """Where a job's answer goes: its `reply_to` when `--reply-topics` allows it, else the
-    results topic."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.results = settings.results_topic
-        self.dead_letter = settings.dead_letter_topic
-        self._reply_topics = (
-            re.compile(settings.reply_topics) if settings.reply_topics is not None else None
-        )
-
-    @property
-    def allowed_replies(self) -> str:
-        """The `--reply-topics` pattern, for error details ("unset" when none is allowed)."""
-        return self._reply_topics.pattern if self._reply_topics is not None else "unset"
-
-    def of(self, job: Job) -> str:
-        reply_to = job.reply_to
-        if reply_to is None or self._reply_topics is None:
-            return self.results
-        return reply_to if self._reply_topics.fullmatch(reply_to) else self.results
-
-
 class RecordShaper:
     """Shapes the records of answers, each within its topic's limit."""
 
@@ -178,20 +157,25 @@ class RecordShaper:
         dead_letter: Literal["always", "if_no_id"],
     ) -> Answer:
         """Answer a record that did not become a job: a failed result when its job_id can be
-        read, and a dead-letter copy of the original record as `dead_letter` says."""
+        read (on its `reply_to` when that is answered on: `AnswerTopics.check` it first), and a
+        dead-letter copy of the original record as `dead_letter` says."""
         job_id = peek_job_id(record.value) if record.value is not None else None
         logger.warning(
             "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
         )
+        topic = self._topics.results
+        if job_id is not None and record.value is not None:
+            topic = self._topics.answer_topic(peek_reply_to(record.value))
         records: list[OutRecord] = []
         if dead_letter == "always" or job_id is None:
-            records.append(self._dead_letter(tp, record, code, detail))
+            reply = topic if topic != self._topics.results else None
+            records.append(self._dead_letter(tp, record, code, detail, reply))
         if job_id is None:
             return Answer(None, tuple(records), Outcome.DEAD_LETTERED, code)
         failed = Failed(
             job_id=job_id, error=ErrorInfo(code=code, detail=detail), worker=self._worker_id
         )
-        records.append(self._failed_record(failed, self._topics.results))
+        records.append(self._failed_record(failed, topic))
         return Answer(job_id, tuple(records), Outcome.FAILED, code)
 
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
@@ -237,10 +221,16 @@ class RecordShaper:
         return OutRecord(RecordKind.RESULT, topic, key, value, [], size, minimal)
 
     def _dead_letter(
-        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], code: ErrorCode, detail: str
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        code: ErrorCode,
+        detail: str,
+        reply_topic: str | None,
     ) -> OutRecord:
         """A copy of the record, key, value and headers untouched, plus where it came from and
-        why; without its value when the dead-letter topic would refuse it."""
+        why (and the reply topic its failed result went to); without its value when the
+        dead-letter topic would refuse it."""
         headers: Headers = [(k, v) for k, v in record.headers or ()]
         headers += [
             ("vkw.error.code", code.value.encode()),
@@ -249,6 +239,8 @@ class RecordShaper:
             ("vkw.source.partition", str(tp.partition).encode()),
             ("vkw.source.offset", str(record.offset).encode()),
         ]
+        if reply_topic is not None:
+            headers.append((DLQ_REPLY_HEADER, reply_topic.encode()))
         size = record_bytes(record.key, record.value, headers)
         copy = OutRecord(
             RecordKind.DEAD_LETTER,

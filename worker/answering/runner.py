@@ -11,7 +11,7 @@ import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import Completed, Job, SchemaError, Timings, decode_job
-from worker.answering.records import AnswerTopics
+from worker.answering.topics import AnswerTopics
 from worker.core.errors import (
     InvalidJobError,
     InvalidRecordError,
@@ -56,9 +56,20 @@ class JobRunner:
             where = f" at {exc.path}" if exc.path else ""
             raise InvalidRecordError(f"invalid job{where}: {exc.message}") from None
 
-    async def run(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], job: Job) -> Ran:
-        """Run `job` (read from `record`) to completion; any `JobError` is its answer."""
+    async def run(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        job: Job,
+        *,
+        expired: str | None = None,
+    ) -> Ran:
+        """Run `job` (read from `record`) to completion; any `JobError` is its answer.
+        `expired`: it is not run but answered `expired` with this detail (its hold for a
+        weight version ran out)."""
         started = time.time()
+        if expired is not None:
+            raise JobExpiredError(expired)
         self._check_runnable(job, started, where(tp, record))
         queue_wait = max(started - record.timestamp / 1000, 0.0)
         t0 = time.perf_counter()
@@ -90,11 +101,9 @@ class JobRunner:
             raise JobExpiredError(
                 f"deadline {job.deadline:.3f} passed before the job started ({now:.3f})"
             )
-        if job.reply_to is not None and self._topics.of(job) != job.reply_to:
-            raise InvalidJobError(
-                f"reply_to {job.reply_to!r} is not a topic this worker answers to "
-                f"(--reply-topics {self._topics.allowed_replies})"
-            )
+        if job.reply_to is not None and (refused := self._topics.refusal(job.reply_to)):
+            # Answered on the results topic: its producer named a topic it cannot have.
+            raise InvalidJobError(refused)
         if job.return_routed_experts and not self._engine.supports_routed_experts:
             raise InvalidJobError(f"engine {self._engine.model_name} cannot return routed experts")
 

@@ -28,7 +28,7 @@ from worker.core.errors import ConfigError
 
 __all__ = ["add_control_parsers", "run_control", "run_status"]
 
-FLEET_SETTINGS: Final = ("control_topic", "status_topic", "group_id")
+FLEET_SETTINGS: Final = ("control_topic", "status_topic", "group_id", "control_hmac_key")
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -76,6 +76,11 @@ def add_control_parsers(
     update.add_argument("--backend", choices=["checkpoint", "nccl", "ipc"], default="checkpoint")
     update.add_argument("--init-info", help="weight-transfer init_info (JSON object)")
     update.add_argument("--update-info", help="weight-transfer update_info (JSON object)")
+    update.add_argument(
+        "--force",
+        action="store_true",
+        help="roll back: workers refuse a version older than the one they serve without it",
+    )
     abort = kinds.add_parser("abort", parents=[common], help="abort matching jobs in flight")
     abort.add_argument("--job-id", action="append", help="a job to abort (repeatable)")
     abort.add_argument(
@@ -122,6 +127,7 @@ def build_command(args: argparse.Namespace, settings: Settings) -> Command:
                         "backend": args.backend,
                         "init_info": _json_object(args.init_info, "--init-info"),
                         "update_info": _json_object(args.update_info, "--update-info"),
+                        "force": args.force,
                         **common,
                     },
                     UpdateWeights,
@@ -178,7 +184,18 @@ async def run_status(args: argparse.Namespace, settings: Settings) -> int:
 
 def status_table(statuses: list[WorkerStatus]) -> str:
     rows: list[tuple[str, ...]] = [
-        ("worker", "group", "version", "paused", "in_flight", "lag", "healthy", "uptime_s")
+        (
+            "worker",
+            "group",
+            "version",
+            "paused",
+            "in_flight",
+            "lag",
+            "healthy",
+            "reload",
+            "uptime_s",
+            "needs_weights",
+        )
     ]
     for s in sorted(statuses, key=lambda s: s.worker):
         rows.append(
@@ -190,7 +207,9 @@ def status_table(statuses: list[WorkerStatus]) -> str:
                 str(s.in_flight),
                 "-" if s.lag is None else str(s.lag),
                 "yes" if s.engine_healthy else "NO",
+                "-" if s.weight_reload is None else s.weight_reload.mode,
                 f"{s.uptime_s:.0f}",
+                "YES" if s.needs_weights else "no",
             )
         )
     return _table(rows)

@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--out", type=Path, help="with --wait: write every result as a JSON line")
     add_settings_arguments(
-        submit, (*CONNECTION_SETTINGS, "jobs_topic", "results_topic", "max_result_bytes")
+        submit,
+        (*CONNECTION_SETTINGS, "jobs_topic", "results_topic", "max_result_bytes", "payload_store"),
     )
 
     results = commands.add_parser(
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --replay: the model's expert count, for records that do not carry it",
     )
-    add_settings_arguments(results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes"))
+    add_settings_arguments(
+        results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes", "payload_store")
+    )
 
     payloads = commands.add_parser(
         "payloads",
@@ -205,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.wait:
                 return asyncio.run(_submit_and_wait(settings, args))
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
-        replay = _replay_writer(args)
+        replay = _replay_writer(args, settings)
         return asyncio.run(
             _results(
                 settings,
@@ -249,11 +252,16 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port)
         server.start()
     try:
-        engine = build_engine(settings, engine_args)
+        engine = build_engine(settings, engine_args)  # bad arguments fail before Kafka
         if settings.create_topics:
             await create_topics(settings)
+        settings, moved_args, built_on = await _start_on_the_fleets_checkpoint(
+            settings, engine_args
+        )
+        if built_on is not None:
+            engine = build_engine(settings, moved_args)
         service = await build_worker(
-            settings, engine, metrics=metrics, on_serving=tune_gc_for_serving
+            settings, engine, metrics=metrics, on_serving=tune_gc_for_serving, built_on=built_on
         )
         if server is not None:
             server.is_ready = lambda: service.ready
@@ -264,6 +272,31 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+async def _start_on_the_fleets_checkpoint(
+    settings: Settings, engine_args: list[str]
+) -> tuple[Settings, list[str], str | None]:
+    """A vLLM worker joining a fleet that the control topic moved to a newer checkpoint builds
+    its engine on that one (and version) directly: one engine build instead of two. The update
+    it came from, for the control plane to acknowledge without loading it again."""
+    if settings.engine != "vllm":
+        return settings, engine_args, None
+    from worker.control.catch_up import checkpoint_to_start_on  # noqa: PLC0415
+    from worker.engines.vllm_weights import model_of, with_model  # noqa: PLC0415
+
+    model = model_of(engine_args)
+    start = await checkpoint_to_start_on(settings, None if model is None else Path(model))
+    if start is None:
+        return settings, engine_args, None
+    logger.info(
+        "the control topic names %s (version %d, command %s): building the engine on it",
+        start.path,
+        start.update.version,
+        start.update.command_id,
+    )
+    settings = msgspec.structs.replace(settings, weight_version=start.update.version)
+    return settings, with_model(engine_args, start.path), start.update.command_id
 
 
 @contextlib.contextmanager
@@ -380,6 +413,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
             results_topic=settings.results_topic,
             timeout_s=args.timeout_s,
             max_retries=args.max_retries,
+            payload_root=settings.payload_store,
             on_progress=lambda done, _: _advance(bar, done),
         ) as client:
             results = await client.generate(jobs)
@@ -522,7 +556,7 @@ async def _results(
     return report.finish()
 
 
-def _replay_writer(args: argparse.Namespace) -> ReplayWriter | None:
+def _replay_writer(args: argparse.Namespace, settings: Settings) -> ReplayWriter | None:
     """`results --replay`'s writer, once its flags are known to fit together."""
     if args.replay is None:
         if args.num_experts is not None:
@@ -534,4 +568,4 @@ def _replay_writer(args: argparse.Namespace) -> ReplayWriter | None:
         raise ConfigError("--replay takes whole results: leave out --raw")
     if args.follow:
         raise ConfigError("--replay writes its file once all results are read: leave out --follow")
-    return ReplayWriter(args.replay, args.out, args.num_experts)
+    return ReplayWriter(args.replay, args.out, args.num_experts, settings.payload_store)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -21,6 +21,7 @@ from schemas import (
     WorkerStatus,
     decode_status,
     encode,
+    sign_command,
 )
 from worker.core.config import Settings
 from worker.core.errors import BrokerError
@@ -32,6 +33,9 @@ __all__ = ["Fleet", "new_command_id"]
 STATUS_TAIL_RECORDS: Final = 5000
 #: A worker silent for this many of its heartbeat intervals is taken for gone.
 MISSED_HEARTBEATS: Final = 3
+#: A status record larger than this is not one a worker wrote (an acknowledgement's detail is
+#: cut at 2000 characters): skipped unread, so hostile records cannot fill the reader's memory.
+MAX_STATUS_RECORD_BYTES: Final = 64 * 1024
 
 
 def new_command_id() -> str:
@@ -43,13 +47,25 @@ class Fleet:
 
     `connection`: aiokafka's connection and security arguments (`bootstrap_servers`,
     `security_protocol`, `ssl_context`, `sasl_*`, ...), given to every client it opens.
+    `control_hmac_key`: the fleet's `--control-hmac-key`; every command sent is signed with it.
+
+    Anyone who can write to the status topic is read here: records that are not status
+    messages, or too large to be one, are skipped, and a heartbeat dated further ahead than
+    its own liveness window does not count (one forged record cannot keep a phantom worker
+    "live", and every update waiting for it, for long).
     """
 
     def __init__(
-        self, connection: Mapping[str, Any], *, control_topic: str, status_topic: str
+        self,
+        connection: Mapping[str, Any],
+        *,
+        control_topic: str,
+        status_topic: str,
+        control_hmac_key: str | None = None,
     ) -> None:
         self._control_topic = control_topic
         self._status_topic = status_topic
+        self._key = None if control_hmac_key is None else control_hmac_key.encode()
         self._producer = AIOKafkaProducer(**connection, acks="all")
         self._consumer = AIOKafkaConsumer(**connection, group_id=None, enable_auto_commit=False)
         self._partitions: list[TopicPartition] = []
@@ -61,6 +77,7 @@ class Fleet:
             client_kwargs(settings),
             control_topic=settings.control_topic,
             status_topic=settings.status_topic,
+            control_hmac_key=settings.control_hmac_key,
         )
 
     async def __aenter__(self) -> Fleet:
@@ -98,19 +115,20 @@ class Fleet:
         for tp in self._partitions:
             start = max(end[tp] - STATUS_TAIL_RECORDS, begin[tp])
             self._consumer.seek(tp, start)
-        for message in await self._read_until(end):
-            if isinstance(message, WorkerStatus):
-                latest[message.worker] = message
         now = time.time()
+        async for message in self._read_until(end):
+            if isinstance(message, WorkerStatus) and _live(message, now):
+                latest[message.worker] = message
         return {
             worker: status
             for worker, status in latest.items()
-            if now - status.at <= MISSED_HEARTBEATS * status.interval_s
-            and (target is None or target.matches(status.group, status.worker))
+            if target is None or target.matches(status.group, status.worker)
         }
 
     async def send(self, command: Command) -> None:
         """Produce `command` to the control topic and wait for the broker's acknowledgement."""
+        if self._key is not None:
+            command = sign_command(command, self._key)
         await self._producer.send_and_wait(
             self._control_topic, value=encode(command), key=command.command_id.encode()
         )
@@ -142,19 +160,29 @@ class Fleet:
                         got[message.worker] = message
         return got
 
-    async def _read_until(self, end: dict[TopicPartition, int]) -> list[object]:
-        out: list[object] = []
+    async def _read_until(self, end: dict[TopicPartition, int]) -> AsyncIterator[object]:
         while True:
             positions = {tp: await self._consumer.position(tp) for tp in self._partitions}
             if all(positions[tp] >= end[tp] for tp in self._partitions):
-                return out
+                return
             batch = await self._consumer.getmany(timeout_ms=500)
             for records in batch.values():
-                out += [m for r in records if (m := _decode(r.value)) is not None]
+                for record in records:
+                    if (message := _decode(record.value)) is not None:
+                        yield message
+
+
+def _live(status: WorkerStatus, now: float) -> bool:
+    """Heard from within a few of its intervals, and not dated beyond them."""
+    window = MISSED_HEARTBEATS * status.interval_s
+    return -window <= now - status.at <= window
 
 
 def _decode(value: bytes | None) -> object | None:
+    """The status message `value` holds; None for anything else (skipped)."""
+    if value is None or len(value) > MAX_STATUS_RECORD_BYTES:
+        return None
     try:
-        return decode_status(value or b"")
+        return decode_status(value)
     except SchemaError:
         return None

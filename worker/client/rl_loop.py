@@ -41,6 +41,9 @@ class StepReport(msgspec.Struct, frozen=True):
     samples_per_s: float
     tokens_per_s: float
     samples: list[SampleReport]
+    #: Seconds the fleet took to move to this step's weights (the `update_weights` call);
+    #: None on the first step, which runs on the weights the fleet started with.
+    update_seconds: float | None = None
 
 
 async def rl_loop(
@@ -58,6 +61,7 @@ async def rl_loop(
     """Run `steps` steps; step k generates on weights version k (and waits for them)."""
     reports = []
     checkpoint = initial
+    update_seconds: float | None = None
     for step in range(steps):
         prompts = [[(7 * step + 13 * g + i) % 400 + 20 for i in range(8)] for g in range(groups)]
         jobs = [
@@ -113,13 +117,16 @@ async def rl_loop(
             samples_per_s=len(samples) / seconds,
             tokens_per_s=tokens / seconds,
             samples=samples,
+            update_seconds=update_seconds,
         )
         reports.append(report)
         if on_step is not None:
             on_step(report)
         if step + 1 < steps:
             checkpoint = await train(checkpoint, step + 1, float(np.mean(np.abs(advantages))))
+            started = time.perf_counter()
             await client.update_weights(str(checkpoint), step + 1, mode="wait")
+            update_seconds = time.perf_counter() - started
     return reports
 
 

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, Final, TypeAlias
 
 import msgspec
@@ -35,7 +36,6 @@ from schemas import (
     PayloadError,
     Result,
     ResultAssembler,
-    RoutedExperts,
     SchemaError,
     Target,
     UpdateWeights,
@@ -44,6 +44,7 @@ from schemas import (
     decode_result,
     encode,
 )
+from schemas.payloads import payload_root as to_payload_root
 from worker.client.fleet import Fleet, new_command_id
 
 __all__ = ["RolloutClient", "RolloutError"]
@@ -82,9 +83,14 @@ class RolloutClient:
     `timeout_s`: per job; the job's `deadline` is set to it too, so no worker starts it later.
     `max_retries`: how often a `retryable` failure is resubmitted before it is returned.
     `resolve_payloads`: read and check routed experts kept in a payload store, so results
-    come back self-contained (`data` filled in). `client_options`: aiokafka's connection and
+    come back self-contained (`data` filled in). `payload_root` (a path or `file://` URI: the
+    workers' `--payload-store` as mounted here) is the only place they are read from: a
+    reference to anything outside it, or any reference when it is unset, fails that job with
+    `RolloutError`, as does a payload that is missing, altered, not a regular file or not the
+    shape and dtype its record says. `client_options`: aiokafka's connection and
     security arguments (`security_protocol`, `ssl_context`, `sasl_*`, ...), given to every
-    client it opens, those of `update_weights` and `status` too.
+    client it opens, those of `update_weights` and `status` too. `control_hmac_key`: the
+    fleet's `--control-hmac-key`, which `update_weights` signs its commands with.
     """
 
     def __init__(
@@ -100,11 +106,17 @@ class RolloutClient:
         timeout_s: float = 600.0,
         max_retries: int = 2,
         resolve_payloads: bool = True,
+        payload_root: str | Path | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        control_hmac_key: str | None = None,
         **client_options: Any,
     ) -> None:
         if timeout_s <= 0 or max_retries < 0:
             raise ValueError("timeout_s must be > 0 and max_retries >= 0")
+        try:
+            self._payload_root = None if payload_root is None else to_payload_root(payload_root)
+        except PayloadError as exc:
+            raise ValueError(str(exc)) from None
         self._connection: dict[str, Any] = {
             "bootstrap_servers": bootstrap_servers,
             **client_options,
@@ -113,6 +125,7 @@ class RolloutClient:
         self._results_topic = results_topic
         self._control_topic = control_topic
         self._status_topic = status_topic
+        self._control_hmac_key = control_hmac_key
         self._group_id = group_id
         self._reply_to = results_topic if reply_to else None
         self._timeout_s = timeout_s
@@ -226,9 +239,11 @@ class RolloutClient:
         mode: InflightMode = "wait",
         target: Target | None = None,
         timeout_s: float = 600.0,
+        force: bool = False,
     ) -> dict[str, CommandAck]:
         """Have every live worker of `target` (default: `group_id`) serve `path` as `version`;
-        their acknowledgements (RolloutError if one failed or did not answer)."""
+        their acknowledgements (RolloutError if one failed or did not answer). Workers refuse
+        a version older than the one they serve unless `force` (a rollback)."""
         command = UpdateWeights(
             command_id=new_command_id(),
             target=target or Target(group=self._group_id),
@@ -236,6 +251,7 @@ class RolloutClient:
             path=path,
             on_inflight=mode,
             issued_at=time.time(),
+            force=force,
         )
         async with self._fleet() as fleet:
             live = await fleet.live_workers(command.target)
@@ -253,7 +269,10 @@ class RolloutClient:
     @contextlib.asynccontextmanager
     async def _fleet(self) -> AsyncIterator[Fleet]:
         fleet = Fleet(
-            self._connection, control_topic=self._control_topic, status_topic=self._status_topic
+            self._connection,
+            control_topic=self._control_topic,
+            status_topic=self._status_topic,
+            control_hmac_key=self._control_hmac_key,
         )
         async with fleet:
             yield fleet
@@ -316,20 +335,34 @@ class RolloutClient:
             batch = await self._consumer.getmany(timeout_ms=200)
             for records in batch.values():
                 for record in records:
-                    await self._take(record.value)
+                    try:
+                        await self._take(record.value)
+                    except Exception:  # The one broad catch: no record may end the reader.
+                        logger.exception(
+                            "result at %s-%s@%s skipped",
+                            record.topic,
+                            record.partition,
+                            record.offset,
+                        )
 
     async def _take(self, value: bytes | None) -> None:
         try:
             result = decode_result(value or b"")
-            whole = self._assembler.add(result)
         except SchemaError as exc:
             logger.warning("undecodable result skipped: %s", exc)
+            return
+        if result.job_id is None or result.job_id not in self._pending:
+            return  # another client's job, or one answered already: nothing of it is kept
+        try:
+            whole = self._assembler.add(result)
+        except SchemaError as exc:  # a part that disagrees with its attempt's other parts
+            logger.warning("result part skipped: %s", exc)
             return
         if whole is None or whole.job_id is None:
             return
         pending = self._pending.get(whole.job_id)
         if pending is None or pending.future.done():
-            return  # another client's job, or one answered already
+            return
         original = pending.job.job_id
         if (
             isinstance(whole, Failed)
@@ -349,8 +382,8 @@ class RolloutClient:
         answer: Result = msgspec.structs.replace(whole, job_id=original)
         if self._resolve and isinstance(answer, Completed) and _has_references(answer):
             try:
-                answer = await asyncio.to_thread(_resolved, answer)
-            except PayloadError as exc:
+                answer = await asyncio.to_thread(_resolved, answer, self._payload_root)
+            except SchemaError as exc:  # PayloadError, RoutedExpertsError: the reason
                 pending.future.set_exception(RolloutError(f"job {original}: {exc}"))
                 self._progress()
                 return
@@ -412,21 +445,19 @@ def _has_references(result: Completed) -> bool:
     )
 
 
-def _resolved(result: Completed) -> Completed:
-    """`result` with every payload reference read, checked and inlined (blocking: files)."""
+def _resolved(result: Completed, root: Path | None) -> Completed:
+    """`result` with every payload reference read from under `root`, checked and inlined
+    (blocking: files); PayloadError or RoutedExpertsError for the first that cannot be."""
     completions = []
     for c in result.completions:
         routed = c.routed_experts
         if routed is not None and routed.is_reference:
-            inline = RoutedExperts(
-                data=routed.payload(),
-                shape=routed.shape,
-                dtype=routed.dtype,
-                start=routed.start,
-                num_experts=routed.num_experts,
-            )
-            inline.to_array()  # the shape and dtype agree with the bytes
-            completions.append(msgspec.structs.replace(c, routed_experts=inline))
+            if root is None:
+                raise PayloadError(
+                    f"payload {routed.uri} not read: the client has no payload_root (pass "
+                    "RolloutClient(payload_root=...), the store as mounted here)"
+                )
+            completions.append(msgspec.structs.replace(c, routed_experts=routed.resolved(root)))
         else:
             completions.append(c)
     return msgspec.structs.replace(result, completions=completions)

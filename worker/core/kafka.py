@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    InvalidTopicError,
+    KafkaConnectionError,
+    KafkaError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+    for_code,
+)
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.metadata import MetadataRequest
 
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
 
 __all__ = [
+    "CONTROL_TOPIC_CONFIGS",
     "RECORD_OVERHEAD_BYTES",
+    "broker_has_topic",
     "client_kwargs",
     "create_topics",
     "ensure_topics",
@@ -29,6 +40,17 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The control topic keeps every command for ever: a worker restarted after a quiet week must
+#: still find the fleet's latest weights, and its catch-up replays the history (a refused
+#: update, a rollback with `force`, the update before one that fails to load), which
+#: compaction would cut down to one record per key. Compaction would also refuse the keyless
+#: records other producers send. Commands are a few hundred bytes, one per trainer step.
+CONTROL_TOPIC_CONFIGS: Final = {
+    "cleanup.policy": "delete",
+    "retention.ms": "-1",
+    "retention.bytes": "-1",
+}
 
 
 def client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -54,6 +76,36 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
         kwargs["sasl_plain_username"] = settings.sasl_username
         kwargs["sasl_plain_password"] = settings.sasl_password
     return kwargs
+
+
+# Metadata error codes that say a producer cannot write to the topic at all.
+_NO_SUCH_TOPIC: Final = frozenset(
+    {
+        UnknownTopicOrPartitionError.errno,
+        InvalidTopicError.errno,
+        TopicAuthorizationFailedError.errno,
+    }
+)
+
+
+async def broker_has_topic(producer: AIOKafkaProducer, topic: str) -> bool:
+    """Whether the broker has `topic` for this producer to write to, from one metadata
+    request for that topic alone; KafkaError when no broker answers.
+
+    Not `producer.partitions_for`: that adds the topic to those the producer tracks for good
+    and, for a topic that does not exist, retries until `request_timeout_ms`. On a broker that
+    creates topics on first use this request creates it too, as the producer's first send
+    would (its metadata then comes back `LEADER_NOT_AVAILABLE`: present).
+    """
+    client = producer.client
+    node = client.get_random_node()
+    if node is None:
+        raise KafkaConnectionError("no broker is known to ask for topic metadata")
+    response = await client.send(node, MetadataRequest([topic]))
+    for error_code, name, *_ in response.topics:
+        if name == topic:
+            return error_code not in _NO_SUCH_TOPIC
+    return False
 
 
 def make_consumer(
@@ -189,11 +241,13 @@ async def create_topics(settings: Settings) -> list[str]:
     partitions.setdefault(settings.control_topic, 1)
     partitions.setdefault(settings.status_topic, 1)
     record_limit = {"max.message.bytes": str(record_size_limit(settings))}
+    configs = dict.fromkeys(partitions, record_limit)
+    configs[settings.control_topic] = {**record_limit, **CONTROL_TOPIC_CONFIGS}
     return await ensure_topics(
         client_kwargs(settings),
         partitions,
         replication_factor=settings.topic_replication_factor,
-        configs=dict.fromkeys(partitions, record_limit),
+        configs=configs,
     )
 
 

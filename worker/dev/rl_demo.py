@@ -36,6 +36,12 @@ TOPICS: Final = {
 def print_step(report: StepReport) -> None:
     versions = sorted({s.weight_version for s in report.samples})
     shapes = sorted({s.replay_shape for s in report.samples})
+    if report.update_seconds is not None:
+        print(
+            f"update: the fleet serves version {report.step} after {report.update_seconds:.2f} s "
+            "(the update_weights call, until every worker acknowledged)",
+            flush=True,
+        )
     print(
         f"step {report.step}: {len(report.samples)} samples in {report.seconds:.1f} s "
         f"({report.samples_per_s:.1f} samples/s, {report.tokens_per_s:.0f} tokens/s); "
@@ -49,7 +55,7 @@ async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) 
     work.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     log_path = DEMO_DIR / "rl-worker.log"
-    worker = _spawn_worker(bootstrap, model_dir, port, log_path)
+    worker = _spawn_worker(bootstrap, model_dir, port, log_path, work)
     try:
         print(f"worker: starting vLLM on the tiny model (log: {log_path})", flush=True)
         await asyncio.to_thread(_wait_ready, worker, port, log_path)
@@ -87,7 +93,7 @@ async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) 
 
 
 def _spawn_worker(
-    bootstrap: str, model_dir: Path, port: int, log_path: Path
+    bootstrap: str, model_dir: Path, port: int, log_path: Path, checkpoints: Path
 ) -> subprocess.Popen[bytes]:
     flags = [f"--{k}={v}" for k, v in TOPICS.items()]
     with log_path.open("wb") as log:
@@ -111,6 +117,9 @@ def _spawn_worker(
                 str(port),
                 "--metrics-host",
                 "127.0.0.1",
+                # The steps' checkpoints are written there; updates load from nowhere else.
+                "--weights-root",
+                str(checkpoints.resolve()),
                 "--",
                 *tiny_model_engine_args(model_dir),
             ],

@@ -15,7 +15,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from schemas import Completion, Job, RoutedExperts, VersionSpan
+from schemas import Completion, Job, RoutedExperts, VersionSpan, WeightReload
 from worker.core.config import Settings
 from worker.core.errors import EngineDeadError, InvalidJobError, WeightUpdateError
 from worker.engines.protocol import EngineOutput
@@ -116,8 +116,10 @@ class MockEngine:
         return self._version
 
     @property
-    def keeps_requests_across_loads(self) -> bool:
-        return self._settings.in_place_updates
+    def weight_reload(self) -> WeightReload:
+        if self._settings.in_place_updates:
+            return WeightReload(mode="in-place", reason="mock engine: in_place_updates")
+        return WeightReload(mode="rebuild", reason="mock engine: in_place_updates off")
 
     @property
     def generated_tokens(self) -> dict[str, int]:

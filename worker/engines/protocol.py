@@ -6,7 +6,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from schemas import Completion, Job
+from schemas import Completion, Job, WeightReload
 
 __all__ = ["ControllableEngine", "Engine", "EngineOutput"]
 
@@ -75,13 +75,14 @@ class Engine(Protocol):
 class ControllableEngine(Engine, Protocol):
     """An engine the control plane can steer (`worker.engines.steerable.SteerableEngine` drives these calls).
 
-    `load_weights` either keeps running requests across the load (`keeps_requests_across_loads`:
-    an in-place reload while they are frozen), or needs none running (a new engine is built).
+    `load_weights` either keeps running requests across the load (`weight_reload.mode` is
+    `in-place`: the running engine loads it while they are frozen), or needs none running
+    (`rebuild`: a new engine is built).
     """
 
     @property
-    def keeps_requests_across_loads(self) -> bool:
-        """Whether requests frozen by `freeze` survive `load_weights`."""
+    def weight_reload(self) -> WeightReload:
+        """How `load_weights` takes a checkpoint, and why."""
         ...
 
     async def interrupt(self, request_id: str) -> None:

@@ -27,7 +27,16 @@ from typing import Any, Final, Literal
 import msgspec
 import numpy as np
 
-from schemas import Abort, Completion, InflightMode, Job, PauseMode, RoutedExperts, VersionSpan
+from schemas import (
+    Abort,
+    Completion,
+    InflightMode,
+    Job,
+    PauseMode,
+    RoutedExperts,
+    VersionSpan,
+    WeightReload,
+)
 from worker.core.errors import EngineError, JobAbortedError, JobExpiredError
 from worker.engines.protocol import ControllableEngine, EngineOutput
 
@@ -94,6 +103,10 @@ class SteerableEngine:
     @property
     def weight_version(self) -> int:
         return self._inner.weight_version
+
+    @property
+    def weight_reload(self) -> WeightReload:
+        return self._inner.weight_reload
 
     @property
     def paused(self) -> bool:
@@ -252,7 +265,7 @@ class SteerableEngine:
         async with self._control:
             self._open.clear()
             try:
-                if mode == "keep" and self._inner.keeps_requests_across_loads:
+                if mode == "keep" and self._inner.weight_reload.mode == "in-place":
                     if not self._frozen:
                         await self._inner.freeze()
                     try:

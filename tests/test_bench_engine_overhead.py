@@ -1,0 +1,86 @@
+"""bench/engine_overhead.py's arithmetic and its CPU accounting: what its figures rest on."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "engine_overhead.py"
+
+
+def load_bench() -> ModuleType:
+    # bench/ is scripts, not a package: load the file itself.
+    spec = importlib.util.spec_from_file_location("engine_overhead_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+@pytest.mark.parametrize(
+    ("rate", "seconds", "max_tokens", "batch"),
+    [(4000.0, 10.0, 32, 32), (9500.0, 10.0, 32, 32), (120.0, 10.0, 64, 8), (1.0, 0.5, 32, 4)],
+)
+def test_a_round_lasts_at_least_its_length_at_the_calibrated_rate(
+    rate: float, seconds: float, max_tokens: int, batch: int
+) -> None:
+    jobs = bench.jobs_per_round(rate, seconds, max_tokens, batch)
+    assert jobs % batch == 0
+    assert jobs * max_tokens / rate >= seconds * bench.ROUND_MARGIN
+    # and not a whole batch more than needed
+    assert (jobs - batch) * max_tokens / rate < seconds * bench.ROUND_MARGIN or jobs == batch
+
+
+def test_round_sizing_refuses_a_rate_it_cannot_use() -> None:
+    with pytest.raises(ValueError, match="positive"):
+        bench.jobs_per_round(0.0, 10.0, 32, 32)
+
+
+def test_ratios_pair_rounds_and_the_spread_is_median_min_max() -> None:
+    ratios = bench.paired_ratios([90.0, 200.0, 50.0], [100.0, 200.0, 40.0])
+    assert ratios == pytest.approx([0.9, 1.0, 1.25])
+    spread = bench.Spread.of(ratios)
+    assert (spread.median, spread.low, spread.high) == pytest.approx((1.0, 0.9, 1.25))
+    with pytest.raises(ValueError, match="longer"):
+        bench.paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_cpu_deltas_compare_only_processes_seen_both_times() -> None:
+    # A process that started or ended in between has no delta to give.
+    assert bench.cpu_delta({1: 1.0, 2: 5.0}, {1: 1.5, 3: 9.0}) == pytest.approx(0.5)
+
+
+def test_a_front_end_is_charged_its_own_cpu_not_its_childrens() -> None:
+    # The bench's premise: vLLM's EngineCore runs in a child process, and the front end's
+    # CPU figure must not include it.
+    busy = (
+        "import sys, time\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"
+        "print('spun', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    me = psutil.Process()
+    before = bench.own_cpu_s(me)
+    with subprocess.Popen(
+        [sys.executable, "-c", busy], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdout is not None and child.stdin is not None
+        try:
+            assert child.stdout.readline().strip() == "spun"  # blocks until the child has spun
+            spent = bench.children_cpu_s(me)
+            assert spent[child.pid] >= 0.45
+            assert bench.own_cpu_s(me) - before < 0.3
+            assert child.pid not in bench.children_cpu_s(me, skip=child.pid)
+        finally:
+            child.stdin.close()  # the child exits; leaving the block waits for it

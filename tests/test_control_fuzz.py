@@ -1,0 +1,575 @@
+"""Fuzzing the readers of the control and status topics (hypothesis, a bounded budget each).
+
+- The command and status decoders raise nothing but `SchemaError`, whatever the bytes; the
+  signature check and the matching of a decoded command raise nothing at all.
+- A stream of hostile control records mixed with good commands leaves the control plane
+  applying and acknowledging every good one (with and without a signing key), and the plane
+  itself running.
+- Hostile status records never break the Fleet's reader: every real worker is found live,
+  every real acknowledgement is collected, and no forged heartbeat far from now counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import msgspec
+import pytest
+from aiokafka import ConsumerRecord, TopicPartition
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from schemas import (
+    Abort,
+    Command,
+    CommandAck,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    SchemaError,
+    Target,
+    UpdateWeights,
+    WorkerStatus,
+    decode_command,
+    decode_status,
+    encode,
+    sign_command,
+    signature_problem,
+)
+from worker.client import fleet as fleet_module
+from worker.control.plane import ControlPlane
+from worker.core.config import settings_from
+from worker.core.errors import FatalError
+from worker.core.metrics import Metrics
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.steerable import SteerableEngine
+
+# Each test stays well under 30 s on a busy 2-core machine.
+FUZZ = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+STREAMS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+KEY = b"fuzz-key-" + b"k" * 32
+CONTROL, STATUS = "fuzz.control", "fuzz.status"
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+COMMAND_FIELDS = [
+    "command_id",
+    "target",
+    "issued_at",
+    "signature",
+    "version",
+    "path",
+    "on_inflight",
+    "backend",
+    "init_info",
+    "update_info",
+    "force",
+    "mode",
+    "job_ids",
+    "metadata",
+]
+STATUS_FIELDS = [
+    "worker",
+    "group",
+    "model",
+    "weight_version",
+    "paused",
+    "in_flight",
+    "lag",
+    "engine_healthy",
+    "uptime_s",
+    "at",
+    "interval_s",
+    "needs_weights",
+    "command_id",
+    "kind",
+    "outcome",
+    "detail",
+    "duration_s",
+    "offset",
+]
+
+
+def tagged(tag: str, tags: list[str], fields: list[str]) -> st.SearchStrategy[bytes]:
+    """JSON objects shaped like the union's members: a real tag (mostly), fields with names
+    the schema knows and values of any JSON type."""
+    return st.fixed_dictionaries(
+        {tag: st.sampled_from(tags) | st.text(max_size=8)},
+        optional={name: JSON for name in fields},
+    ).map(lambda d: json.dumps(d).encode())
+
+
+COMMAND_LIKE = tagged(
+    "kind", ["pause", "resume", "update_weights", "abort", "reset_prefix_cache"], COMMAND_FIELDS
+)
+STATUS_LIKE = tagged("type", ["ack", "status", "control_error"], STATUS_FIELDS)
+ANY_BYTES = st.binary(max_size=300) | JSON.map(lambda v: json.dumps(v).encode())
+
+
+def mutated(data: bytes) -> st.SearchStrategy[bytes]:
+    """`data` with a few bytes changed, cut or inserted."""
+    return st.lists(
+        st.tuples(st.integers(0, max(len(data) - 1, 0)), st.binary(max_size=3)), max_size=4
+    ).map(lambda edits: _apply_edits(data, edits))
+
+
+def _apply_edits(data: bytes, edits: list[tuple[int, bytes]]) -> bytes:
+    out = bytearray(data)
+    for at, patch in edits:
+        out[at : at + 1] = patch
+    return bytes(out)
+
+
+# ---- decoders --------------------------------------------------------------------------------
+
+
+@FUZZ
+@given(st.one_of(ANY_BYTES, COMMAND_LIKE, st.just(b"[" * 50_000)), st.text(max_size=10))
+def test_the_command_decoder_raises_only_schema_errors(data, name):
+    try:
+        command = decode_command(data)
+    except SchemaError:
+        return
+    # What the plane does with a decoded command raises nothing.
+    assert signature_problem(data, KEY) in (
+        None,
+        "unsigned",
+        "bad signature",
+        "signature is not a string",
+    )
+    command.target.matches(name, name)
+    if isinstance(command, Abort):
+        command.matches(name, {name: name})
+
+
+@FUZZ
+@given(st.one_of(ANY_BYTES, STATUS_LIKE, st.just(b"{" * 50_000)))
+def test_the_status_decoders_raise_only_schema_errors(data):
+    try:
+        message = decode_status(data)
+    except SchemaError:
+        message = None
+    assert fleet_module._decode(data) == message  # the Fleet's reader: None, never a raise
+    if isinstance(message, WorkerStatus):
+        fleet_module._live(message, time.time())
+
+
+@FUZZ
+@given(ANY_BYTES | COMMAND_LIKE, st.binary(min_size=1, max_size=64))
+def test_the_signature_check_never_raises(data, key):
+    problem = signature_problem(data, key)
+    assert problem is None or isinstance(problem, str)
+
+
+# ---- a control plane fed hostile records -----------------------------------------------------
+
+
+class ControlTopic:
+    """The control topic's one partition in memory, as the plane's consumer reads it."""
+
+    def __init__(self) -> None:
+        self.records: list[ConsumerRecord[bytes, bytes]] = []
+        self._position = 0
+
+    def add(self, value: bytes) -> None:
+        self.records.append(
+            ConsumerRecord(
+                CONTROL, 0, len(self.records), 0, 0, None, value, None, 0, len(value), ()
+            )
+        )
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+    async def topics(self) -> set[str]:
+        return {CONTROL, STATUS}
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {0}
+
+    def assign(self, tps: list[TopicPartition]) -> None:
+        return
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._position = offset
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, len(self.records))
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self._position
+
+    async def getmany(
+        self, tp: TopicPartition, timeout_ms: int = 0
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        batch = self.records[self._position :]
+        self._position = len(self.records)
+        if not batch:
+            await asyncio.sleep(0.001)  # a poll that found nothing
+        return {tp: batch}
+
+
+class StatusTopic:
+    """The status producer in memory: what the plane sent, decoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+    async def send_and_wait(self, topic: str, value: bytes, key: bytes) -> None:
+        self.sent.append(decode_status(value))
+
+    def acks(self) -> dict[str, CommandAck]:
+        return {m.command_id: m for m in self.sent if isinstance(m, CommandAck)}
+
+
+class IdleWorker:
+    jobs_in_flight = 0
+
+    def lag(self) -> int | None:
+        return None
+
+    async def answers_acknowledged(self, timeout_s: float) -> bool:
+        return True
+
+    def fail(self, exc: FatalError, where: str) -> None:
+        raise AssertionError(f"the worker was stopped by {where}: {exc}")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz-weights")
+    (root / "good").mkdir()
+    (root / "good" / "config.json").write_text(json.dumps({"name": "good"}))
+    return root
+
+
+def good_commands(count: int, root: Path) -> list[Command]:
+    """Commands that must each be acknowledged `ok`: every kind, versions moving forward."""
+    kinds: list[Command] = []
+    for i in range(count):
+        match i % 5:
+            case 0:
+                kinds.append(Abort(command_id=f"good-{i}", job_ids=["none"]))
+            case 1:
+                kinds.append(ResetPrefixCache(command_id=f"good-{i}"))
+            case 2:
+                kinds.append(Pause(command_id=f"good-{i}", mode="wait"))
+            case 3:
+                kinds.append(Resume(command_id=f"good-{i}"))
+            case _:
+                kinds.append(
+                    UpdateWeights(command_id=f"good-{i}", version=i, path=str(root / "good"))
+                )
+    return kinds
+
+
+def hostile_commands(root: Path) -> st.SearchStrategy[Command]:
+    """Well-formed commands that must be refused or do no harm: paths anywhere, transfers,
+    targets, modes, ids that are never a good command's."""
+    ids = st.text(min_size=1, max_size=20).filter(lambda s: not s.startswith("good"))
+    paths = st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(["/", "/dev/zero", "/proc/self/root", "/etc", f"{root}/..", f"{root}/x"]),
+        st.text(max_size=10).map(lambda s: f"{root}/good/../../{s}"),
+        # A NUL stopped the whole control plane (ValueError from the filesystem).
+        st.text(max_size=10).map(lambda s: f"{root}/good\x00{s}"),
+    ).filter(bool)
+    return st.one_of(
+        st.builds(
+            UpdateWeights,
+            command_id=ids,
+            version=st.integers(0, 2**40),
+            path=paths,
+            on_inflight=st.sampled_from(["keep", "wait", "restart", "abort"]),
+            force=st.booleans(),
+        ),
+        st.builds(
+            UpdateWeights,
+            command_id=ids,
+            version=st.integers(0, 2**40),
+            backend=st.sampled_from(["nccl", "ipc"]),
+            init_info=st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+            update_info=st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+        ),
+        st.builds(Pause, command_id=ids, mode=st.sampled_from(["abort", "wait", "keep"])),
+        st.builds(
+            Abort,
+            command_id=ids,
+            metadata=st.dictionaries(st.text(max_size=5), st.text(max_size=5)),
+        ),
+        st.builds(
+            ResetPrefixCache,
+            command_id=ids,
+            target=st.builds(Target, group=st.none() | st.text(max_size=5)),
+        ),
+    )
+
+
+async def feed(records: list[bytes], good: list[Command], key: bytes | None, root: Path) -> None:
+    values: dict[str, Any] = {
+        "control_topic": CONTROL,
+        "status_topic": STATUS,
+        "worker_id": "fuzz",
+        "weights_root": [str(root)],
+        "status_interval_s": 3600,
+    }
+    if key is not None:
+        values["control_hmac_key"] = key.decode()
+    control, status = ControlTopic(), StatusTopic()
+    engine = SteerableEngine(MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4)))
+    plane = ControlPlane(
+        settings_from(values, {}),
+        engine,
+        Metrics(),
+        IdleWorker(),
+        consumer=control,
+        producer=status,
+    )
+    await plane.start()
+    await plane.catch_up()
+    for value in records:
+        control.add(value)
+    running = asyncio.create_task(plane.run())
+    wanted = {c.command_id for c in good}
+    try:
+        deadline = time.monotonic() + 20
+        while not wanted <= set(status.acks()) and not running.done():
+            assert time.monotonic() < deadline, f"no ack for {wanted - set(status.acks())}"
+            await asyncio.sleep(0.005)
+        assert not running.done(), running.exception()
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+    acks = status.acks()
+    for command in good:
+        ack = acks[command.command_id]
+        assert ack.outcome == "ok", (ack, records)
+    if key is not None:
+        # Under a key, the only command applied per id is the good one: everything else said
+        # `unauthorized` (the hostile copies before the real command included).
+        good_ids = {c.command_id for c in good}
+        applied = [m for m in status.sent if isinstance(m, CommandAck) and m.outcome == "ok"]
+        assert sorted(m.command_id for m in applied) == sorted(good_ids), applied
+        for m in status.sent:
+            if isinstance(m, CommandAck) and m.outcome != "ok":
+                assert m.detail.startswith("unauthorized: "), m
+    versions = [c.version for c in good if isinstance(c, UpdateWeights)]
+    assert engine.weight_version == max(versions, default=0)
+
+
+@STREAMS
+@given(st.data())
+def test_hostile_control_records_leave_every_good_command_applied(weights, data):
+    good = good_commands(data.draw(st.integers(1, 10)), weights)
+    # Unsigned, a command's id is all that tells it from another: hostile ids are never good
+    # ones here (under a key, the next test, they may be).
+    hostile = st.one_of(ANY_BYTES, COMMAND_LIKE, hostile_commands(weights).map(encode)).filter(
+        lambda b: b'"good' not in b
+    )
+    records: list[bytes] = []
+    for command in good:
+        records += data.draw(st.lists(hostile, max_size=3))
+        records.append(encode(command))
+    asyncio.run(feed(records, good, None, weights))
+
+
+@STREAMS
+@given(st.data())
+def test_under_a_key_forged_and_tampered_records_change_nothing(weights, data):
+    good = good_commands(data.draw(st.integers(1, 10)), weights)
+    records: list[bytes] = []
+    for command in good:
+        signed = encode(sign_command(command, KEY))
+        forgeries = st.one_of(
+            ANY_BYTES,
+            COMMAND_LIKE,
+            hostile_commands(weights).map(encode),
+            # The good command itself, unsigned or under another key, before the real one:
+            # neither is applied, nor takes its id.
+            st.just(encode(command)),
+            st.just(encode(sign_command(command, b"x" * 40))),
+            mutated(signed).filter(signed.__ne__),
+        )
+        records += data.draw(st.lists(forgeries, max_size=3))
+        records.append(signed)
+    asyncio.run(feed(records, good, KEY, weights))
+
+
+# ---- the Fleet reading hostile status records ------------------------------------------------
+
+
+class StatusPartition:
+    """The status topic's one partition in memory, as the Fleet's consumer reads it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.records: list[ConsumerRecord[bytes, bytes]] = []
+        self._position = 0
+
+    def add(self, value: bytes | None) -> None:
+        size = 0 if value is None else len(value)
+        self.records.append(
+            ConsumerRecord(STATUS, 0, len(self.records), 0, 0, None, value, None, 0, size, ())
+        )
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+    async def topics(self) -> set[str]:
+        return {STATUS}
+
+    def partitions_for_topic(self, topic: str) -> set[int]:
+        return {0}
+
+    def assign(self, tps: list[TopicPartition]) -> None:
+        return
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._position = offset
+
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, len(self.records))
+
+    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, 0)
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self._position
+
+    async def getmany(
+        self, timeout_ms: int = 0
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        batch = self.records[self._position :][:7]  # a few at a time, as fetches come
+        self._position += len(batch)
+        if not batch:
+            await asyncio.sleep(0.001)
+        return {TopicPartition(STATUS, 0): batch}
+
+
+class NoProducer:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        return
+
+    async def start(self) -> None:
+        return
+
+    async def stop(self) -> None:
+        return
+
+
+def heartbeat(worker: str, at: float, interval_s: float = 5.0) -> bytes:
+    return encode(
+        WorkerStatus(
+            worker=worker,
+            group="g",
+            model="m",
+            weight_version=1,
+            paused=False,
+            in_flight=0,
+            lag=None,
+            engine_healthy=True,
+            uptime_s=1.0,
+            at=at,
+            interval_s=interval_s,
+        )
+    )
+
+
+def ack(worker: str, command_id: str) -> bytes:
+    return encode(
+        CommandAck(
+            worker=worker,
+            group="g",
+            command_id=command_id,
+            kind="abort",
+            outcome="ok",
+            duration_s=0.0,
+            weight_version=1,
+            at=time.time(),
+        )
+    )
+
+
+HOSTILE_STATUS = st.one_of(
+    ANY_BYTES,
+    STATUS_LIKE,
+    st.none(),
+    st.just(b" " * (fleet_module.MAX_STATUS_RECORD_BYTES + 1)),
+    # Phantoms: dated far ahead or long ago, or claiming a huge interval.
+    st.floats(1e5, 1e12).map(lambda ahead: heartbeat("phantom", time.time() + ahead)),
+    st.floats(1e5, 1e12).map(lambda ago: heartbeat("phantom", time.time() - ago)),
+    st.just(heartbeat("phantom", time.time(), 1e6)),
+)
+
+
+async def read_fleet(records: list[bytes | None], live: list[str]) -> None:
+    partition = StatusPartition()
+    for value in records:
+        partition.add(value)
+    with (
+        mock.patch.object(fleet_module, "AIOKafkaConsumer", lambda *a, **k: partition),
+        mock.patch.object(fleet_module, "AIOKafkaProducer", NoProducer),
+    ):
+        async with fleet_module.Fleet({}, control_topic=CONTROL, status_topic=STATUS) as fleet:
+            found = await fleet.live_workers()
+            assert set(found) == set(live)
+            acks = await fleet.acks("cmd", live, {TopicPartition(STATUS, 0): 0}, timeout_s=10)
+            assert set(acks) == set(live)
+
+
+@STREAMS
+@given(st.data())
+def test_hostile_status_records_never_break_the_fleets_reader(data):
+    live = [f"w{i}" for i in range(data.draw(st.integers(0, 4)))]
+    records: list[bytes | None] = []
+    for worker in live:
+        records += data.draw(st.lists(HOSTILE_STATUS, max_size=4))
+        records += [heartbeat(worker, time.time()), ack(worker, "cmd")]
+    records += data.draw(st.lists(HOSTILE_STATUS, max_size=4))
+    asyncio.run(read_fleet(records, live))
+
+
+def test_a_forged_heartbeat_dated_far_ahead_keeps_no_phantom_live():
+    # Without the check, one record dated a year ahead kept "phantom" live for that year, and
+    # every update waited for its acknowledgement until it timed out.
+    records: list[bytes | None] = [heartbeat("phantom", time.time() + 365 * 86400)]
+    asyncio.run(read_fleet(records, []))
+
+
+def test_an_oversized_status_record_is_skipped_unread():
+    big = msgspec.json.decode(heartbeat("w-big", time.time()))
+    big["model"] = "m" * fleet_module.MAX_STATUS_RECORD_BYTES
+    asyncio.run(read_fleet([json.dumps(big).encode()], []))

@@ -1,0 +1,159 @@
+"""Where a job's answers go: its `reply_to` when `--reply-topics` allows it and the broker has
+that topic, else the results topic.
+
+A `reply_to` is written by whoever produced the job, so it is checked before anything is
+answered there: once per topic, with one bounded metadata lookup whose outcome is kept. A topic
+the broker does not have (auto-creation off) would otherwise be retried until
+`--publish-timeout-s` and stop the worker, and the producer's own metadata wait for it would
+hold up every other answer meanwhile. Such a job is answered `invalid_job` on the results topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from aiokafka.errors import KafkaError
+
+from schemas import Job
+from worker.core.config import Settings
+
+__all__ = ["AnswerTopics", "TopicLookup"]
+
+logger = logging.getLogger(__name__)
+
+#: Whether the broker has a topic: True or False, or a KafkaError when no broker answers.
+TopicLookup = Callable[[str], Awaitable[bool]]
+
+#: The longest a job waits for the metadata of its reply topic.
+REPLY_TOPIC_CHECK_S: Final = 5.0
+#: How long a topic found missing stays refused before it is looked up again (it may be
+#: created meanwhile); a topic found is kept for good.
+MISSING_TOPIC_TTL_S: Final = 60.0
+# Topics found missing that are remembered at once; hostile jobs naming ever new topics the
+# pattern allows cost a lookup each beyond it, not memory.
+_MAX_MISSING: Final = 1024
+
+
+class AnswerTopics:
+    """Where a job's answer goes. `check(reply_to)` looks the topic up (at most once per topic
+    and `MISSING_TOPIC_TTL_S`); `of`, `answer_topic` and `refusal` then say, without waiting,
+    where it is answered and why not on its `reply_to`.
+
+    Without `lookup` an allowed `reply_to` is taken as it is named, unchecked.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        lookup: TopicLookup | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.results = settings.results_topic
+        self.dead_letter = settings.dead_letter_topic
+        self._reply_topics = (
+            re.compile(settings.reply_topics) if settings.reply_topics is not None else None
+        )
+        self._lookup = lookup
+        self._clock = clock
+        self._present: set[str] = set()
+        # Topic -> (when it may be looked up again, why it is refused meanwhile).
+        self._missing: dict[str, tuple[float, str]] = {}
+        self._checks: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def allowed_replies(self) -> str:
+        """The `--reply-topics` pattern, for error details ("unset" when none is allowed)."""
+        return self._reply_topics.pattern if self._reply_topics is not None else "unset"
+
+    def allowed(self, reply_to: str | None) -> bool:
+        """Whether `--reply-topics` lets a job be answered on `reply_to`."""
+        return (
+            reply_to is not None
+            and self._reply_topics is not None
+            and self._reply_topics.fullmatch(reply_to) is not None
+        )
+
+    async def check(self, reply_to: str | None) -> None:
+        """Look `reply_to` up on the broker unless its outcome is known; waits at most
+        `REPLY_TOPIC_CHECK_S`. Jobs asking for the same topic at once share one lookup."""
+        if self._lookup is None or reply_to is None or not self.allowed(reply_to):
+            return
+        if reply_to in self._present or self._missing_reason(reply_to) is not None:
+            return
+        task = self._checks.get(reply_to)
+        if task is None:
+            task = asyncio.create_task(self._look_up(reply_to), name=f"check {reply_to}")
+            self._checks[reply_to] = task
+            task.add_done_callback(lambda _: self._checks.pop(reply_to, None))
+        # Shielded: a cancelled job leaves the lookup to the others waiting on it.
+        await asyncio.shield(task)
+
+    def answer_topic(self, reply_to: str | None) -> str:
+        """The topic an answer to a job with this `reply_to` goes to."""
+        if reply_to is None or self.refusal(reply_to) is not None:
+            return self.results
+        return reply_to
+
+    def of(self, job: Job) -> str:
+        """The topic the answers to `job` go to."""
+        return self.answer_topic(job.reply_to)
+
+    def refusal(self, reply_to: str) -> str | None:
+        """Why a job's `reply_to` is not answered on (its answer goes to the results topic
+        instead), or None when it is."""
+        if not self.allowed(reply_to):
+            return (
+                f"reply_to {reply_to!r} is not a topic this worker answers to "
+                f"(--reply-topics {self.allowed_replies})"
+            )
+        if self._lookup is None or reply_to in self._present:
+            return None
+        reason = self._missing_reason(reply_to)
+        if reason is None:
+            # Not checked (or the check was cut short): never answered on unchecked.
+            reason = "it has not been checked on the broker"
+        return f"reply_to {reply_to!r} cannot be answered on: {reason}"
+
+    def _missing_reason(self, topic: str) -> str | None:
+        missing = self._missing.get(topic)
+        if missing is None:
+            return None
+        if missing[0] <= self._clock():
+            del self._missing[topic]
+            return None
+        return missing[1]
+
+    async def _look_up(self, topic: str) -> None:
+        assert self._lookup is not None  # noqa: S101 - check() returns first without one
+        try:
+            present = await asyncio.wait_for(self._lookup(topic), REPLY_TOPIC_CHECK_S)
+        except TimeoutError:
+            self._refuse(topic, f"no metadata for it within {REPLY_TOPIC_CHECK_S:.0f}s")
+            return
+        except KafkaError as exc:
+            self._refuse(topic, f"its metadata could not be read ({type(exc).__name__})")
+            return
+        except Exception as exc:  # A lookup's bug must not leave a job unanswered.
+            logger.exception("looking up reply topic %s failed", topic)
+            self._refuse(topic, f"its metadata could not be read ({type(exc).__name__})")
+            return
+        if present:
+            self._present.add(topic)
+            logger.info("reply topic %s exists: answering jobs on it", topic)
+        else:
+            self._refuse(topic, "the broker has no such topic (and does not create it)")
+
+    def _refuse(self, topic: str, reason: str) -> None:
+        if len(self._missing) >= _MAX_MISSING:
+            now = self._clock()
+            self._missing = {t: m for t, m in self._missing.items() if m[0] > now}
+            if len(self._missing) >= _MAX_MISSING:
+                self._missing.pop(next(iter(self._missing)))
+        self._missing[topic] = (self._clock() + MISSING_TOPIC_TTL_S, reason)
+        logger.warning("reply topic %s refused for %.0fs: %s", topic, MISSING_TOPIC_TTL_S, reason)

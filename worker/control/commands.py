@@ -1,0 +1,153 @@
+"""One control command applied to the engine, after the checks that it may be.
+
+Checked before anything changes: the command's signature (given by the control plane, which
+reads the record), that a weight update moves the version forward (`force` rolls back), and
+what it may load (`worker.control.policy`). Besides the engine's own pause, the runner keeps
+the `needs_weights` hold of a worker whose latest update at start was a weight transfer: a
+`resume` leaves its jobs held; the next update that loads releases them (unless the fleet is
+paused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Final, Protocol
+
+from schemas import Abort, Command, Pause, ResetPrefixCache, Resume, UpdateWeights
+from worker.control.policy import WeightsPolicy
+from worker.core.config import Settings
+from worker.core.errors import FatalError, WeightUpdateError
+from worker.core.metrics import Metrics
+from worker.engines.steerable import SteerableEngine
+
+__all__ = ["CommandRunner", "WorkerView"]
+
+# How long a `restart` update waits for the answers of jobs that finished on the old weights to
+# be acknowledged before it acknowledges itself.
+_SETTLE_TIMEOUT_S: Final = 30.0
+# How long the checks of a checkpoint directory may take (storage that hangs is refused).
+_POLICY_TIMEOUT_S: Final = 30.0
+
+
+class WorkerView(Protocol):
+    """What the control plane reads from, and tells, the worker it steers."""
+
+    @property
+    def jobs_in_flight(self) -> int: ...
+
+    def lag(self) -> int | None: ...
+
+    async def answers_acknowledged(self, timeout_s: float) -> bool: ...
+
+    def fail(self, exc: FatalError, where: str) -> None: ...
+
+
+class CommandRunner:
+    """Applies commands to `engine` (see the module's docstring)."""
+
+    def __init__(
+        self, settings: Settings, engine: SteerableEngine, metrics: Metrics, worker: WorkerView
+    ) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._metrics = metrics
+        self._worker = worker
+        self._policy = WeightsPolicy(settings)
+        # The latest update in the topic at start was a transfer this worker cannot repeat.
+        self._needs_weights = False
+        # The fleet's own pause state (a `needs_weights` hold keeps the gate closed anyway).
+        self._fleet_paused = False
+
+    async def run(
+        self, command: Command, *, catching_up: bool = False, unauthorized: str | None = None
+    ) -> str:
+        """Apply one command; a detail for the acknowledgement. `WeightUpdateError` (nothing
+        changed, or the old weights still serve) says why it failed."""
+        if unauthorized is not None:
+            raise WeightUpdateError(f"unauthorized: {unauthorized}")
+        engine = self._engine
+        if isinstance(command, Pause):
+            self._fleet_paused = True
+            await engine.pause(command.mode)
+            return ""
+        if isinstance(command, Resume):
+            self._fleet_paused = False
+            if self._holding:
+                return "jobs stay held until the next update_weights (needs_weights)"
+            await engine.resume()
+            return ""
+        if isinstance(command, ResetPrefixCache):
+            await engine.reset_prefix_cache()
+            return ""
+        if isinstance(command, Abort):
+            matched = await engine.abort(command)
+            return f"aborted {len(matched)} jobs in flight" + (
+                f": {', '.join(sorted(matched)[:20])}" if matched else ""
+            )
+        await self._check_update(command)
+        t0 = time.monotonic()
+        if command.backend == "checkpoint":
+            assert command.path is not None  # noqa: S101 - the schema requires it
+            await engine.load_checkpoint(command.path, command.version, command.on_inflight)
+        else:
+            assert command.update_info is not None  # noqa: S101 - the schema requires it
+            await engine.transfer(
+                command.backend,
+                command.init_info,
+                command.update_info,
+                command.version,
+                command.on_inflight,
+            )
+        self._metrics.weight_update_time.observe(time.monotonic() - t0)
+        if self._needs_weights:
+            holding, self._needs_weights = self._holding, False
+            if holding and not self._fleet_paused:
+                await engine.resume()
+        if command.on_inflight == "restart" and not catching_up:
+            # Answers of jobs that finished on the old weights go out before this says done.
+            settled = await self._settled_answers()
+            if not settled:
+                return "some answers of jobs finished on the old weights were still unacknowledged"
+        return f"serving {command.path or command.backend} as version {command.version}"
+
+    @property
+    def needs_weights(self) -> bool:
+        return self._needs_weights
+
+    @property
+    def _holding(self) -> bool:
+        return self._needs_weights and self._settings.stale_weights_at_start == "hold"
+
+    async def lack_weights(self) -> bool:
+        """The latest update could not be repeated: report `needs_weights` until the next
+        one, holding the jobs unless told to serve; whether they are held."""
+        self._needs_weights = True
+        if self._holding:
+            await self._engine.pause("wait")
+        return self._holding
+
+    async def _check_update(self, command: UpdateWeights) -> None:
+        """Raise `WeightUpdateError` when `command` may not be applied; nothing has changed."""
+        served = self._engine.weight_version
+        if command.version < served and not command.force:
+            raise WeightUpdateError(
+                f"version {command.version} is older than the served version {served}: "
+                "refused (an update with `force` rolls back)"
+            )
+        try:
+            await asyncio.wait_for(
+                asyncio.to_thread(self._policy.check, command), _POLICY_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise WeightUpdateError(
+                f"checkpoint {command.path} could not be checked in {_POLICY_TIMEOUT_S:.0f} s"
+            ) from None
+
+    async def _settled_answers(self) -> bool:
+        worker = self._worker
+        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        # Jobs whose engine call has returned, with their answers still being built.
+        while worker.jobs_in_flight > self._engine.inside and time.monotonic() < deadline:  # noqa: ASYNC110 - a count, not an event: polled for a few ms
+            await asyncio.sleep(0.01)
+        return await worker.answers_acknowledged(max(deadline - time.monotonic(), 0))
