@@ -8,8 +8,8 @@ when set, else starts a local noida-db broker (worker.dev.broker.LocalBroker).
    50 ms a token, mixed lengths), one `python -m worker serve` process with 256 jobs in flight;
    SIGKILL once `--kill-at` short jobs are answered (all past the contiguous commit, which the
    slow job holds), restart with the same instance id, wait for every answer. Printed per
-   variant (map on, `--offset-map-max-bytes 0`): jobs generated twice, and that over the jobs
-   in flight at the kill. Both variants run in this process, one after the other.
+   variant (map on; `--offset-map-max-bytes 0 --max-crash-attempts 0`): jobs generated twice,
+   and that over the jobs in flight at the kill. Both variants run in this process, one after the other.
 2. Commit cost. The same partition state (a slow job, then every other offset answered: the
    map's worst shape) committed to the broker with its map at ~3 KB and without a map; the
    median wall time of one commit each way and their ratio, plus the time to build the map.
@@ -53,6 +53,8 @@ def _serve(
         "--max-in-flight", str(IN_FLIGHT), "--commit-interval-ms", "0", "--poll-timeout-ms", "50",
         "--mock-per-token-latency-ms", "50", "--mock-num-layers", "4",
         "--offset-map-max-bytes", str(map_bytes),
+        # No map leaves the crash-loop breaker nothing to count in: it is off in that variant.
+        "--max-crash-attempts", "3" if map_bytes else "0",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
     with log.open("ab") as out:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
+import signal
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -15,9 +18,10 @@ from typing import Any
 
 import aiohttp
 import psutil
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from tests.kafka_helpers import Record
+from schemas import Failed, Job, SamplingSpec, decode_result
+from tests.kafka_helpers import Record, committed, job_record, wait_for
 
 MiB = 1024 * 1024
 
@@ -164,3 +168,305 @@ class History:
         """Assert nothing was lost; return the duplicates."""
         assert not self.lost, f"{len(self.lost)} jobs lost, e.g. {sorted(self.lost)[:5]}"
         return self.duplicates
+
+
+# ---- chaos at scale: workers killed at random over many partitions ---------------------------
+
+
+@dataclass
+class ChaosPlan:
+    """What `Chaos` does: `jobs` jobs spread over `partitions`, served by `workers` processes
+    (static members, each restarted under its own instance id), of which `kills` are SIGKILLed
+    at random and `term_kills` SIGTERMed and SIGKILLed `term_kill_after_s` later if still
+    running; `crash_jobs` jobs hold the mock engine's crash token and kill whoever runs them.
+    Every `long_every`-th job runs long, so stops cut some jobs short."""
+
+    jobs: int = 5000
+    partitions: int = 8
+    workers: int = 2
+    kills: int = 50
+    term_kills: int = 10
+    term_kill_after_s: float = 2.0
+    crash_jobs: int = 3
+    crash_token: int = 99_999
+    max_in_flight: int = 16
+    per_token_ms: int = 10
+    long_every: int = 100
+    long_tokens: int = 300
+    seed: int = 0
+    timeout_s: float = 900.0
+
+
+@dataclass
+class ChaosFigures:
+    """What a chaos run saw."""
+
+    jobs: int
+    lost: int
+    dead_lettered: set[str]
+    crash_jobs: set[str]
+    failed_innocent: set[str]
+    duplicates: int
+    in_flight_at_kills: int
+    kills: int
+    term_kills: int
+    crash_deaths: int
+    committed: dict[int, int | None]
+    ends: dict[int, int]
+    seconds: float
+
+    def line(self) -> str:
+        return (
+            f"chaos: jobs={self.jobs} lost={self.lost} dead_lettered={len(self.dead_lettered)} "
+            f"(crash-token {len(self.dead_lettered & self.crash_jobs)} of "
+            f"{len(self.crash_jobs)}, others {len(self.dead_lettered - self.crash_jobs)}) "
+            f"failed_innocent={len(self.failed_innocent)} duplicates={self.duplicates} "
+            f"in_flight_at_kills={self.in_flight_at_kills} sigkills={self.kills} "
+            f"sigterm_then_sigkill={self.term_kills} crash_deaths={self.crash_deaths} "
+            f"committed_at_end={self.committed == self.ends} committed={self.committed} "
+            f"seconds={self.seconds:.1f}"
+        )
+
+
+class _Results(InBackground):
+    """Every result and dead-letter copy, read from the beginning in the background."""
+
+    def __init__(self, bootstrap: str, results: str, dlq: str) -> None:
+        self._bootstrap = bootstrap
+        self._results, self._dlq = results, dlq
+        self.answers: list[tuple[str, bool]] = []  # (job_id, failed)
+        self.dead_lettered: set[str] = set()
+
+    async def __aenter__(self) -> _Results:
+        consumer = AIOKafkaConsumer(
+            self._results,
+            self._dlq,
+            bootstrap_servers=self._bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_bytes=64 * MiB,
+            max_partition_fetch_bytes=32 * MiB,
+        )
+        await consumer.start()
+        self._run_in_background(self._run(consumer))
+        return self
+
+    async def _run(self, consumer: AIOKafkaConsumer) -> None:
+        try:
+            while True:
+                for tp, batch in (await consumer.getmany(timeout_ms=100)).items():
+                    for record in batch:
+                        if tp.topic == self._dlq:
+                            self.dead_lettered.add((record.key or b"").decode())
+                        else:
+                            result = decode_result(record.value or b"")
+                            self.answers.append((result.job_id or "", isinstance(result, Failed)))
+        finally:
+            await consumer.stop()
+
+    def answered(self) -> set[str]:
+        return {job_id for job_id, _ in self.answers}
+
+
+class Chaos:
+    """Runs a `ChaosPlan` on a broker: `spawn(topics, **flags)` starts `python -m worker serve`
+    (a `tests.workers.WorkerProcess`).
+
+    Kills land at random moments spread over the run (once a random share of the jobs is
+    answered), on a worker that serves normally: one that is running the suspects of an
+    earlier death one at a time is spared, as a death then blames the suspect that runs (which
+    the breaker cannot tell from the suspect killing the process; see the README).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Any,
+        spawn: Callable[..., Any],
+        plan: ChaosPlan,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self._bootstrap = bootstrap
+        self._topics = topics
+        self._spawn = spawn
+        self.plan = plan
+        self._log = log
+        self._rng = random.Random(plan.seed)
+        self._workers: list[Any] = []
+        self._ports: list[int | None] = []
+        self._ours: set[int] = set()  # slots whose current exit the harness caused
+        self.crash_deaths = 0
+        self.in_flight_at_kills = 0
+        self.kills = self.term_kills = 0
+
+    def _jobs(self) -> list[Job]:
+        plan, prefix = self.plan, uuid.uuid4().hex[:6]
+        jobs = [
+            Job(
+                job_id=f"{prefix}-{i}",
+                prompt="hello",
+                sampling=SamplingSpec(
+                    max_tokens=plan.long_tokens if i % plan.long_every == 7 else 2 + i % 5
+                ),
+            )
+            for i in range(plan.jobs - plan.crash_jobs)
+        ]
+        for k in range(plan.crash_jobs):
+            killer = Job(job_id=f"{prefix}-killer-{k}", prompt_token_ids=[1, plan.crash_token, 2])
+            jobs.insert(self._rng.randrange(len(jobs) // 10, len(jobs)), killer)
+        return jobs
+
+    def _start(self, slot: int) -> None:
+        plan = self.plan
+        worker = self._spawn(
+            self._topics,
+            group_instance_id=f"{self._topics.instance}-{slot}",
+            max_in_flight=plan.max_in_flight,
+            mock_per_token_latency_ms=plan.per_token_ms,
+            mock_crash_token_id=plan.crash_token,
+            max_crash_attempts=3,
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+            revoke_grace_s=2,
+        )
+        if slot < len(self._workers):
+            self._workers[slot], self._ports[slot] = worker, None
+        else:
+            self._workers.append(worker)
+            self._ports.append(None)
+
+    async def _sample(self, slot: int) -> dict[str, float] | None:
+        if self._ports[slot] is None:
+            try:
+                self._ports[slot] = await metrics_port(self._workers[slot].log, timeout_s=0.5)
+            except AssertionError:
+                return None
+        try:
+            async with Scraper(self._ports[slot] or 0) as scraper:
+                return await scraper.sample()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return None
+
+    async def _supervise(self) -> None:
+        """Restart every worker that exits; count those that died by themselves."""
+        while True:
+            for slot, worker in enumerate(self._workers):
+                if worker.proc.poll() is not None:
+                    if slot not in self._ours:
+                        self.crash_deaths += 1
+                        self._log(f"  worker {slot} died by itself (rc {worker.proc.returncode})")
+                    self._ours.discard(slot)
+                    worker.stop_now()
+                    self._start(slot)
+            await asyncio.sleep(0.05)
+
+    async def _victim(self) -> int:
+        """A worker serving normally: holding partitions, no suspects (near the end it may be
+        idle). What it has started and not committed (what the kill may repeat) is counted."""
+        while True:
+            slots = list(range(self.plan.workers))
+            self._rng.shuffle(slots)
+            for slot in slots:
+                metrics = await self._sample(slot)
+                if (
+                    metrics
+                    and metrics.get("vkw_assigned_partitions", 0) > 0
+                    and metrics.get("vkw_crash_suspects", 1) == 0
+                ):
+                    self.in_flight_at_kills += int(metrics.get("vkw_jobs_uncommitted", 0))
+                    return slot
+            await asyncio.sleep(0.1)
+
+    async def _kill(self, kind: str, seen: _Results) -> None:
+        slot = await self._victim()
+        worker = self._workers[slot]
+        self._ours.add(slot)
+        if kind == "kill":
+            self.kills += 1
+            worker.signal(signal.SIGKILL)
+        else:
+            self.term_kills += 1
+            worker.signal(signal.SIGTERM)
+            with contextlib.suppress(AssertionError):
+                await worker.wait(self.plan.term_kill_after_s)
+            if worker.proc.poll() is None:
+                worker.signal(signal.SIGKILL)
+        self._log(
+            f"  {kind} {self.kills + self.term_kills} of worker {slot} at "
+            f"{len(seen.answered())} answered"
+        )
+        await wait_for(lambda: worker.proc.poll() is not None, 30, "the kill")
+
+    async def run(self) -> ChaosFigures:
+        """Produce, serve under the kills, and return what happened once every job is answered
+        and every partition committed to its end."""
+        plan, bs, topics = self.plan, self._bootstrap, self._topics
+        t0 = time.monotonic()
+        jobs = self._jobs()
+        job_ids = {j.job_id for j in jobs}
+        crash_ids = {j.job_id for j in jobs if "-killer-" in j.job_id}
+        ends = {p: len(range(p, plan.jobs, plan.partitions)) for p in range(plan.partitions)}
+        await produce_spread(bs, topics.jobs, [job_record(j) for j in jobs], plan.partitions)
+        kinds = ["kill"] * plan.kills + ["term"] * plan.term_kills
+        self._rng.shuffle(kinds)
+        low, high = plan.jobs // 20, plan.jobs * 9 // 10
+        thresholds = sorted(self._rng.randrange(low, high) for _ in kinds)
+        async with _Results(bs, topics.results, topics.dlq) as seen:
+            for slot in range(plan.workers):
+                self._start(slot)
+            supervisor = asyncio.create_task(self._supervise())
+            try:
+                for kind, threshold in zip(kinds, thresholds, strict=True):
+                    await wait_for(
+                        lambda t=threshold: len(seen.answered()) >= t,
+                        plan.timeout_s,
+                        f"{threshold} jobs answered",
+                    )
+                    await self._kill(kind, seen)
+                await wait_for(
+                    lambda: seen.answered() >= job_ids,
+                    plan.timeout_s,
+                    lambda: f"every job answered ({len(job_ids - seen.answered())} to go)",
+                )
+
+                async def at_end() -> bool:
+                    return await committed(bs, topics.group, topics.jobs) == ends
+
+                await wait_for(at_end, 60, "every partition committed to its end")
+            finally:
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervisor
+                await self._stop_all()
+            final = await committed(bs, topics.group, topics.jobs)
+            await wait_for(lambda: seen.dead_lettered >= crash_ids, 30, "the dead-letter copies")
+            history = History(
+                produced=job_ids,
+                answers=[j for j, _ in seen.answers],
+                dead_lettered=set(seen.dead_lettered),
+            )
+            failed = {j for j, is_failed in seen.answers if is_failed}
+        return ChaosFigures(
+            jobs=len(jobs),
+            lost=len(history.lost),
+            dead_lettered=set(seen.dead_lettered),
+            crash_jobs=crash_ids,
+            failed_innocent=failed - crash_ids,
+            duplicates=history.duplicates,
+            in_flight_at_kills=self.in_flight_at_kills,
+            kills=self.kills,
+            term_kills=self.term_kills,
+            crash_deaths=self.crash_deaths,
+            committed=final,
+            ends=ends,
+            seconds=time.monotonic() - t0,
+        )
+
+    async def _stop_all(self) -> None:
+        for worker in self._workers:
+            if worker.proc.poll() is None:
+                worker.signal(signal.SIGTERM)
+        for worker in self._workers:
+            with contextlib.suppress(AssertionError):
+                await worker.wait(30)
+            worker.stop_now()

@@ -289,6 +289,9 @@ class FakeConsumer:
     def highwater(self, tp: TopicPartition) -> int:
         return len(self.records.get(tp, []))
 
+    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: self.highwater(tp) for tp in tps}
+
     async def getmany(
         self, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:

@@ -24,6 +24,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from schemas import Completed, Failed, Job, SamplingSpec, decode_job, decode_result, encode
 from tests.chaos_helpers import (
+    Chaos,
+    ChaosPlan,
     History,
     InBackground,
     MiB,
@@ -881,3 +883,24 @@ async def test_a_job_that_kills_the_worker_is_answered_failed_after_three_deaths
     assert [r.key for r in dead_letters] == [killer.job_id.encode()]
     innocent = {j.job_id for j in jobs} - {killer.job_id}
     assert all(isinstance(watch.latest[j], Completed) for j in innocent)
+
+
+async def test_chaos_kills_over_eight_partitions_lose_nothing_and_blame_only_the_killer(
+    kafka_bootstrap_servers, new_topic, spawn
+):
+    # The CI size of `bench/chaos.py` (2 workers, 8 partitions, 5,000 jobs, 50 SIGKILLs, 10
+    # SIGTERM-then-SIGKILL stops, 3 crash-token jobs): 8 SIGKILLs, 2 such stops, 1 killer.
+    topics = Topics(jobs=await new_topic(8), results=await new_topic(1), dlq=await new_topic(1))
+    plan = ChaosPlan(
+        jobs=800, kills=8, term_kills=2, crash_jobs=1, max_in_flight=8, long_every=80, timeout_s=150
+    )
+    figures = await Chaos(kafka_bootstrap_servers, topics, spawn, plan).run()
+    print("\n" + figures.line())
+    assert figures.lost == 0
+    assert figures.dead_lettered == figures.crash_jobs
+    assert not figures.failed_innocent
+    # Three deaths a killer; a kill from outside while it starts may count as one of them.
+    assert plan.crash_jobs <= figures.crash_deaths <= 3 * plan.crash_jobs
+    assert figures.committed == figures.ends
+    # Each death may repeat what was in flight then; a killer's deaths at most the cap each.
+    assert figures.duplicates <= figures.in_flight_at_kills + figures.crash_deaths * 8

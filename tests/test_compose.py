@@ -72,3 +72,16 @@ def test_worker_env_uses_real_settings_and_waits_for_topics():
     assert worker["environment"]["VKW_BOOTSTRAP_SERVERS"] == "kafka:29092"
     assert f"{worker['environment']['VKW_METRICS_PORT']}:9400" in worker["ports"]
     assert worker["command"][:2] == ["serve", "--"]
+
+
+def _seconds(duration: str) -> float:
+    units = {"s": 1, "m": 60}
+    return float(duration[:-1]) * units[duration[-1]]
+
+
+def test_docker_lets_the_worker_drain_before_it_kills_it():
+    # Docker's default stop_grace_period (10 s) is shorter than --shutdown-grace-s: its SIGKILL
+    # would cut the drain short, and every job still running would be redelivered.
+    settings = Settings()
+    stop_grace = _seconds(SERVICES["worker"]["stop_grace_period"])
+    assert stop_grace > settings.shutdown_grace_s + settings.close_timeout_s

@@ -93,6 +93,13 @@ def test_boolean_flags_and_env_vars():
         ),
         (["--security-protocol", "SASL_SSL"], {}, "SASL_SSL needs sasl_mechanism"),
         (["--ssl-certfile", "c.pem"], {}, "ssl_certfile and ssl_keyfile go together"),
+        # Without a map the breaker keeps no counts, yet each batch waited for its commit.
+        (
+            ["--offset-map-max-bytes", "0"],
+            {},
+            "--offset-map-max-bytes 0 leaves the crash-loop breaker nothing to keep its counts "
+            "in: set --max-crash-attempts 0 too (it is 3)",
+        ),
     ],
 )
 def test_bad_settings_fail_with_one_clear_line(argv, env, message):
@@ -369,3 +376,8 @@ def test_every_mock_engine_field_but_the_vocabulary_is_a_setting():
         "weight_version",
     }
     assert {f"mock_{name}" for name in fields} == {n for n in FIELDS if n.startswith("mock_")}
+
+
+def test_no_offset_map_is_allowed_with_the_breaker_off():
+    settings = settings_from(parse("--offset-map-max-bytes", "0", "--max-crash-attempts", "0"), {})
+    assert settings.offset_map_max_bytes == 0

@@ -323,3 +323,31 @@ async def test_an_inherited_map_near_its_cap_does_not_stall_the_new_owner(start_
         what=lambda: f"the commit of all 60 (commits so far end {consumer.commits[-3:]})",
     )
     assert sorted(engine.started) == sorted(f"j{i}" for i in range(60) if i not in answered_before)
+
+
+async def test_an_inherited_map_near_its_cap_does_not_hold_the_new_owner_behind_its_own_slow_job(
+    start_loop,
+):
+    # The previous owner was held at 3/4 of the cap behind a slow job, then the partition
+    # moved. The new owner's own slow job at the front kept it held too (a map near its cap,
+    # something in flight), though nothing it finished out of order was in the map: it answered
+    # what was in flight and then waited on the slow job. Only this owner's own out-of-order
+    # answers count toward the hold.
+    consumer = FakeConsumer()
+    consumer.add(P0, job("slow", gate="slow"))
+    for i in range(1, 60):
+        consumer.add(P0, job(f"j{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine(max_concurrency=100)
+    answered_before = set(range(20, 60, 4))
+    previous = committed_as((0, encode_offset_map(0, answered_before)))
+    loop = await start_loop(
+        consumer, engine, read_committed=previous, offset_map_max_bytes=40, max_in_flight=16
+    )
+    others = {f"j{i}" for i in range(1, 60) if i not in answered_before}
+    await wait_for(
+        lambda: set(loop.answered()) >= others,
+        what=lambda: f"the jobs behind the slow one ({len(loop.answered())} of {len(others)})",
+    )
+    engine.release("slow")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all 60")

@@ -118,3 +118,63 @@ def test_memory_holds_only_the_unfinished_window():
         p.finish(offset)
     assert p.pending == 0
     assert p.commit_position() == 10_000
+
+
+def test_an_answer_acknowledged_twice_does_not_break_the_commit():
+    # Finishing an offset again after the position moved past it left it below the position
+    # in the map's set, and every later commit of every partition raised ValueError.
+    p = PartitionOffsets()
+    for offset in range(3):
+        p.start(offset)
+    p.finish(0)
+    p.finish(1)
+    p.finish(0)  # again, after the position passed it
+    p.finish(2)
+    p.finish(1)
+    assert p.to_commit() == (3, "")
+    p.start(3)
+    p.start(4)
+    p.finish(4)
+    p.finish(4)
+    position, metadata = p.to_commit() or (0, "")
+    assert position == 3
+    assert decode_offset_map(3, metadata).answered == {4}
+
+
+def test_a_map_read_below_the_position_it_was_written_for_is_dropped():
+    # An out-of-range reset (offsets reused after an unclean leader election) fetches from
+    # below the committed offset: the map's offsets name other records now.
+    t = OffsetTracker()
+    t.assigned(TP0, OffsetMap(answered=frozenset({12, 13}), deaths={14: 2}), anchor=10)
+    p = t.partition(TP0)
+    assert p.start(0) is True
+    for offset in range(1, 16):
+        assert p.start(offset) is True, offset
+    assert p.deaths == {}
+
+
+def test_a_map_read_at_its_position_applies():
+    t = OffsetTracker()
+    t.assigned(TP0, OffsetMap(answered=frozenset({12, 13}), deaths={14: 2}), anchor=10)
+    p = t.partition(TP0)
+    assert p.start(10) is True
+    assert p.start(12) is False  # compaction took 11
+    assert p.deaths == {14: 2}
+
+
+def test_suspects_the_log_no_longer_holds_blame_nobody():
+    p = PartitionOffsets()
+    p.deaths.update({3: 1, 4: 2, 9: 1})
+    p.start(5)  # 3 and 4 were compacted away
+    assert p.deaths == {9: 1}
+
+
+def test_a_start_taken_back_leaves_the_position_where_it_was():
+    p = PartitionOffsets()
+    p.start(7)
+    p.finish(7)
+    p.start(9)
+    p.unstart(9)
+    assert p.idle
+    assert p.commit_position() == 9
+    assert p.start(9) is True

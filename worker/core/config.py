@@ -214,8 +214,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         int,
         Meta(ge=0, le=100),
         _d(
-            "process deaths a job may be in flight at before it is answered failed and "
-            "dead-lettered instead of run again; 0: no breaker"
+            "process deaths a job may be in flight at (at least 2, one of them running alone) "
+            "before it is answered failed and dead-lettered instead of run again; 0: no breaker"
         ),
     ] = 3
     offset_map_max_bytes: Annotated[
@@ -223,8 +223,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Meta(ge=0, le=1_048_576),
         _d(
             "largest offset map in a commit's metadata (answered jobs past the committed "
-            "offset, skipped after a restart); below the broker's offset.metadata.max.bytes; "
-            "0: no map"
+            "offset, skipped after a restart; the crash-loop breaker's counts); below the "
+            "broker's offset.metadata.max.bytes; 0: no map (needs --max-crash-attempts 0)"
         ),
     ] = 3072
     poll_timeout_ms: Annotated[int, Meta(ge=1, le=60_000), _d("longest wait of one fetch")] = 200
@@ -292,6 +292,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if self.payload_store is not None and not self.payload_store.startswith("file:///"):
             raise ValueError(
                 f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"
+            )
+        if self.offset_map_max_bytes == 0 and self.max_crash_attempts > 0:
+            # The breaker's counts travel in the offset map: without one it counts nothing.
+            raise ValueError(
+                "--offset-map-max-bytes 0 leaves the crash-loop breaker nothing to keep its "
+                f"counts in: set --max-crash-attempts 0 too (it is {self.max_crash_attempts})"
             )
         revoke_ms = (self.revoke_grace_s + self.commit_timeout_s) * 1000
         if self.rebalance_timeout_ms <= revoke_ms:

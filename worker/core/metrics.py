@@ -139,6 +139,18 @@ class Metrics:
             "Jobs running now, or answered and not yet handed to the producer",
             registry=r,
         )
+        self.uncommitted = prom.Gauge(
+            "vkw_jobs_uncommitted",
+            "Records started and not yet below the committed position: what a death now may "
+            "have run again",
+            registry=r,
+        )
+        self.crash_suspects = prom.Gauge(
+            "vkw_crash_suspects",
+            "Records in flight at an earlier process death still to run alone (the crash-loop "
+            "breaker); above 0 the worker runs them one at a time",
+            registry=r,
+        )
         self.consumer_lag = prom.Gauge(
             "vkw_consumer_lag",
             "Records behind the partition's end, from the committed position",
@@ -147,6 +159,13 @@ class Metrics:
         )
         self.commits = prom.Counter(
             "vkw_commits", "Offset commits, by result", ["result"], registry=r
+        )
+        self.offset_map_degraded = prom.Counter(
+            "vkw_offset_map_degraded",
+            "Commits whose offset map left a section out to fit --offset-map-max-bytes, by "
+            "section (answered: plain at-least-once for those records)",
+            ["dropped"],
+            registry=r,
         )
         self.assigned_partitions = prom.Gauge(
             "vkw_assigned_partitions", "Partitions held", registry=r

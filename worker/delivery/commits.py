@@ -28,8 +28,8 @@ from aiokafka.errors import (
 from worker.core.config import Settings
 from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
-from worker.delivery.offset_map import OffsetMapError, decode_offset_map
-from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets
+from worker.delivery.offset_map import OffsetMap, decode_offset_map
+from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets, Planned
 
 __all__ = ["CommittedReader", "Committer", "GroupOffsetsReader"]
 
@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 #: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
 CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
 
-# Above this share of `offset_map_max_bytes`, a partition takes no new records until its map
-# shrinks: the gap closes instead of the map growing past what the broker stores.
+# Above this share of `offset_map_max_bytes` for what this owner finished out of order, a
+# partition takes no new records until that shrinks: the gap closes instead of the map growing
+# past what the broker stores. Inherited offsets and deaths do not count: holding cannot shrink
+# them (they leave the map only as they are fetched).
 _HOLD_AT: Final = 0.75
 
 # The longest a batch of jobs waits for the commit that names them as running.
@@ -95,14 +97,22 @@ class Committer:
         self._maps_refused = False
         self._slow_commits_warned = False
         self._stuck: asyncio.Task[None] | None = None
-        self._stripped: set[TopicPartition] = set()  # warned: committed without their map
+        # Partitions warned about, by the sections their map left out to fit.
+        self._degraded: dict[TopicPartition, tuple[str, ...]] = {}
+        # From the stop on, every commit is a clean hand-over (see `hand_over`).
+        self._handing_over = False
+
+    @property
+    def maps_on(self) -> bool:
+        """Commits carry offset maps (configured, and the broker takes them)."""
+        return self._map_max_bytes > 0 and not self._maps_refused
 
     def held(self) -> set[TopicPartition]:
         """Partitions not to fetch now: their committed map is still being read after the
-        assignment, or their offset map is near its cap while records of theirs are in
-        flight (until the gap closes). With nothing in flight no gap can close: what fills the
-        map then is what an earlier owner answered ahead, which leaves the map only as it is
-        fetched, so such a partition is fetched again rather than held for ever."""
+        assignment, or what this owner finished out of order nears the map's cap while records
+        of theirs are in flight (until the gap closes). With nothing in flight nothing is
+        finished out of order, so no partition is held for it: the reason is re-examined at
+        every commit and on every fetch."""
         near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
         return self._reading | near_cap
 
@@ -121,13 +131,16 @@ class Committer:
         self._task = asyncio.create_task(self._commit(None), name="commit")
         self._task.add_done_callback(self._commit_done)
 
-    async def write_ahead(self, partitions: set[TopicPartition]) -> None:
+    async def write_ahead(self) -> None:
         """Commit what runs now before jobs start, so that if one kills the process the next
         owner knows it was in flight (the crash-loop breaker).
 
         Waits at most `_WRITE_AHEAD_WAIT_S` in all, for a commit already on its way and then for
-        this one: a slow coordinator delays the breaker's record, not the jobs for long.
+        this one: a slow coordinator delays the breaker's record, not the jobs for long. No wait
+        when commits carry no map: nothing would record what runs.
         """
+        if not self.maps_on:
+            return
         started = time.monotonic()
         if self._task is not None and self._task is not self._stuck:
             # The commit on its way may be quick: wait for it first.
@@ -142,10 +155,27 @@ class Committer:
                     "the crash-loop breaker may not see a job that kills the process"
                 )
             return
-        self._task = asyncio.create_task(self._commit(partitions), name="write-ahead commit")
+        # Every partition, not only those starting jobs: one whose map still names as running
+        # what a previous owner ran would blame those records again if this process dies.
+        self._task = asyncio.create_task(self._commit(None), name="write-ahead commit")
         self._task.add_done_callback(self._commit_done)
         remaining = _WRITE_AHEAD_WAIT_S - (time.monotonic() - started)
         await asyncio.wait([self._task], timeout=max(remaining, 0.01))
+
+    async def write_ahead_exact(self) -> bool:
+        """Commit every partition and wait (at most `commit_timeout_s`): True when the broker
+        holds exactly what runs now. A suspect of a crash starts only then, so a death while it
+        runs blames it and no job that ran before it."""
+        if not self.maps_on:
+            return False
+        await self.commit_now()
+        return self.maps_on and not self.tracker.plan(None, limit=self._map_max_bytes)
+
+    async def hand_over(self) -> None:
+        """The worker is stopping: commit a clean hand-over now, so a supervisor's kill during
+        the drain blames no job; every later commit says the same."""
+        self._handing_over = True
+        await self.commit_now(clean=True)
 
     async def commit_now(
         self, partitions: set[TopicPartition] | None = None, *, clean: bool = False
@@ -165,6 +195,10 @@ class Committer:
     async def assigned(self, partitions: set[TopicPartition]) -> None:
         """Read the assigned partitions' offset maps, so what they name is skipped. A map that
         cannot be read or decoded is ignored with a warning: plain at-least-once."""
+        # Partitions kept through the rebalance (an incremental one) are known here already:
+        # their committed map is this worker's own, and reading it back would blame its own
+        # jobs in flight for a death that did not happen.
+        partitions = {tp for tp in partitions if not self.tracker.holds(tp)}
         if self._read_committed is None or not partitions:
             return
         # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
@@ -173,6 +207,7 @@ class Committer:
         try:
             async with asyncio.timeout(self._timeout_s):
                 committed = await self._read_committed(sorted(partitions))
+            ends = await self._end_offsets(partitions)
         except (KafkaError, TimeoutError) as exc:
             logger.warning(
                 "cannot read the committed offset maps (%r); answered records may run again", exc
@@ -184,8 +219,8 @@ class Committer:
             if tp not in partitions or position < 0:
                 continue
             try:
-                previous = decode_offset_map(position, metadata)
-            except OffsetMapError as exc:
+                previous = decode_offset_map(position, metadata, end=ends.get(tp))
+            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
                 logger.warning(
                     "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
                     "offset will run again",
@@ -194,6 +229,7 @@ class Committer:
                     position,
                     exc,
                 )
+                self.tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
                 continue
             if previous.answered:
                 logger.info(
@@ -211,7 +247,20 @@ class Committer:
                     tp.partition,
                     len(previous.running - previous.answered),
                 )
-            self.tracker.assigned(tp, previous)
+            self.tracker.assigned(tp, previous, anchor=position)
+
+    async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """The partitions' end offsets, or none when they cannot be read: map offsets at or
+        past the end name no record (the log was truncated under them)."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                ends: dict[TopicPartition, int] = await self._consumer.end_offsets(
+                    sorted(partitions)
+                )
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning("cannot read the partitions' end offsets (%r)", exc)
+            return {}
+        return ends
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
@@ -219,6 +268,7 @@ class Committer:
         self._near_cap -= partitions
         self._reading -= partitions
         for tp in partitions:
+            self._degraded.pop(tp, None)
             with contextlib.suppress(KeyError):
                 self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
 
@@ -237,7 +287,7 @@ class Committer:
             logger.error("background commit failed", exc_info=exc)
 
     async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
-        offsets = self._with_maps_in_bounds(self.tracker.to_commit(partitions, clean=clean))
+        offsets = self._plan(partitions, clean=clean or self._handing_over)
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
             return
@@ -277,31 +327,71 @@ class Committer:
         logger.debug("committed %s", _fmt(offsets))
         self._update_lag()
 
-    def _with_maps_in_bounds(
-        self, offsets: dict[TopicPartition, Commit]
+    def _plan(
+        self, partitions: set[TopicPartition] | None, *, clean: bool
     ) -> dict[TopicPartition, Commit]:
-        """Hold partitions whose map nears its cap; commit a map over it without the map."""
+        """The commits to make, maps within their cap; hold partitions whose own out-of-order
+        answers near it. Never raises: a bug in building a map costs the map, not the commit."""
         limit = 0 if self._maps_refused else self._map_max_bytes
-        for tp, (position, metadata) in offsets.items():
-            size = len(metadata)
-            if size > limit:
-                if metadata and limit and tp not in self._stripped:
-                    self._stripped.add(tp)
-                    logger.warning(
-                        "%s-%s: the offset map (%d bytes) is over --offset-map-max-bytes; "
-                        "committing the position alone",
-                        tp.topic,
-                        tp.partition,
-                        size,
-                    )
-                offsets[tp] = (position, "")
-            else:
-                self._stripped.discard(tp)
-            if limit and size >= _HOLD_AT * limit:
+        try:
+            planned = self.tracker.plan(partitions, clean=clean, limit=limit)
+        except Exception:
+            logger.exception("cannot build the offset maps; committing positions alone")
+            return self._positions_alone(partitions)
+        offsets: dict[TopicPartition, Commit] = {}
+        for tp, plan in planned.items():
+            offsets[tp] = plan.commit
+            self._note_degraded(tp, plan, limit)
+            if limit and plan.own_bytes >= _HOLD_AT * limit:
                 self._near_cap.add(tp)
             else:
                 self._near_cap.discard(tp)
         return offsets
+
+    def _positions_alone(
+        self, partitions: set[TopicPartition] | None
+    ) -> dict[TopicPartition, Commit]:
+        offsets: dict[TopicPartition, Commit] = {}
+        for tp, partition in self.tracker.items():
+            position = partition.commit_position()
+            if (partitions is None or tp in partitions) and position is not None:
+                offsets[tp] = (position, "")
+        return offsets
+
+    def _note_degraded(self, tp: TopicPartition, plan: Planned, limit: int) -> None:
+        """Warn (once per change) and count when a map left sections out to fit."""
+        if plan.dropped == self._degraded.get(tp, ()):
+            return
+        if not plan.dropped:
+            del self._degraded[tp]
+            return
+        self._degraded[tp] = plan.dropped
+        for section in plan.dropped:
+            self._metrics.offset_map_degraded.labels(section).inc()
+        consequence = {
+            "answered": "records answered out of order may run again",
+            "running": "a death now would go uncounted by the crash-loop breaker",
+            "deaths": "some earlier deaths are forgotten",
+        }
+        logger.warning(
+            "%s-%s@%d: the offset map is over --offset-map-max-bytes (%d); left out: %s",
+            tp.topic,
+            tp.partition,
+            plan.commit[0],
+            limit,
+            "; ".join(f"{s} ({consequence[s]})" for s in plan.dropped),
+        )
+
+    def uncommitted(self) -> int:
+        """Records started and not yet below the committed position of their partition."""
+        total = 0
+        for _, partition in self.tracker.items():
+            position = partition.commit_position()
+            committed = partition.committed
+            total += partition.pending
+            if position is not None and committed is not None:
+                total += max(position - committed[0] - partition.pending, 0)
+        return total
 
     def lag(self) -> int | None:
         """Records behind the ends of the assigned partitions, from the committed positions;

@@ -3,16 +3,31 @@ offsets answered out of order (the offset map, carried in the commit's metadata)
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from typing import NamedTuple
 
 from aiokafka import TopicPartition
 
-from worker.delivery.offset_map import OffsetMap, encode_offset_map
+from worker.delivery.offset_map import OffsetMap, encode_bounded, encode_offset_map
 
-__all__ = ["OffsetTracker", "PartitionOffsets"]
+__all__ = ["OffsetTracker", "PartitionOffsets", "Planned"]
+
+logger = logging.getLogger(__name__)
 
 #: What a commit sends for one partition: the position and its metadata (the offset map).
 Commit = tuple[int, str]
+
+
+class Planned(NamedTuple):
+    """A partition's next commit, and what its map says about this owner."""
+
+    commit: Commit
+    #: Sections of the map left out to fit the size limit (see `encode_bounded`).
+    dropped: tuple[str, ...]
+    #: Size of the map of what this owner finished out of order alone: what holding the
+    #: partition can shrink (inherited offsets and deaths leave only as they are fetched).
+    own_bytes: int
 
 
 class PartitionOffsets:
@@ -24,7 +39,15 @@ class PartitionOffsets:
     previous owner answered (read from the committed offset map): they finish as they start.
     """
 
-    __slots__ = ("_done", "_order", "answered_before", "committed", "deaths", "last_started")
+    __slots__ = (
+        "_done",
+        "_order",
+        "anchor",
+        "answered_before",
+        "committed",
+        "deaths",
+        "last_started",
+    )
 
     def __init__(self) -> None:
         self._order: deque[int] = deque()
@@ -35,6 +58,9 @@ class PartitionOffsets:
         self.last_started: int | None = None
         #: The position and metadata last committed for this partition (None until a commit).
         self.committed: Commit | None = None
+        #: The committed offset the inherited map was written for, until the first record is
+        #: started: one started below it means the log was reset under the map.
+        self.anchor: int | None = None
 
     def start(self, offset: int) -> bool:
         """Mark `offset` started; False when it was answered before and must not run again."""
@@ -42,6 +68,24 @@ class PartitionOffsets:
             raise ValueError(
                 f"offset {offset} started after {self.last_started}: records must be in order"
             )
+        if self.anchor is not None:
+            if offset < self.anchor:
+                # Fetched from below the position the map was written for (an out-of-range
+                # reset after the log was truncated and refilled): its offsets name other
+                # records now.
+                logger.warning(
+                    "records start at offset %d, below the committed %d the offset map was "
+                    "written for; ignoring the map",
+                    offset,
+                    self.anchor,
+                )
+                self.answered_before.clear()
+                self.deaths.clear()
+            self.anchor = None
+        if self.deaths:
+            # Suspects the log no longer holds (compacted, or past a reset) blame nobody.
+            for gone in [o for o in self.deaths if o < offset]:
+                del self.deaths[gone]
         self._order.append(offset)
         self.last_started = offset
         if self.answered_before and offset in self.answered_before:
@@ -50,7 +94,17 @@ class PartitionOffsets:
             return False
         return True
 
+    def unstart(self, offset: int) -> None:
+        """Take back the start of `offset`, the last one started: it did not run after all."""
+        if not self._order or self._order[-1] != offset or offset in self._done:
+            raise ValueError(f"offset {offset} is not the last one started and unfinished")
+        self._order.pop()
+        # Everything below it is finished or absent: committing at it is right.
+        self.last_started = self._order[-1] if self._order else offset - 1
+
     def finish(self, offset: int) -> None:
+        if not self._order or offset < self._order[0] or offset > self._order[-1]:
+            return  # finished already (an answer acknowledged twice): nothing left to do
         if self.deaths:
             self.deaths.pop(offset, None)
         self._done.add(offset)
@@ -72,15 +126,25 @@ class PartitionOffsets:
         """The offset to commit (the next record to read), or None when nothing was started."""
         if self._order:
             return self._order[0]
-        return None if self.last_started is None else self.last_started + 1
+        if self.last_started is None:
+            # Nothing started yet: the position it was assigned at, so that its first commit
+            # replaces the previous owner's map (whose running jobs are not running here).
+            return self.anchor
+        return self.last_started + 1
 
     def to_commit(self, *, clean: bool = False) -> Commit | None:
-        """Position and offset map, or None when nothing was started.
+        """Position and offset map, or None when nothing was started (see `plan`)."""
+        planned = self.plan(clean=clean)
+        return None if planned is None else planned.commit
+
+    def plan(self, *, clean: bool = False, limit: int | None = None) -> Planned | None:
+        """Position and offset map of at most `limit` characters (no map at 0), or None when
+        nothing was started.
 
         The map holds what finished behind an unfinished offset and what a previous owner
         answered that was not fetched yet (the next owner skips both), what is running now and
         the deaths of earlier suspects (for the crash-loop breaker), and whether this is a
-        clean hand-over.
+        clean hand-over. What does not fit is left out, answered runs first (`encode_bounded`).
         """
         position = self.commit_position()
         if position is None:
@@ -88,10 +152,19 @@ class PartitionOffsets:
         done = self._done
         above = [o for o in self.answered_before if o >= position]
         running = [o for o in self._order if o not in done]
-        metadata = encode_offset_map(
-            position, [*done, *above], running=running, deaths=self.deaths, clean=clean
+        deaths = {o: n for o, n in self.deaths.items() if o >= position}
+        if limit is None:
+            metadata = encode_offset_map(
+                position, [*done, *above], running=running, deaths=deaths, clean=clean
+            )
+            return Planned((position, metadata), (), 0)
+        if limit <= 0:
+            return Planned((position, ""), (), 0)
+        bounded = encode_bounded(
+            limit, position, [*done, *above], running=running, deaths=deaths, clean=clean
         )
-        return position, metadata
+        own = len(encode_offset_map(position, done)) if done else 0
+        return Planned((position, bounded.metadata), bounded.dropped, own)
 
 
 class OffsetTracker:
@@ -100,12 +173,15 @@ class OffsetTracker:
     def __init__(self) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
 
-    def assigned(self, tp: TopicPartition, previous: OffsetMap) -> None:
-        """A partition was assigned; `previous` is what its last commit said. When that commit
-        was not a clean hand-over, its writer died with `previous.running` in flight."""
+    def assigned(self, tp: TopicPartition, previous: OffsetMap, anchor: int | None = None) -> None:
+        """A partition was assigned; `previous` is what its last commit, at `anchor`, said.
+        When that commit was not a clean hand-over, its writer died with `previous.running` in
+        flight."""
         partition = self.partition(tp)
         # Offsets started already (only if a fetch raced the assignment) are running anyway.
         last = -1 if partition.last_started is None else partition.last_started
+        if anchor is not None and partition.last_started is None:
+            partition.anchor = anchor
         partition.answered_before |= {o for o in previous.answered if o > last}
         deaths = {o: n for o, n in previous.deaths.items() if o > last}
         if not previous.clean:
@@ -137,14 +213,32 @@ class OffsetTracker:
     ) -> dict[TopicPartition, Commit]:
         """Positions and maps that moved since the last commit, for all held partitions or
         those given."""
-        out: dict[TopicPartition, Commit] = {}
+        return {tp: p.commit for tp, p in self.plan(partitions, clean=clean).items()}
+
+    def plan(
+        self,
+        partitions: set[TopicPartition] | None = None,
+        *,
+        clean: bool = False,
+        limit: int | None = None,
+    ) -> dict[TopicPartition, Planned]:
+        """The commits of `to_commit`, with maps of at most `limit` characters."""
+        out: dict[TopicPartition, Planned] = {}
         for tp, partition in self._partitions.items():
             if partitions is not None and tp not in partitions:
                 continue
-            commit = partition.to_commit(clean=clean)
-            if commit is not None and commit != partition.committed:
-                out[tp] = commit
+            planned = partition.plan(clean=clean, limit=limit)
+            if planned is not None and planned.commit != partition.committed:
+                out[tp] = planned
         return out
+
+    def holds(self, tp: TopicPartition) -> bool:
+        """Whether `tp` is held already (kept through a rebalance)."""
+        return tp in self._partitions
+
+    def items(self) -> list[tuple[TopicPartition, PartitionOffsets]]:
+        """Every partition held, with its offsets."""
+        return list(self._partitions.items())
 
     def committed(self, offsets: dict[TopicPartition, Commit]) -> None:
         """Record a successful commit."""

@@ -1,10 +1,18 @@
-"""The crash-loop breaker: after a worker process died, which records of a partition run, and when.
+"""The crash-loop breaker: after a worker process died, which records run, and when; and which
+stops blame the jobs in flight at all.
 
 A record that kills the process would be redelivered to every worker that takes its partition.
-The commits name what runs (see `worker.delivery.offset_map`), so a new owner knows how many deaths each
-record was in flight at. Here each suspect runs alone, once everything before it in its
-partition is acknowledged, so the one that kills the process is the only one blamed again; one
-in flight at `max_crash_attempts` deaths is answered instead of run.
+The commits name what runs (see `worker.delivery.offset_map`), so a new owner knows how many
+deaths each record was in flight at. A record in flight at a death is a suspect; a suspect runs
+alone across the whole worker (nothing else of any partition in flight, and a commit naming it
+alone as running landed first), so a later death while it runs blames it and no one else. Only
+the record that kills the process collects a second death; one in flight at
+`max_crash_attempts` deaths (at least two: one of them alone) is answered instead of run.
+
+Suspects run one at a time rather than bisected: a bisection halves the group at each death,
+but every member of a group at a death is merely present at it, so counting those deaths would
+dead-letter healthy jobs, and not counting them needs a record of each group's history in the
+map. Serial runs cost a drain per suspect, paid only after a death.
 """
 
 from __future__ import annotations
@@ -15,14 +23,23 @@ from typing import NamedTuple, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
+from worker.core.errors import BrokerError, FatalError
 from worker.core.metrics import Metrics
-from worker.delivery.offsets import PartitionOffsets
+from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
-__all__ = ["CrashLoopBreaker", "Taken"]
+__all__ = ["CrashLoopBreaker", "Taken", "stop_blames_running_jobs"]
 
 logger = logging.getLogger(__name__)
 
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
+
+
+def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
+    """Whether a stop on `fatal` (None: asked to stop) may have been caused by a job in flight,
+    so its final commit must not be a clean hand-over. The one place that decides what a stop
+    blames: a stop asked for (SIGTERM, revoke) and a broker that cannot be reached are no job's
+    doing; an engine that died under its jobs may be."""
+    return fatal is not None and not isinstance(fatal, BrokerError)
 
 
 class Taken(NamedTuple):
@@ -36,20 +53,32 @@ class Taken(NamedTuple):
     rewind_to: int | None = None
 
 
+class _Alone(NamedTuple):
+    tp: TopicPartition
+    partition: PartitionOffsets
+    offset: int
+
+
 class CrashLoopBreaker:
-    """Picks what runs of a partition with suspects; the partition is held meanwhile."""
+    """Picks what runs of partitions with suspects; holds the others while a suspect runs."""
 
     def __init__(
         self,
         max_crash_attempts: int,
         metrics: Metrics,
-        partition_of: Callable[[TopicPartition], PartitionOffsets],
+        tracker: OffsetTracker,
+        assignment: Callable[[], set[TopicPartition]],
     ) -> None:
-        self._limit = max_crash_attempts
+        self._limit = max(max_crash_attempts, 2) if max_crash_attempts else 0
         self._metrics = metrics
-        self._partition_of = partition_of
-        # Partitions running a suspect alone, or waiting to: held until they are idle.
-        self._suspected: set[TopicPartition] = set()
+        self._tracker = tracker
+        self._assignment = assignment
+        # The suspect running alone, from its start until a commit past it lands.
+        self._alone: _Alone | None = None
+        # Whether `_alone` was chosen but not yet named alone in a landed commit.
+        self._unconfirmed = False
+        # Partitions whose next record is a suspect waiting for the worker to be quiet.
+        self._waiting: set[TopicPartition] = set()
 
     @property
     def enabled(self) -> bool:
@@ -57,19 +86,27 @@ class CrashLoopBreaker:
 
     def take(self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record]) -> Taken:
         """Of `records` (fetched, in order), those to run now, and those to answer as having
-        been in flight at that many deaths. Records after a suspect are fetched again later."""
+        been in flight at that many deaths. Records from a suspect on are fetched again later,
+        unless it can run alone now."""
         run: list[Record] = []
         crash_looped: list[tuple[Record, int]] = []
         for record in records:
+            if self._alone is not None:
+                return Taken(run, crash_looped, rewind_to=record.offset)
             deaths = partition.deaths.get(record.offset, 0)
             if deaths >= self._limit:
                 if partition.start(record.offset):
                     crash_looped.append((record, deaths))
+                else:
+                    self._metrics.skipped.inc()
                 continue
             if deaths:
-                self._suspected.add(tp)
-                if run or not partition.idle:
-                    return Taken(run, crash_looped, rewind_to=record.offset)  # again once idle
+                if run or not self._quiet():
+                    self._waiting.add(tp)
+                    return Taken(run, crash_looped, rewind_to=record.offset)  # again once quiet
+                if not partition.start(record.offset):
+                    self._metrics.skipped.inc()  # answered before, as the map says: not run
+                    continue
                 logger.info(
                     "%s-%s@%d was in flight at %d worker deaths: running it alone",
                     tp.topic,
@@ -77,7 +114,9 @@ class CrashLoopBreaker:
                     record.offset,
                     deaths,
                 )
-                partition.start(record.offset)
+                self._waiting.discard(tp)
+                self._alone = _Alone(tp, partition, record.offset)
+                self._unconfirmed = True
                 run.append(record)
                 return Taken(run, crash_looped, rewind_to=record.offset + 1)
             if partition.start(record.offset):
@@ -86,12 +125,59 @@ class CrashLoopBreaker:
                 self._metrics.skipped.inc()
         return Taken(run, crash_looped)
 
+    def blocks(self) -> bool:
+        """A suspect runs alone (or was just chosen to): nothing else may start."""
+        return self._alone is not None
+
+    def chosen(self) -> _Alone | None:
+        """The suspect chosen to run alone whose commit has not landed yet."""
+        return self._alone if self._unconfirmed else None
+
+    def confirmed(self, landed: bool) -> None:
+        """The commit naming the chosen suspect alone landed (it may start), or did not (it
+        was taken back, and waits for the next try)."""
+        alone = self._alone
+        if alone is None:
+            return
+        if landed:
+            self._unconfirmed = False
+        else:
+            self._alone = None
+            self._unconfirmed = False
+            self._waiting.add(alone.tp)
+
     def held(self) -> set[TopicPartition]:
-        """Partitions running a suspect alone or waiting to; one whose suspect is answered and
-        acknowledged is released here."""
-        if self._suspected:
-            self._suspected = {tp for tp in self._suspected if not self._partition_of(tp).idle}
-        return set(self._suspected)
+        """Every partition while a suspect runs alone and until a commit past it lands; while
+        a suspect waits, every partition until the worker is quiet, and then all but the
+        suspect's. Re-examined on every fetch."""
+        if not self.enabled:
+            return set()
+        if (alone := self._alone) is not None:
+            committed = alone.partition.committed
+            if self._unconfirmed or committed is None or committed[0] <= alone.offset:
+                return self._assignment()
+            self._alone = None
+        if self._waiting:
+            assigned = self._assignment()
+            self._waiting = {
+                tp for tp in self._waiting & assigned if self._tracker.partition(tp).deaths
+            }
+        if not self._waiting:
+            return set()
+        if self._quiet():
+            return self._assignment() - {min(self._waiting)}
+        return self._assignment()
+
+    def suspects(self) -> int:
+        """Records in flight at an earlier death still to run alone or be answered."""
+        return sum(len(partition.deaths) for _, partition in self._tracker.items())
 
     def forget(self, revoked: set[TopicPartition]) -> None:
-        self._suspected -= revoked
+        self._waiting -= revoked
+        if self._alone is not None and self._alone.tp in revoked:
+            self._alone = None
+            self._unconfirmed = False
+
+    def _quiet(self) -> bool:
+        """Nothing of any partition is in flight (every started record is acknowledged)."""
+        return all(partition.idle for _, partition in self._tracker.items())

@@ -29,7 +29,7 @@ from worker.delivery.commits import CommittedReader, Committer
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
 from worker.engines.protocol import Engine
-from worker.loop.breaker import CrashLoopBreaker
+from worker.loop.breaker import CrashLoopBreaker, stop_blames_running_jobs
 from worker.loop.gate import Batch, PartitionGate
 from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
@@ -78,7 +78,7 @@ class Worker:
         self._committer = Committer(consumer, settings, self.metrics, read_committed)
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(
-            settings.max_crash_attempts, self.metrics, self._committer.partition
+            settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment
         )
         self._holds = VersionHolds(lambda: engine.weight_version, settings.max_version_hold_s)
         # The gate asks each reason afresh before every fetch: paused while a partition's
@@ -97,6 +97,8 @@ class Worker:
         self._watchdog = Watchdog(settings, engine, self._delivery)
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
+        self.metrics.crash_suspects.set_function(self._breaker.suspects)
+        self.metrics.uncommitted.set_function(self._committer.uncommitted)
 
     @property
     def ready(self) -> bool:
@@ -176,10 +178,25 @@ class Worker:
         for tp, fetched in batch.items():
             if tp in assigned:  # else revoked between the fetch and now: the next owner reads it
                 runnable += self._runnable(tp, fetched)
-        if self._breaker.enabled and runnable:
+        if (alone := self._breaker.chosen()) is not None:
+            # A suspect runs alone only once a commit names it alone as running: a death then
+            # blames it, and none of the jobs that ran before it.
+            landed = await self._committer.write_ahead_exact()
+            if not landed:
+                logger.warning(
+                    "the commit before running suspect %s-%s@%d alone did not land; it waits",
+                    alone.tp.topic,
+                    alone.tp.partition,
+                    alone.offset,
+                )
+                alone.partition.unstart(alone.offset)
+                self._gate.rewind(alone.tp, alone.offset)
+                runnable = [r for r in runnable if r[2].offset != alone.offset or r[0] != alone.tp]
+            self._breaker.confirmed(landed)
+        elif self._breaker.enabled and runnable:
             # Written ahead: the commit names these as running before any of them runs, so if
             # one kills the process, the next owner knows which records were in flight.
-            await self._committer.write_ahead({tp for tp, _, _ in runnable})
+            await self._committer.write_ahead()
         for tp, partition, record in runnable:
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
@@ -190,6 +207,10 @@ class Worker:
         weights, or behind a suspect of a crash) are fetched again later; those answered
         before a crash or rebalance are skipped; those in flight at too many crashes are
         answered at once, without running."""
+        if self._breaker.blocks():
+            # A suspect of a crash runs alone: nothing of any partition starts beside it.
+            self._gate.rewind(tp, fetched[0].offset)
+            return []
         records, rewind_to = self._holds.runnable(tp, fetched)
         if rewind_to is not None:
             self._gate.rewind(tp, rewind_to)
@@ -322,13 +343,18 @@ class Worker:
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
+        # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
+        clean = not stop_blames_running_jobs(self._fatal)
+        if clean:
+            # Handed over at once: a supervisor's kill before the drain ends blames no job.
+            await bounded(
+                self._committer.hand_over, "hand-over commit", self._settings.close_timeout_s
+            )
         if busy := self._jobs.busy():
             logger.info("draining %d jobs (grace %.1fs)", busy, grace)
         await self._settle(None, grace)
         await bounded(self._producer.flush, "flush", self._settings.close_timeout_s)
         await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
-        # Clean unless fatal: after a fatal error the jobs cut off may be what caused it.
-        clean = self._fatal is None
         final_commit = functools.partial(self._committer.commit_now, clean=clean)
         await bounded(final_commit, "final commit", self._settings.close_timeout_s)
         self._delivery.stop_resending()

@@ -1,0 +1,246 @@
+"""The crash-loop breaker and the offset map across process lives, with the in-memory consumer,
+producer and engine driving real `Worker`s.
+
+A life is one worker process. Its death is simulated where the real one would happen: when a
+job holding the crash token starts, the broker stops taking that process's commits and
+results (a SIGKILLed process says nothing more), and the next life reads what was committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from schemas import Completed, Failed, Job, decode_job, decode_result
+from tests.fakes import ScriptedEngine
+from tests.kafka_helpers import wait_for
+from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, run, worker_on
+from worker.core.errors import BrokerError, EngineDeadError
+from worker.delivery.offset_map import decode_offset_map, encode_offset_map
+from worker.delivery.offsets import Commit
+from worker.loop.worker import Worker
+
+P0, P1 = TopicPartition(JOBS, 0), TopicPartition(JOBS, 1)
+
+
+@dataclass
+class Lives:
+    """Worker processes, one after the other, over the same records and committed offsets."""
+
+    records: dict[TopicPartition, list[bytes]]
+    committed: dict[TopicPartition, Commit] = field(default_factory=dict)
+    deaths: int = 0
+    results: list[Completed | Failed] = field(default_factory=list)
+    dead_lettered: list[str] = field(default_factory=list)
+    engines: list[ScriptedEngine] = field(default_factory=list)
+
+    async def read_committed(self, tps: list[TopicPartition]) -> dict[TopicPartition, Commit]:
+        return {tp: self.committed[tp] for tp in tps if tp in self.committed}
+
+    @property
+    def latest(self) -> dict[str, Completed | Failed]:
+        return {r.job_id: r for r in self.results if r.job_id is not None}
+
+    def job_ids(self) -> set[str]:
+        return {decode_job(value).job_id for records in self.records.values() for value in records}
+
+    async def live(self, **overrides: Any) -> tuple[Process, ScriptedEngine, Worker, bool]:
+        """One life: until every job has an answer and all is committed, or the process dies.
+        Returns whether it died."""
+        process = Process(self.committed)
+        for tp, records in self.records.items():
+            for value in records:
+                process.consumer.add(tp, value)
+            position = self.committed.get(tp, (0, ""))[0]
+            process.consumer.seek(tp, position)
+        process.consumer.assign(set(self.records))
+        engine = ScriptedEngine(max_concurrency=64)
+        self.engines.append(engine)
+
+        def on_start(started: Job) -> None:
+            if "crash" in started.metadata:
+                process.dead = True
+
+        engine.on_start = on_start
+        worker = worker_on(process, engine, process_settings(**overrides), self.read_committed)
+        task = run(worker)
+        ends = {tp: len(records) for tp, records in self.records.items()}
+
+        def settled() -> bool:
+            committed = {tp: c[0] for tp, c in self.committed.items()}
+            now = {
+                decode_result(value).job_id
+                for topic, _, value, _ in process.producer.sent
+                if topic == RESULTS and value is not None
+            }
+            answered = set(self.latest) | now
+            return process.dead or (committed == ends and answered >= self.job_ids()) or task.done()
+
+        try:
+            await wait_for(settled, 30, lambda: f"life {len(self.engines)} to settle")
+        finally:
+            worker.request_stop()
+            await asyncio.wait_for(task, 10)
+        self.results += [
+            decode_result(value)
+            for topic, _, value, _ in process.producer.sent
+            if topic == RESULTS and value is not None
+        ]
+        # A dead-letter copy is the job record itself.
+        self.dead_lettered += [
+            decode_job(value or b"").job_id
+            for topic, _, value, _ in process.producer.sent
+            if topic == DLQ
+        ]
+        if process.dead:
+            self.deaths += 1
+        return process, engine, worker, process.dead
+
+
+async def test_a_killer_in_one_partition_gets_no_healthy_job_of_another_dead_lettered():
+    # The killer in P0 and a long healthy job in P1 are in flight together at the first
+    # death. Blamed per partition, the healthy job was in flight at each of the killer's deaths
+    # and was dead-lettered beside it at the fourth life.
+    lives = Lives(
+        {
+            P0: [job("p0-0"), job("killer", crash="1", gate="never"), job("p0-2")],
+            P1: [job("healthy", delay_s="0.2"), job("p1-1")],
+        }
+    )
+    for _ in range(8):
+        _, _, _, died = await lives.live()
+        if not died:
+            break
+    assert lives.deaths == 3
+    latest = lives.latest
+    assert isinstance(latest["killer"], Failed) and not latest["killer"].error.retryable
+    assert all(isinstance(latest[j], Completed) for j in ("p0-0", "p0-2", "healthy", "p1-1"))
+    assert lives.dead_lettered == ["killer"]
+    assert lives.committed[P0][0] == 3 and lives.committed[P1][0] == 2
+
+
+async def test_after_a_death_suspects_of_every_partition_run_one_at_a_time():
+    lives = Lives(
+        {
+            P0: [job(f"p0-{i}", delay_s="0.02") for i in range(4)],
+            P1: [job(f"p1-{i}", delay_s="0.02") for i in range(4)],
+        }
+    )
+    # The last process died with all eight in flight.
+    for tp in (P0, P1):
+        lives.committed[tp] = (0, encode_offset_map(0, [], running=range(4)))
+    _, engine, _, died = await lives.live()
+    assert not died
+    assert engine.peak_running == 1
+    assert all(isinstance(r, Completed) for r in lives.latest.values())
+    assert len(lives.latest) == 8
+
+
+async def test_a_death_with_many_in_flight_never_stalls_the_partition(caplog):
+    # One (gap, count) pair per death: 40 suspects made a map past a 64-byte cap, committed
+    # empty (every death count lost) and the partition stalled with nothing in flight.
+    caplog.set_level(logging.WARNING)
+    lives = Lives({P0: [job(f"j{i}") for i in range(50)]})
+    lives.committed[P0] = (0, encode_offset_map(0, [], running=range(40)))
+    process, _, _, died = await lives.live(offset_map_max_bytes=64, max_in_flight=64)
+    assert not died
+    # The counts of the suspects still to run stayed in the map while they ran.
+    consumer = process.consumer
+    kept = [
+        len(decode_offset_map(positions[P0], metadata[P0]).deaths)
+        for positions, metadata in zip(consumer.commits, consumer.metadata, strict=True)
+        if P0 in positions
+    ]
+    assert max(kept) >= 39
+    assert lives.committed[P0][0] == 50
+    assert len(lives.latest) == 50
+    assert "left out" not in caplog.text
+
+
+async def test_a_map_naming_an_offset_answered_and_suspect_is_ignored_and_commits_go_on(caplog):
+    # Hand-made or another tool's: offset 1 both answered and in flight at 2 deaths. The
+    # breaker ran the answered record again, it finished twice, and from then on every commit
+    # of every partition raised ValueError.
+    lives = Lives({P0: [job(f"j{i}") for i in range(4)], P1: [job("other")]})
+    lives.committed[P0] = (0, encode_offset_map(0, [1], deaths={1: 2}))
+    _, engine, _, died = await lives.live()
+    assert not died
+    assert sorted(engine.started) == ["j0", "j1", "j2", "j3", "other"]
+    assert lives.committed[P0][0] == 4 and lives.committed[P1][0] == 1
+    assert "ignoring the committed metadata" in caplog.text
+
+
+async def test_records_at_offsets_reused_after_a_reset_are_not_skipped():
+    # The map was committed at 10 and names 12 and 13 answered; the log was truncated and
+    # refilled (an unclean leader election), so the consumer reads from 0.
+    lives = Lives({P0: [job(f"j{i}") for i in range(16)]})
+    lives.committed[P0] = (10, encode_offset_map(10, [12, 13]))
+    process = Process(lives.committed)
+    for value in lives.records[P0]:
+        process.consumer.add(P0, value)
+    process.consumer.assign({P0})  # position 0: the reset, not the committed 10
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(), lives.read_committed)
+    task = run(worker)
+    try:
+        await wait_for(lambda: lives.committed[P0][0] == 16, what="the commit of all 16")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    assert sorted(engine.started) == sorted(f"j{i}" for i in range(16))
+
+
+# ---- stops that blame nobody --------------------------------------------------------------
+
+
+async def _one_job_in_flight(**overrides: Any) -> tuple[Process, ScriptedEngine, Worker, Any]:
+    process = Process({})
+    process.consumer.add(P0, job("long", gate="g"))
+    process.consumer.assign({P0})
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(**overrides))
+    task = run(worker)
+    await wait_for(lambda: engine.running == 1, what="the job to run")
+    return process, engine, worker, task
+
+
+def _last_map(process: Process) -> Any:
+    position, metadata = process.committed[P0]
+    return decode_offset_map(position, metadata)
+
+
+async def test_on_sigterm_a_clean_hand_over_is_committed_before_the_grace_runs_out():
+    # A supervisor's SIGKILL lands when its own grace (Docker 10 s, Kubernetes 30 s) ends,
+    # which may be before --shutdown-grace-s does: the hand-over must be on record by then.
+    process, engine, worker, task = await _one_job_in_flight(shutdown_grace_s=30)
+    worker.request_stop()
+    await wait_for(
+        lambda: P0 in process.committed and _last_map(process).clean,
+        5,
+        "a clean hand-over while the job still runs",
+    )
+    assert engine.running == 1
+    assert _last_map(process).running == {0}
+    engine.release("g")
+    assert await asyncio.wait_for(task, 10) == 0
+    assert process.committed[P0][0] == 1
+
+
+async def test_a_broker_error_stop_blames_nobody():
+    process, _, worker, task = await _one_job_in_flight()
+    worker.fail(BrokerError("results topic unreachable past --publish-timeout-s"), "test")
+    assert await asyncio.wait_for(task, 10) == 1
+    assert _last_map(process).clean
+    assert _last_map(process).running == {0}
+
+
+async def test_an_engine_death_blames_the_jobs_in_flight():
+    process, _, worker, task = await _one_job_in_flight()
+    worker.fail(EngineDeadError("engine died"), "test")
+    assert await asyncio.wait_for(task, 10) == 1
+    assert not _last_map(process).clean
+    assert _last_map(process).running == {0}
