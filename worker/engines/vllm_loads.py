@@ -67,8 +67,9 @@ class WeightLoads:
         self, host: EngineHost, choice: ReloadChoice, in_place_blocker: str | None
     ) -> None:
         self._host = host
-        self._choice = choice
         self._in_place_blocker = in_place_blocker
+        #: `auto` before the start-up proof.
+        self.choosing = choice == "auto"
         if choice == "auto":
             self._reload = WeightReload(mode="rebuild", reason="not chosen yet: not started")
         else:
@@ -88,11 +89,6 @@ class WeightLoads:
         return self._reload
 
     @property
-    def choosing(self) -> bool:
-        """`auto` before the start-up proof."""
-        return self._choice == "auto" and "not chosen" in self._reload.reason
-
-    @property
     def cache_reset_pending(self) -> bool:
         return self._cache_stale
 
@@ -105,6 +101,7 @@ class WeightLoads:
         """`auto`: in place if reloading the served checkpoint in place leaves the probe
         `before` unchanged, else rebuild (and the engine is built again: the reload may have
         left a wrong model)."""
+        self.choosing = False
         if self._in_place_blocker is not None:
             self._reload = WeightReload(mode="rebuild", reason=self._in_place_blocker)
         elif self._checkpoint is None or before is None:

@@ -45,7 +45,9 @@ class Probe:
         if (mine is None) != (theirs is None):
             return "routed experts appeared or vanished"
         if mine is not None and theirs is not None and not np.array_equal(mine, theirs):
-            changed = int((mine != theirs).any(axis=-1).sum()) if mine.shape == theirs.shape else -1
+            if mine.shape != theirs.shape:
+                return f"routed experts' shape {theirs.shape} became {mine.shape}"
+            changed = int((mine != theirs).any(axis=-1).sum())
             return f"routed experts changed ({changed} (row, layer) choices differ)"
         return None
 
