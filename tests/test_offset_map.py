@@ -23,16 +23,22 @@ from worker.delivery.offset_map import (
     running=st.sets(st.integers(min_value=0, max_value=5000), max_size=50),
     deaths=st.dictionaries(st.integers(0, 5000), st.integers(1, 10), max_size=20),
     clean=st.booleans(),
+    writer=st.integers(min_value=0, max_value=2**48 - 1),
 )
 def test_a_map_decodes_to_what_it_was_made_of(
-    position: int, above: set[int], running: set[int], deaths: dict[int, int], clean: bool
+    position: int,
+    above: set[int],
+    running: set[int],
+    deaths: dict[int, int],
+    clean: bool,
+    writer: int,
 ) -> None:
     running_now = {position + r for r in running}
     earlier = {position + o: n for o, n in deaths.items()}
     # A map never names an answered offset running or suspect (the decoder refuses one that does).
     answered = {position + a for a in above} - running_now - set(earlier)
     metadata = encode_offset_map(
-        position, answered, running=running_now, deaths=earlier, clean=clean
+        position, answered, running=running_now, deaths=earlier, clean=clean, writer=writer
     )
     decoded = decode_offset_map(position, metadata)
     assert decoded.answered == frozenset(answered)
@@ -40,6 +46,7 @@ def test_a_map_decodes_to_what_it_was_made_of(
     assert dict(decoded.deaths) == earlier
     if metadata:
         assert decoded.clean == clean
+        assert decoded.writer == writer
     assert (metadata == "") == (not answered and not running_now and not earlier)
 
 
@@ -72,7 +79,7 @@ def _raw(data: bytes) -> str:
         (_raw(bytes([0, 0, 1, 0, 0, 0, 0])), "empty run"),
         (_raw(bytes([0, 0, 0, 0, 1, 0, 1, 0])), "death run of no deaths"),
         (_raw(bytes([0, 0, 0, 0, 0, 5])), "bytes after its last section"),
-        (_raw(bytes([2, 0, 0, 0, 0])), "unknown flags"),
+        (_raw(bytes([4, 0, 0, 0, 0])), "unknown flags"),
         (_raw(bytes([0x80])), "ends inside a number"),
         (_raw(bytes([0xFF] * 10 + [1])), "over 63 bits"),
         (_raw(bytes([0, 0, 0xFF, 0xFF, 0xFF, 0x7F])), "claims over"),

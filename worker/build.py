@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from worker.control.plane import ControlPlane
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
+from worker.core.incarnation import new_incarnation
 from worker.core.kafka import make_consumer, make_producer, read_record_limits
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
@@ -143,14 +144,17 @@ async def build_worker(
     if wrap_producer is not None:
         producer = wrap_producer(producer)
     read_committed = GroupOffsetsReader(settings)
+    incarnation = new_incarnation()
     worker = Worker(
         settings,
-        consumer=make_consumer(settings, limits),
+        consumer=make_consumer(settings, limits, incarnation=incarnation),
         producer=producer,
         engine=served,
         limits=limits,
         metrics=metrics,
         read_committed=read_committed,
+        live_incarnations=read_committed.live_incarnations,
+        incarnation=incarnation,
     )
     control = (
         ControlPlane(settings, served, metrics, worker, built_on=built_on)

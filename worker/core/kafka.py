@@ -23,6 +23,7 @@ from aiokafka.protocol.metadata import MetadataRequest
 
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
+from worker.core.incarnation import incarnation_assignor
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
 
 __all__ = [
@@ -109,9 +110,14 @@ async def broker_has_topic(producer: AIOKafkaProducer, topic: str) -> bool:
 
 
 def make_consumer(
-    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+    settings: Settings,
+    limits: RecordLimits | None = None,
+    *,
+    incarnation: int | None = None,
+    **overrides: Any,
 ) -> AIOKafkaConsumer:
-    """The jobs consumer: manual commits, fetches sized for the largest record."""
+    """The jobs consumer: manual commits, fetches sized for the largest record; announcing
+    the worker process's `incarnation` to the group when given (`worker.core.incarnation`)."""
     limits = limits or RecordLimits.from_topic_limits(settings, {})
     kwargs: dict[str, Any] = {
         **client_kwargs(settings),
@@ -129,6 +135,8 @@ def make_consumer(
         "rebalance_timeout_ms": settings.rebalance_timeout_ms,
         "isolation_level": "read_committed",
     }
+    if incarnation is not None:
+        kwargs["partition_assignment_strategy"] = (incarnation_assignor(incarnation),)
     kwargs.update(overrides)
     return AIOKafkaConsumer(**kwargs)
 

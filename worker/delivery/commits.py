@@ -26,17 +26,20 @@ from aiokafka.errors import (
 )
 
 from worker.core.config import Settings
+from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets, Planned
 
-__all__ = ["CommittedReader", "Committer", "GroupOffsetsReader"]
+__all__ = ["CommittedReader", "Committer", "GroupOffsetsReader", "LiveIncarnations"]
 
 logger = logging.getLogger(__name__)
 
 #: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
 CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
+#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`).
+LiveIncarnations = Callable[[], Awaitable[set[int]]]
 
 # Above this share of `offset_map_max_bytes` for what this owner finished out of order, a
 # partition takes no new records until that shrinks: the gap closes instead of the map growing
@@ -66,6 +69,14 @@ class GroupOffsetsReader:
         )
         return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
 
+    async def live_incarnations(self) -> set[int]:
+        """The incarnations the group's live members announce (`worker.core.incarnation`)."""
+        if not self._started:
+            await self._admin.start()
+            self._started = True
+        described = await self._admin.describe_consumer_groups([self._group_id])
+        return incarnations_of_members(described, self._group_id)
+
     async def close(self) -> None:
         if self._started:
             await self._admin.close()
@@ -80,6 +91,9 @@ class Committer:
         settings: Settings,
         metrics: Metrics,
         read_committed: CommittedReader | None = None,
+        *,
+        live_incarnations: LiveIncarnations | None = None,
+        incarnation: int | None = None,
     ) -> None:
         self._consumer = consumer
         self._interval_s = settings.commit_interval_ms / 1000
@@ -87,7 +101,11 @@ class Committer:
         self._map_max_bytes = settings.offset_map_max_bytes
         self._metrics = metrics
         self._read_committed = read_committed
-        self.tracker = OffsetTracker()
+        self._live_incarnations = live_incarnations
+        #: Named in every map this process commits: the next owner of a partition whose
+        #: hand-over did not land asks the group whether this process is still a member.
+        self.incarnation = incarnation or new_incarnation()
+        self.tracker = OffsetTracker(writer=self.incarnation)
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
         # Partitions whose offset map was near its cap at their last commit, and those whose
@@ -215,6 +233,7 @@ class Committer:
             return
         finally:
             self._reading -= partitions
+        alive = _AliveWriters(self.incarnation, self._live_incarnations, self._timeout_s)
         for tp, (position, metadata) in committed.items():
             if tp not in partitions or position < 0:
                 continue
@@ -239,15 +258,28 @@ class Committer:
                     len(previous.answered),
                     position,
                 )
-            if previous.running and not previous.clean:
-                logger.warning(
-                    "%s-%s: the last owner died with %d records in flight; they run one at a "
-                    "time now",
-                    tp.topic,
-                    tp.partition,
-                    len(previous.running - previous.answered),
-                )
-            self.tracker.assigned(tp, previous, anchor=position)
+            writer_alive = False
+            in_flight = len(previous.running - previous.answered)
+            if in_flight and not previous.clean:
+                writer_alive = await alive(previous.writer)
+                if writer_alive:
+                    logger.info(
+                        "%s-%s: the last owner is still a member of the group; its hand-over "
+                        "commit did not land, so the %d records it had in flight run again, "
+                        "blaming nobody",
+                        tp.topic,
+                        tp.partition,
+                        in_flight,
+                    )
+                else:
+                    logger.warning(
+                        "%s-%s: the last owner died with %d records in flight; they run one at "
+                        "a time now",
+                        tp.topic,
+                        tp.partition,
+                        in_flight,
+                    )
+            self.tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
 
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or
@@ -414,6 +446,38 @@ class Committer:
                 self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
                     max(highwater - position, 0)
                 )
+
+
+class _AliveWriters:
+    """Whether the writer of a map is a live member of the group: this process itself, or an
+    incarnation a live member announces. The group is asked once per assignment, and only
+    about a map that was not a clean hand-over; a writer that names no incarnation, or a
+    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side)."""
+
+    def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
+        self._own = own
+        self._ask = ask
+        self._timeout_s = timeout_s
+        self._live: set[int] | None = None
+
+    async def __call__(self, writer: int) -> bool:
+        if not writer:
+            return False
+        if writer == self._own:
+            return True
+        if self._live is None:
+            self._live = set()
+            if self._ask is not None:
+                try:
+                    async with asyncio.timeout(self._timeout_s):
+                        self._live = await self._ask()
+                except (KafkaError, TimeoutError) as exc:
+                    logger.warning(
+                        "cannot ask the group which members are alive (%r); a previous owner "
+                        "that did not hand over counts as dead",
+                        exc,
+                    )
+        return writer in self._live
 
 
 def _fmt(offsets: dict[TopicPartition, Commit]) -> str:

@@ -7,8 +7,11 @@ crash-loop breaker, the offsets running when it was made and how many process de
 earlier suspect was in flight at.
 
 Format (version 2): `vkw2:` then URL-safe base64 (unpadded) of unsigned LEB128 varints: a flags number
-(1: written on a clean hand-over), the committed offset the map was written for (its anchor),
-then three sections, each a count and that many runs: answered runs and running runs (gap from
+(1: written on a clean hand-over; 2: the writer is named), the committed offset the map was
+written for (its anchor), the writer's incarnation when flag 2 is set (a random number each
+worker process draws at start and announces to the group, so the next owner can tell a writer
+that is still alive from one that died: `worker.core.kafka.IncarnationAssignor`), then three
+sections, each a count and that many runs: answered runs and running runs (gap from
 the previous run's end, the anchor first, then the run's length, as Confluent's
 parallel-consumer's run-length encoding does), and death runs (gap, length, deaths each offset
 of the run was in flight at). Runs suit the usual shapes: long answered runs behind a few slow
@@ -51,7 +54,8 @@ _OLD_PREFIX: Final = "vkw1:"
 MAX_DECODED_OFFSETS: Final = 1_000_000
 
 _CLEAN: Final = 1
-_KNOWN_FLAGS: Final = _CLEAN
+_WRITER: Final = 2
+_KNOWN_FLAGS: Final = _CLEAN | _WRITER
 
 
 class OffsetMapError(ValueError):
@@ -69,6 +73,8 @@ class OffsetMap(msgspec.Struct, frozen=True):
     deaths: Mapping[int, int] = msgspec.field(default_factory=dict)
     #: Written by a worker that handed the partition over (revoke, shutdown), not one that died.
     clean: bool = False
+    #: The incarnation of the worker process that wrote it (0: not named).
+    writer: int = 0
 
 
 class BoundedMap(NamedTuple):
@@ -86,6 +92,7 @@ def encode_offset_map(
     running: Iterable[int] = (),
     deaths: Mapping[int, int] | None = None,
     clean: bool = False,
+    writer: int = 0,
 ) -> str:
     """The metadata for a commit at `position`; "" when there is nothing to say."""
     return _encode(
@@ -93,7 +100,7 @@ def encode_offset_map(
         _runs(position, answered),
         _runs(position, running),
         _death_runs(position, deaths or {}),
-        clean=clean,
+        _Header(clean, writer),
     )
 
 
@@ -105,6 +112,7 @@ def encode_bounded(
     running: Iterable[int] = (),
     deaths: Mapping[int, int] | None = None,
     clean: bool = False,
+    writer: int = 0,
 ) -> BoundedMap:
     """The map for a commit at `position` in at most `limit` characters.
 
@@ -115,7 +123,8 @@ def encode_bounded(
     answered_runs = _runs(position, answered)
     running_runs = _runs(position, running)
     death_runs = _death_runs(position, deaths or {})
-    full = _encode(position, answered_runs, running_runs, death_runs, clean=clean)
+    header = _Header(clean, writer)
+    full = _encode(position, answered_runs, running_runs, death_runs, header)
     if len(full) <= limit:
         return BoundedMap(full)
     dropped: list[str] = []
@@ -123,18 +132,18 @@ def encode_bounded(
         if section:
             section.clear()
             dropped.append("answered" if section is answered_runs else "running")
-            metadata = _encode(position, answered_runs, running_runs, death_runs, clean=clean)
+            metadata = _encode(position, answered_runs, running_runs, death_runs, header)
             if len(metadata) <= limit:
                 return BoundedMap(metadata, tuple(dropped))
     # Deaths alone are over the limit: keep the longest prefix that fits (bisected).
     low, high = 0, len(death_runs)
     while low < high:
         middle = (low + high + 1) // 2
-        if len(_encode(position, [], [], death_runs[:middle], clean=clean)) <= limit:
+        if len(_encode(position, [], [], death_runs[:middle], header)) <= limit:
             low = middle
         else:
             high = middle - 1
-    metadata = _encode(position, [], [], death_runs[:low], clean=clean)
+    metadata = _encode(position, [], [], death_runs[:low], header)
     if len(metadata) > limit:
         metadata = ""
     return BoundedMap(metadata, (*dropped, "deaths"))
@@ -164,6 +173,7 @@ def decode_offset_map(position: int, metadata: str, *, end: int | None = None) -
     try:
         flags = next(numbers)
         anchor = next(numbers)
+        writer = next(numbers) if flags & _WRITER else 0
         answered_runs = _section(numbers, anchor, 2)
         running_runs = _section(numbers, anchor, 2)
         death_runs = _section(numbers, anchor, 3)
@@ -185,21 +195,28 @@ def decode_offset_map(position: int, metadata: str, *, end: int | None = None) -
     for start, stop, count in death_runs:
         for offset in _expand([(start, stop, count)], end, limit - len(deaths)):
             deaths[offset] = count
-    return OffsetMap(frozenset(answered), frozenset(running), deaths, bool(flags & _CLEAN))
+    return OffsetMap(frozenset(answered), frozenset(running), deaths, bool(flags & _CLEAN), writer)
 
 
 # A run: [start, stop) and, for deaths, the count (else 0).
 _Run = tuple[int, int, int]
 
 
+class _Header(NamedTuple):
+    clean: bool
+    writer: int
+
+
 def _encode(
-    position: int, answered: list[_Run], running: list[_Run], deaths: list[_Run], *, clean: bool
+    position: int, answered: list[_Run], running: list[_Run], deaths: list[_Run], header: _Header
 ) -> str:
     if not answered and not running and not deaths:
         return ""
     out = bytearray()
-    _varint(out, _CLEAN if clean else 0)
+    _varint(out, (_CLEAN if header.clean else 0) | (_WRITER if header.writer else 0))
     _varint(out, position)
+    if header.writer:
+        _varint(out, header.writer)
     for section, with_count in ((answered, False), (running, False), (deaths, True)):
         _varint(out, len(section))
         cursor = position

@@ -132,19 +132,22 @@ class PartitionOffsets:
             return self.anchor
         return self.last_started + 1
 
-    def to_commit(self, *, clean: bool = False) -> Commit | None:
+    def to_commit(self, *, clean: bool = False, writer: int = 0) -> Commit | None:
         """Position and offset map, or None when nothing was started (see `plan`)."""
-        planned = self.plan(clean=clean)
+        planned = self.plan(clean=clean, writer=writer)
         return None if planned is None else planned.commit
 
-    def plan(self, *, clean: bool = False, limit: int | None = None) -> Planned | None:
+    def plan(
+        self, *, clean: bool = False, limit: int | None = None, writer: int = 0
+    ) -> Planned | None:
         """Position and offset map of at most `limit` characters (no map at 0), or None when
         nothing was started.
 
         The map holds what finished behind an unfinished offset and what a previous owner
         answered that was not fetched yet (the next owner skips both), what is running now and
-        the deaths of earlier suspects (for the crash-loop breaker), and whether this is a
-        clean hand-over. What does not fit is left out, answered runs first (`encode_bounded`).
+        the deaths of earlier suspects (for the crash-loop breaker), whether this is a clean
+        hand-over, and the `writer`'s incarnation. What does not fit is left out, answered runs
+        first (`encode_bounded`).
         """
         position = self.commit_position()
         if position is None:
@@ -155,28 +158,49 @@ class PartitionOffsets:
         deaths = {o: n for o, n in self.deaths.items() if o >= position}
         if limit is None:
             metadata = encode_offset_map(
-                position, [*done, *above], running=running, deaths=deaths, clean=clean
+                position,
+                [*done, *above],
+                running=running,
+                deaths=deaths,
+                clean=clean,
+                writer=writer,
             )
             return Planned((position, metadata), (), 0)
         if limit <= 0:
             return Planned((position, ""), (), 0)
         bounded = encode_bounded(
-            limit, position, [*done, *above], running=running, deaths=deaths, clean=clean
+            limit,
+            position,
+            [*done, *above],
+            running=running,
+            deaths=deaths,
+            clean=clean,
+            writer=writer,
         )
         own = len(encode_offset_map(position, done)) if done else 0
         return Planned((position, bounded.metadata), bounded.dropped, own)
 
 
 class OffsetTracker:
-    """`PartitionOffsets` for every partition this worker holds."""
+    """`PartitionOffsets` for every partition this worker holds; its maps name `writer`, the
+    incarnation of the process (`worker.core.incarnation`; 0: none)."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: int = 0) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
+        self.writer = writer
 
-    def assigned(self, tp: TopicPartition, previous: OffsetMap, anchor: int | None = None) -> None:
+    def assigned(
+        self,
+        tp: TopicPartition,
+        previous: OffsetMap,
+        anchor: int | None = None,
+        *,
+        writer_alive: bool = False,
+    ) -> None:
         """A partition was assigned; `previous` is what its last commit, at `anchor`, said.
-        When that commit was not a clean hand-over, its writer died with `previous.running` in
-        flight."""
+        When that commit was not a clean hand-over and its writer is not `writer_alive` (a
+        member of the group still, whose hand-over commit did not land), the writer died with
+        `previous.running` in flight."""
         partition = self.partition(tp)
         # Offsets started already (only if a fetch raced the assignment) are running anyway.
         last = -1 if partition.last_started is None else partition.last_started
@@ -184,7 +208,7 @@ class OffsetTracker:
             partition.anchor = anchor
         partition.answered_before |= {o for o in previous.answered if o > last}
         deaths = {o: n for o, n in previous.deaths.items() if o > last}
-        if not previous.clean:
+        if not previous.clean and not writer_alive:
             for offset in previous.running - previous.answered:
                 if offset > last:
                     deaths[offset] = deaths.get(offset, 0) + 1
@@ -227,7 +251,7 @@ class OffsetTracker:
         for tp, partition in self._partitions.items():
             if partitions is not None and tp not in partitions:
                 continue
-            planned = partition.plan(clean=clean, limit=limit)
+            planned = partition.plan(clean=clean, limit=limit, writer=self.writer)
             if planned is not None and planned.commit != partition.committed:
                 out[tp] = planned
         return out

@@ -25,7 +25,7 @@ from worker.core.kafka import broker_has_topic
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
-from worker.delivery.commits import CommittedReader, Committer
+from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
 from worker.engines.protocol import Engine
@@ -44,7 +44,9 @@ class Worker:
     """Consumes jobs, runs them on an engine, publishes answers, commits answered offsets.
 
     Its parts are given (`worker.build` wires them; tests pass fakes): `limits` are those the
-    producer was built with, `read_committed` reads the offset maps on assignment. The engine
+    producer was built with, `read_committed` reads the offset maps on assignment,
+    `live_incarnations` the incarnations the group's live members announce (the consumer
+    announces `incarnation`; see `worker.core.incarnation`). The engine
     is started and closed by its owner; `topic_lookup` says whether the broker has a job's
     `reply_to` (default: one metadata request on the producer's connections; tests of
     reply topics with fakes pass their own). `run()` starts the clients, serves until
@@ -62,6 +64,8 @@ class Worker:
         limits: RecordLimits,
         metrics: Metrics | None = None,
         read_committed: CommittedReader | None = None,
+        live_incarnations: LiveIncarnations | None = None,
+        incarnation: int | None = None,
         topic_lookup: TopicLookup | None = None,
     ) -> None:
         self._settings = settings
@@ -75,7 +79,14 @@ class Worker:
         self._serving = False
         lookup = topic_lookup or functools.partial(broker_has_topic, producer)
         self._answers = AnswerBuilder(settings, engine, limits, self.metrics, lookup)
-        self._committer = Committer(consumer, settings, self.metrics, read_committed)
+        self._committer = Committer(
+            consumer,
+            settings,
+            self.metrics,
+            read_committed,
+            live_incarnations=live_incarnations,
+            incarnation=incarnation,
+        )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(
             settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment

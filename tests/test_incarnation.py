@@ -1,0 +1,185 @@
+"""A hand-over that did not land blames nobody while its writer is alive: incarnations announced
+to the group, named in the offset maps, and checked by the next owner."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.protocol.admin import DescribeGroupsResponse_v1
+
+from tests.fakes import FakeConsumer
+from tests.kafka_helpers import wait_for
+from worker.core.config import Settings, settings_from
+from worker.core.incarnation import (
+    incarnation_assignor,
+    incarnations_of_members,
+    new_incarnation,
+)
+from worker.core.kafka import make_consumer
+from worker.core.metrics import Metrics
+from worker.delivery.commits import Committer, GroupOffsetsReader
+from worker.delivery.offset_map import decode_offset_map, encode_offset_map
+
+TP, TP1 = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
+
+
+def _settings(**values: Any) -> Settings:
+    return settings_from(
+        {"jobs_topic": "jobs", "results_topic": "results", "engine": "mock", **values}, {}
+    )
+
+
+def _member(member_id: str, metadata: bytes) -> tuple[str, str, str, bytes, bytes]:
+    return (member_id, "client", "/127.0.0.1", metadata, b"")
+
+
+def test_the_group_description_gives_back_what_each_live_worker_announced() -> None:
+    ours, other = new_incarnation(), new_incarnation()
+    announced = [incarnation_assignor(n).metadata(["jobs"]).encode() for n in (ours, other)]
+    response = DescribeGroupsResponse_v1(
+        throttle_time_ms=0,
+        groups=[
+            (
+                0,
+                "g",
+                "Stable",
+                "consumer",
+                "roundrobin",
+                [
+                    _member("a", announced[0]),
+                    _member("b", announced[1]),
+                    _member("plain", b""),  # a broker that returns no metadata (tansu)
+                    _member("garbage", b"\x00\x01junk"),
+                ],
+            ),
+            (0, "another-group", "Stable", "consumer", "roundrobin", [_member("c", b"")]),
+        ],
+    )
+    assert incarnations_of_members([response], "g") == {ours, other}
+    assert incarnations_of_members([response], "another-group") == set()
+
+
+class _Group:
+    """What the group says is alive, and how often it was asked."""
+
+    def __init__(self, live: set[int] | Exception) -> None:
+        self.live = live
+        self.asked = 0
+
+    async def __call__(self) -> set[int]:
+        self.asked += 1
+        if isinstance(self.live, Exception):
+            raise self.live
+        return set(self.live)
+
+
+async def _assigned(
+    maps: dict[TopicPartition, str], group: _Group, incarnation: int | None = None
+) -> Committer:
+    consumer = FakeConsumer()
+    for tp in maps:
+        for _ in range(10):
+            consumer.add(tp, b"{}")
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {tp: (0, maps[tp]) for tp in tps}
+
+    committer = Committer(
+        consumer,  # type: ignore[arg-type]
+        _settings(),
+        Metrics(),
+        read_committed,
+        live_incarnations=group,
+        incarnation=incarnation,
+    )
+    await committer.assigned(set(maps))
+    return committer
+
+
+async def test_records_a_live_member_was_running_when_its_hand_over_failed_blame_nobody() -> None:
+    writer = new_incarnation()
+    failed_hand_over = encode_offset_map(0, [2], running=[1, 3], writer=writer)
+    group = _Group({writer, new_incarnation()})
+    committer = await _assigned({TP: failed_hand_over, TP1: failed_hand_over}, group)
+    for tp in (TP, TP1):
+        partition = committer.partition(tp)
+        assert partition.deaths == {}
+        assert partition.answered_before == {2}
+    assert group.asked == 1  # once per assignment, not per partition
+
+
+async def test_records_a_member_gone_from_the_group_was_running_count_a_death() -> None:
+    writer = new_incarnation()
+    died = encode_offset_map(0, [2], running=[1, 3], deaths={5: 1}, writer=writer)
+    committer = await _assigned({TP: died}, _Group({new_incarnation()}))
+    assert committer.partition(TP).deaths == {1: 1, 3: 1, 5: 1}
+
+
+async def test_a_process_reading_its_own_map_back_after_a_rebalance_blames_nobody() -> None:
+    own = new_incarnation()
+    group = _Group(set())
+    committer = await _assigned(
+        {TP: encode_offset_map(0, [], running=[0, 1], writer=own)}, group, own
+    )
+    assert committer.partition(TP).deaths == {}
+    assert group.asked == 0
+
+
+@pytest.mark.parametrize(
+    "group", [_Group(KafkaConnectionError("coordinator gone")), _Group(TimeoutError())]
+)
+async def test_a_group_that_cannot_be_asked_counts_the_writer_as_dead(group: _Group) -> None:
+    writer = new_incarnation()
+    committer = await _assigned({TP: encode_offset_map(0, [], running=[4], writer=writer)}, group)
+    assert committer.partition(TP).deaths == {4: 1}
+
+
+async def test_a_map_that_names_no_writer_counts_as_written_by_the_dead() -> None:
+    # Maps of earlier versions name no incarnation: the breaker's counts stay on the safe side.
+    group = _Group(set())
+    committer = await _assigned({TP: encode_offset_map(0, [], running=[4])}, group)
+    assert committer.partition(TP).deaths == {4: 1}
+    assert group.asked == 0
+
+
+async def test_every_commit_names_the_incarnation_of_its_process() -> None:
+    own = new_incarnation()
+    committer = await _assigned({TP: ""}, _Group(set()), own)
+    partition = committer.partition(TP)
+    partition.start(0)
+    partition.start(1)
+    partition.finish(1)
+    planned = committer.tracker.plan()
+    assert decode_offset_map(0, planned[TP].commit[1]).writer == own
+
+
+@pytest.mark.broker
+async def test_a_joined_worker_is_found_alive_by_its_incarnation_on_the_broker(
+    kafka_bootstrap_servers: str, new_topic: Any
+) -> None:
+    topic = await new_topic(2)
+    settings = _settings(
+        bootstrap_servers=kafka_bootstrap_servers,
+        jobs_topic=topic,
+        group_id=f"g-{uuid.uuid4().hex}",
+    )
+    incarnation = new_incarnation()
+    consumer: AIOKafkaConsumer = make_consumer(settings, incarnation=incarnation)
+    reader = GroupOffsetsReader(settings)
+    consumer.subscribe([topic])
+    await consumer.start()
+    try:
+        await wait_for(lambda: _joined(consumer), 60, "the consumer to join")
+        assert incarnation in await reader.live_incarnations()
+    finally:
+        await consumer.stop()
+        await reader.close()
+
+
+async def _joined(consumer: AIOKafkaConsumer) -> bool:
+    await consumer.getmany(timeout_ms=200)
+    return bool(consumer.assignment())
