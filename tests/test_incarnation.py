@@ -89,7 +89,7 @@ async def _assigned(
         return {tp: (0, maps[tp]) for tp in tps}
 
     committer = Committer(
-        consumer,  # type: ignore[arg-type]
+        consumer,
         _settings(),
         Metrics(),
         read_committed,
