@@ -228,16 +228,17 @@ class ChaosFigures:
         )
 
 
-class _Results(InBackground):
+class AnswersSeen(InBackground):
     """Every result and dead-letter copy, read from the beginning in the background."""
 
     def __init__(self, bootstrap: str, results: str, dlq: str) -> None:
         self._bootstrap = bootstrap
         self._results, self._dlq = results, dlq
         self.answers: list[tuple[str, bool]] = []  # (job_id, failed)
+        self.times: list[float] = []  # when each answer was read (time.monotonic())
         self.dead_lettered: set[str] = set()
 
-    async def __aenter__(self) -> _Results:
+    async def __aenter__(self) -> AnswersSeen:
         consumer = AIOKafkaConsumer(
             self._results,
             self._dlq,
@@ -261,6 +262,7 @@ class _Results(InBackground):
                         else:
                             result = decode_result(record.value or b"")
                             self.answers.append((result.job_id or "", isinstance(result, Failed)))
+                            self.times.append(time.monotonic())
         finally:
             await consumer.stop()
 
@@ -377,7 +379,7 @@ class Chaos:
                     return slot
             await asyncio.sleep(0.1)
 
-    async def _kill(self, kind: str, seen: _Results) -> None:
+    async def _kill(self, kind: str, seen: AnswersSeen) -> None:
         slot = await self._victim()
         worker = self._workers[slot]
         self._ours.add(slot)
@@ -411,7 +413,7 @@ class Chaos:
         self._rng.shuffle(kinds)
         low, high = plan.jobs // 20, plan.jobs * 9 // 10
         thresholds = sorted(self._rng.randrange(low, high) for _ in kinds)
-        async with _Results(bs, topics.results, topics.dlq) as seen:
+        async with AnswersSeen(bs, topics.results, topics.dlq) as seen:
             for slot in range(plan.workers):
                 self._start(slot)
             supervisor = asyncio.create_task(self._supervise())

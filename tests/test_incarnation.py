@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import CommitFailedError, KafkaConnectionError
 from aiokafka.protocol.admin import DescribeGroupsResponse_v1
 
 from tests.fakes import FakeConsumer
@@ -183,3 +183,42 @@ async def test_a_joined_worker_is_found_alive_by_its_incarnation_on_the_broker(
 async def _joined(consumer: AIOKafkaConsumer) -> bool:
     await consumer.getmany(timeout_ms=200)
     return bool(consumer.assignment())
+
+
+async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_rejoins() -> None:
+    # noida-db refuses the old generation's commits from the moment another member asks to
+    # join, before this member hears of the rebalance; the new generation's commit lands for
+    # any partition (bench/rebalance_probe.py).
+    class Refusing(FakeConsumer):
+        refuse = True
+
+        async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
+            if self.refuse:
+                raise CommitFailedError("IllegalGenerationError")
+            await super().commit(offsets)
+
+    consumer = Refusing()
+    read: list[int] = []
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        read.append(len(consumer.commits))
+        return {}
+
+    committer = Committer(consumer, _settings(), Metrics(), read_committed)
+    await committer.assigned({TP, TP1})
+    for tp in (TP, TP1):
+        partition = committer.partition(tp)
+        for offset in range(3):
+            partition.start(offset)
+        partition.finish(0)
+        partition.finish(2)
+    await committer.commit_now({TP, TP1}, clean=True)
+    committer.forget({TP, TP1})
+    assert consumer.commits == []
+
+    consumer.refuse = False
+    await committer.assigned({TP})
+    assert consumer.commits == [{TP: 1, TP1: 1}]
+    landed = decode_offset_map(1, consumer.metadata[0][TP1])
+    assert landed.clean and landed.answered == {2}
+    assert read == [0, 1]  # the hand-over landed before this member read any map back

@@ -26,6 +26,7 @@ from worker.delivery.offset_map import (
     writer=st.integers(min_value=0, max_value=2**48 - 1),
 )
 def test_a_map_decodes_to_what_it_was_made_of(
+    *,
     position: int,
     above: set[int],
     running: set[int],

@@ -90,6 +90,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "static membership id: a restarted worker with the same id gets its partitions back at once"
         ),
     ] = None
+    leave_group_on_stop: Annotated[
+        bool,
+        _d(
+            "a static member leaves the group when it stops, so its partitions move at once "
+            "(scaling in); without it they wait for it for the session timeout (a restart)"
+        ),
+    ] = False
     create_topics: Annotated[
         bool, _d("create the jobs, results, dead-letter, control and status topics when missing")
     ] = False

@@ -19,6 +19,7 @@ from aiokafka.errors import (
     for_code,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.protocol.metadata import MetadataRequest
 
 from worker.core.config import Settings
@@ -33,6 +34,7 @@ __all__ = [
     "client_kwargs",
     "create_topics",
     "ensure_topics",
+    "leave_group",
     "make_consumer",
     "make_producer",
     "read_record_limits",
@@ -139,6 +141,26 @@ def make_consumer(
         kwargs["partition_assignment_strategy"] = (incarnation_assignor(incarnation),)
     kwargs.update(overrides)
     return AIOKafkaConsumer(**kwargs)
+
+
+async def leave_group(consumer: AIOKafkaConsumer) -> None:
+    """Leave the group now, also as a static member, whose partitions the group otherwise
+    keeps for it until its session times out (or, on a broker that never evicts, for ever).
+
+    aiokafka sends LeaveGroup only for dynamic members: a static member is meant to come back
+    under its instance id (a restart) without a rebalance. A worker scaled in does not come
+    back; its LeaveGroup by member id (v0/v1, which aiokafka speaks) hands its partitions over
+    at once. Best effort, like aiokafka's own leave: an error is logged.
+    """
+    coordinator = consumer._coordinator
+    if coordinator is None or coordinator.generation < 0 or not coordinator.member_id:
+        return
+    try:
+        await coordinator._send_req(LeaveGroupRequest(coordinator.group_id, coordinator.member_id))
+    except KafkaError as exc:
+        logger.warning("could not leave the group (%r); it waits for the session timeout", exc)
+    else:
+        logger.info("left the group %s", coordinator.group_id)
 
 
 def make_producer(

@@ -119,6 +119,9 @@ class Committer:
         self._degraded: dict[TopicPartition, tuple[str, ...]] = {}
         # From the stop on, every commit is a clean hand-over (see `hand_over`).
         self._handing_over = False
+        # Hand-over commits of revoked partitions that the group refused during the rebalance,
+        # made again once this member has rejoined (see `assigned`).
+        self._unlanded: dict[TopicPartition, Commit] = {}
 
     @property
     def maps_on(self) -> bool:
@@ -213,6 +216,7 @@ class Committer:
     async def assigned(self, partitions: set[TopicPartition]) -> None:
         """Read the assigned partitions' offset maps, so what they name is skipped. A map that
         cannot be read or decoded is ignored with a warning: plain at-least-once."""
+        await self._land_hand_over()
         # Partitions kept through the rebalance (an incremental one) are known here already:
         # their committed map is this worker's own, and reading it back would blame its own
         # jobs in flight for a death that did not happen.
@@ -281,6 +285,36 @@ class Committer:
                     )
             self.tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
 
+    async def _land_hand_over(self) -> None:
+        """Commit again, in the new generation, the hand-over of revoked partitions that the
+        group refused in the old one, before anything else on rejoining.
+
+        A broker may refuse the old generation's commits from the moment another member asks
+        to join, before this member even hears of the rebalance (noida-db does; Apache Kafka
+        takes them until the rebalance completes). The group takes a commit of the current
+        generation for any partition, so the hand-over lands now: the new owners, assigned in
+        this same round, read it unless they read first (they then run again what was answered
+        and not committed, blaming nobody: the map names a live writer). Made before this
+        member starts anything, it cannot move back a position a new owner committed since.
+        """
+        if not self._unlanded:
+            return
+        offsets, self._unlanded = self._unlanded, {}
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._consumer.commit(offsets)
+        except (KafkaError, TimeoutError) as exc:
+            self._metrics.commits.labels("failed").inc()
+            logger.warning(
+                "the hand-over of %s did not land after rejoining either (%r); the records "
+                "answered and not committed will run again",
+                _fmt(offsets),
+                exc,
+            )
+            return
+        self._metrics.commits.labels("ok").inc()
+        logger.info("hand-over of %s landed after rejoining", _fmt(offsets))
+
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or
         past the end name no record (the log was truncated under them)."""
@@ -342,8 +376,18 @@ class Committer:
             await self._commit(partitions, clean=clean)
             return
         except (CommitFailedError, IllegalStateError) as exc:
-            # The group rebalanced under us: these records will be redelivered to the new owner.
+            # The group rebalanced under us: these records will be redelivered to the new owner,
+            # unless this was the hand-over, which is made again once this member rejoins.
             self._metrics.commits.labels("failed").inc()
+            if clean and partitions is not None:
+                self._unlanded.update(offsets)
+                logger.info(
+                    "hand-over commit of %s refused during the rebalance (%s); it is made "
+                    "again after rejoining",
+                    _fmt(offsets),
+                    exc,
+                )
+                return
             logger.warning(
                 "commit of %s failed (%s); the records will be redelivered", _fmt(offsets), exc
             )

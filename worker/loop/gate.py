@@ -14,6 +14,8 @@ from typing import Protocol, TypeAlias
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
+from worker.core.kafka import leave_group
+
 __all__ = ["Batch", "HoldReason", "PartitionGate"]
 
 Batch: TypeAlias = "dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]"
@@ -45,8 +47,11 @@ class PartitionGate:
         self._consumer.subscribe([topic], listener=listener)
         await self._consumer.start()
 
-    async def stop(self) -> None:
-        """Leave the group and close the consumer."""
+    async def stop(self, *, leave: bool = False) -> None:
+        """Close the consumer: a dynamic member leaves the group; a static member only when
+        told to `leave` (it is scaled in, not restarted)."""
+        if leave and self._consumer.assignment():
+            await leave_group(self._consumer)
         await self._consumer.stop()
 
     async def fetch(self, max_records: int, timeout_ms: int) -> Batch:

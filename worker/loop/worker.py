@@ -284,7 +284,12 @@ class Worker:
         """Stop the consumer (leaving the group), then the producer. `run` does it on its way
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
-        await bounded(self._gate.stop, "consumer stop", self._settings.close_timeout_s)
+        stop = functools.partial(
+            self._gate.stop,
+            leave=self._settings.leave_group_on_stop
+            and self._settings.group_instance_id is not None,
+        )
+        await bounded(stop, "consumer stop", self._settings.close_timeout_s)
         await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)
 
     def assignment(self) -> set[TopicPartition]:

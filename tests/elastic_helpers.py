@@ -1,0 +1,251 @@
+"""Scaling out and in under load, with real worker processes on a real broker: what a user does
+when the fleet grows ("run one more worker in the group") and shrinks (a SIGTERM).
+
+Run by the elastic tests (`tests/test_elastic.py`, a short plan on each broker) and by
+`bench/elastic.py` (the full plan, figures only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from schemas import Job, SamplingSpec
+from tests.chaos_helpers import AnswersSeen, Scraper, metrics_port, produce_spread
+from tests.kafka_helpers import committed, job_record, wait_for
+
+#: Log lines of the crash-loop breaker: a record blamed for a death, a suspect run alone.
+BLAME_LINES = re.compile(r"died with \d+ records in flight|worker deaths: running it alone")
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """`jobs` jobs over `partitions`, each `tokens` x `per_token_ms` long on the mock engine.
+    Worker A serves alone; B joins once `join_b_at` jobs are answered, C at `join_c_at`, and A
+    leaves by SIGTERM at `leave_a_at`. Every worker is a static member (its own instance id)."""
+
+    jobs: int = 3000
+    partitions: int = 8
+    tokens: int = 8
+    per_token_ms: int = 50
+    max_in_flight: int = 32
+    join_b_at: int = 500
+    join_c_at: int = 1200
+    leave_a_at: int = 2000
+    revoke_grace_s: float = 5.0
+    #: Worker flags for the broker (tansu: no idempotent producer).
+    flags: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 420.0
+
+
+@dataclass
+class ScaleEvent:
+    """One join or leave, and what followed it."""
+
+    name: str
+    at_answered: int
+    at_s: float
+    #: Started and not committed by every worker at the event: what it may repeat at most.
+    in_flight: int
+    #: Answers per second over the 5 s before the event, and the seconds until a 2 s window
+    #: after it first reached 80 % of that rate again (None: never did before the next event).
+    rate_before: float = 0.0
+    recovered_s: float | None = None
+    #: The longest gap between two answers from the event to the next one.
+    longest_gap_s: float = 0.0
+
+
+@dataclass
+class ElasticFigures:
+    jobs: int
+    lost: int
+    answered_twice: int
+    duplicates: int
+    dead_lettered: int
+    failed: int
+    blamed: int
+    events: list[ScaleEvent]
+    committed_at_end: bool
+    seconds: float
+
+    @property
+    def in_flight_at_events(self) -> int:
+        return sum(event.in_flight for event in self.events)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"elastic: jobs={self.jobs} lost={self.lost} answered_twice={self.answered_twice} "
+            f"duplicates={self.duplicates} (in flight at the events {self.in_flight_at_events}) "
+            f"dead_lettered={self.dead_lettered} failed={self.failed} "
+            f"breaker_lines={self.blamed} committed_at_end={self.committed_at_end} "
+            f"seconds={self.seconds:.1f}"
+        ]
+        for event in self.events:
+            recovered = "never" if event.recovered_s is None else f"{event.recovered_s:.1f}s"
+            out.append(
+                f"  {event.name}: at {event.at_answered} answered (t={event.at_s:.1f}s), "
+                f"{event.in_flight} in flight, rate before {event.rate_before:.1f}/s, "
+                f"back to 80% of it after {recovered}, longest gap {event.longest_gap_s:.1f}s"
+            )
+        return out
+
+
+class Elastic:
+    """Runs an `ElasticPlan` on a broker: `spawn(topics, **flags)` starts `python -m worker
+    serve` (a `tests.workers.WorkerProcess`)."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topics: Any,
+        spawn: Callable[..., Any],
+        plan: ElasticPlan,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self._bootstrap = bootstrap
+        self._topics = topics
+        self._spawn = spawn
+        self.plan = plan
+        self._log = log
+        self._workers: dict[str, Any] = {}
+        self._ports: dict[str, int] = {}
+
+    async def _start(self, name: str) -> None:
+        plan = self.plan
+        worker = self._spawn(
+            self._topics,
+            group_instance_id=f"{self._topics.instance}-{name}",
+            max_in_flight=plan.max_in_flight,
+            mock_per_token_latency_ms=plan.per_token_ms,
+            metrics_port=0,
+            metrics_host="127.0.0.1",
+            revoke_grace_s=plan.revoke_grace_s,
+            # Scaled in, not restarted: the group hands A's partitions over at once.
+            leave_group_on_stop=True,
+            **plan.flags,
+        )
+        self._workers[name] = worker
+        self._ports[name] = await metrics_port(worker.log, timeout_s=60)
+
+    async def _in_flight(self) -> int:
+        total = 0
+        for name, worker in self._workers.items():
+            if worker.proc.poll() is not None:
+                continue
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
+                async with Scraper(self._ports[name]) as scraper:
+                    total += int(await scraper.value("vkw_jobs_uncommitted") or 0)
+        return total
+
+    async def run(self) -> ElasticFigures:
+        plan, bs, topics = self.plan, self._bootstrap, self._topics
+        prefix = uuid.uuid4().hex[:6]
+        jobs = [
+            Job(
+                job_id=f"{prefix}-{i}",
+                prompt="hello",
+                sampling=SamplingSpec(max_tokens=plan.tokens),
+            )
+            for i in range(plan.jobs)
+        ]
+        job_ids = {j.job_id for j in jobs}
+        ends = {p: len(range(p, plan.jobs, plan.partitions)) for p in range(plan.partitions)}
+        events: list[ScaleEvent] = []
+        async with AnswersSeen(bs, topics.results, topics.dlq) as seen:
+            await self._start("a")
+            t0 = time.monotonic()
+            await produce_spread(bs, topics.jobs, [job_record(j) for j in jobs], plan.partitions)
+            try:
+                for name, threshold in (
+                    ("B joins", plan.join_b_at),
+                    ("C joins", plan.join_c_at),
+                    ("A leaves", plan.leave_a_at),
+                ):
+                    await wait_for(
+                        lambda t=threshold: len(seen.answered()) >= t,
+                        plan.timeout_s,
+                        f"{threshold} jobs answered",
+                    )
+                    event = ScaleEvent(
+                        name, len(seen.answered()), time.monotonic() - t0, await self._in_flight()
+                    )
+                    events.append(event)
+                    self._log(f"  {name} at {event.at_answered} answered")
+                    if name == "A leaves":
+                        self._workers["a"].signal(signal.SIGTERM)
+                    else:
+                        await self._start(name[0].lower())
+                with contextlib.suppress(AssertionError):  # lost jobs are counted below
+                    await wait_for(
+                        lambda: seen.answered() >= job_ids,
+                        plan.timeout_s,
+                        lambda: f"every job answered ({len(job_ids - seen.answered())} to go)",
+                    )
+
+                async def at_end() -> bool:
+                    return await committed(bs, topics.group, topics.jobs) == ends
+
+                try:
+                    await wait_for(at_end, 60, "every partition committed to its end")
+                    committed_at_end = True
+                except AssertionError:
+                    committed_at_end = False
+            finally:
+                await self._stop_all()
+            seconds = time.monotonic() - t0
+            answers = [job_id for job_id, _ in seen.answers]
+            counts = Counter(answers)
+            times = [t - t0 for t in seen.times]
+            failed = {job_id for job_id, is_failed in seen.answers if is_failed}
+        _follow(events, times)
+        blamed = sum(len(BLAME_LINES.findall(worker.text())) for worker in self._workers.values())
+        return ElasticFigures(
+            jobs=plan.jobs,
+            lost=len(job_ids - set(answers) - seen.dead_lettered),
+            answered_twice=sum(1 for n in counts.values() if n > 1),
+            duplicates=sum(n - 1 for n in counts.values()),
+            dead_lettered=len(seen.dead_lettered),
+            failed=len(failed),
+            blamed=blamed,
+            events=events,
+            committed_at_end=committed_at_end,
+            seconds=seconds,
+        )
+
+    async def _stop_all(self) -> None:
+        for worker in self._workers.values():
+            if worker.proc.poll() is None:
+                worker.signal(signal.SIGTERM)
+        for worker in self._workers.values():
+            with contextlib.suppress(AssertionError):
+                await worker.wait(60)
+            worker.stop_now()
+
+
+def _follow(events: list[ScaleEvent], times: list[float]) -> None:
+    """Fill in each event's rate before it, recovery time and longest gap from `times`, the
+    seconds since the start at which answers arrived (in order)."""
+    for i, event in enumerate(events):
+        stop = events[i + 1].at_s if i + 1 < len(events) else (times[-1] if times else 0.0)
+        before = [t for t in times if event.at_s - 5 <= t < event.at_s]
+        event.rate_before = len(before) / 5
+        after = [t for t in times if event.at_s <= t <= stop]
+        gaps = [b - a for a, b in zip([event.at_s, *after], after, strict=False)]
+        event.longest_gap_s = max(gaps, default=stop - event.at_s)
+        target = 0.8 * event.rate_before * 2  # answers in a 2 s window
+        j = 0
+        for k, t in enumerate(after):
+            while after[j] < t - 2:
+                j += 1
+            if k - j + 1 >= target:
+                event.recovered_s = t - event.at_s
+                break
