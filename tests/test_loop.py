@@ -351,3 +351,26 @@ async def test_an_inherited_map_near_its_cap_does_not_hold_the_new_owner_behind_
     )
     engine.release("slow")
     await wait_for(lambda: consumer.commits[-1] == {P0: 60}, what="the commit of all 60")
+
+
+async def test_records_of_a_partition_revoked_while_their_commit_was_awaited_do_not_start(
+    start_loop,
+):
+    # The rebalance callbacks run beside the loop: a revoke (and a new assignment of the same
+    # partition, from the committed position) can land while fetched records wait for the
+    # commit naming them running. Started then, each would run twice in this one process.
+    consumer = consumer_with_jobs(3)
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine)
+    committer = loop.worker._committer
+    revoked = asyncio.Event()
+
+    async def write_ahead_during_a_rebalance() -> None:
+        await loop.worker.on_partitions_revoked({P0})
+        revoked.set()
+
+    committer.write_ahead = write_ahead_during_a_rebalance
+    await wait_for(revoked.is_set, 10, "the revoke during the write-ahead")
+    await asyncio.sleep(0.5)
+    assert engine.peak_running == 0
+    assert not loop.producer.sent

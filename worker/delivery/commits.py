@@ -27,7 +27,7 @@ from aiokafka.errors import (
 
 from worker.core.config import Settings
 from worker.core.incarnation import incarnations_of_members, new_incarnation
-from worker.core.kafka import client_kwargs
+from worker.core.kafka import client_kwargs, commit_handed_over
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets, Planned
@@ -140,6 +140,10 @@ class Committer:
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
         return self.tracker.partition(tp)
+
+    def holds(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
+        """Whether `partition` is still the offsets of `tp` as held now: not revoked since."""
+        return self.tracker.holds(tp) and self.tracker.partition(tp) is partition
 
     def tick(self) -> None:
         """Start a commit in the background when the interval has passed and none is running."""
@@ -302,7 +306,7 @@ class Committer:
         offsets, self._unlanded = self._unlanded, {}
         try:
             async with asyncio.timeout(self._timeout_s):
-                await self._consumer.commit(offsets)
+                await commit_handed_over(self._consumer, offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
             logger.warning(

@@ -209,6 +209,10 @@ class Worker:
             # one kills the process, the next owner knows which records were in flight.
             await self._committer.write_ahead()
         for tp, partition, record in runnable:
+            if not self._committer.holds(tp, partition):
+                # Revoked while the commit above was awaited (and maybe assigned back, from
+                # the committed position): its next owner runs it, and only once.
+                continue
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
     def _runnable(

@@ -1,0 +1,87 @@
+"""Scale out and in under load: worker A alone, B joins, C joins, A leaves by SIGTERM.
+
+Run `python bench/elastic.py [--jobs N] [--broker noida|tansu|both]`. Starts its own local
+brokers: noida-db (the embedded broker) and tansu (which behaves like Apache Kafka around a
+rebalance: it takes the old generation's commits until the rebalance completes; no idempotent
+producer there), or uses $KAFKA_BOOTSTRAP_SERVERS when set.
+
+3,000 jobs over 8 partitions on the mock engine (8 tokens x 50 ms: 0.4 s a job, 32 at once per
+worker); B joins once 500 are answered, C at 1,200, A leaves (SIGTERM, `--leave-group-on-stop`)
+at 2,000; every worker is a static member with its own `--group-instance-id`. Printed per
+broker: jobs lost, jobs answered twice and duplicates against the jobs in flight at the events,
+healthy jobs dead-lettered or failed, the breaker's log lines (a scale event taken for a death),
+and for each event the throughput before it, the seconds until a 2 s window reached 80 % of it
+again, and the longest gap between answers. The tests run a short plan on both brokers
+(tests/test_elastic.py). Figures only; the exit code says whether the run held its promises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Final
+
+REPO: Final = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the harness lives with the tests
+
+from tests.elastic_helpers import Elastic, ElasticPlan  # noqa: E402
+from tests.workers import Topics, WorkerProcess  # noqa: E402
+from worker.dev.broker import LocalBroker, TansuBroker, new_topics  # noqa: E402
+
+
+async def elastic(name: str, bootstrap: str, plan: ElasticPlan, logs: Path) -> bool:
+    jobs, results, dlq = (
+        (await new_topics(bootstrap, 1, prefix="elastic", partitions=plan.partitions))[0],
+        *(await new_topics(bootstrap, 2, prefix="elastic")),
+    )
+    topics = Topics(jobs=jobs, results=results, dlq=dlq)
+    started = 0
+
+    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
+        nonlocal started
+        started += 1
+        bootstrap_for = flags.pop("bootstrap", bootstrap)
+        return WorkerProcess(bootstrap_for, topics, logs / f"{name}-worker-{started}.log", **flags)
+
+    figures = await Elastic(bootstrap, topics, spawn, plan).run()
+    print(f"[{name}]")
+    print("\n".join(figures.lines()))
+    held = (
+        figures.lost == 0
+        and figures.dead_lettered == 0
+        and figures.failed == 0
+        and figures.blamed == 0
+        and figures.committed_at_end
+    )
+    if name == "tansu":
+        return held and figures.answered_twice == 0
+    return held and figures.duplicates <= figures.in_flight_at_events
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=ElasticPlan().jobs)
+    parser.add_argument("--broker", choices=("noida", "tansu", "both"), default="both")
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="vkw-elastic-"))
+    print(f"worker logs in {logs}")
+    ok = True
+    if from_env := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return 0 if asyncio.run(elastic("env", from_env, ElasticPlan(jobs=args.jobs), logs)) else 1
+    if args.broker in ("noida", "both"):
+        with LocalBroker() as broker:
+            plan = ElasticPlan(jobs=args.jobs)
+            ok &= asyncio.run(elastic("noida", broker.bootstrap_servers, plan, logs))
+    if args.broker in ("tansu", "both"):
+        with TansuBroker() as tansu:
+            plan = ElasticPlan(jobs=args.jobs, flags={"enable_idempotence": False})
+            ok &= asyncio.run(elastic("tansu", tansu.bootstrap_servers, plan, logs))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
