@@ -10,8 +10,8 @@ worker); B joins once 500 are answered, C at 1,200, A leaves (SIGTERM, `--leave-
 at 2,000; every worker is a static member with its own `--group-instance-id`. Printed per
 broker: jobs lost, jobs answered twice and duplicates against the jobs in flight at the events,
 healthy jobs dead-lettered or failed, the breaker's log lines (a scale event taken for a death),
-and for each event the throughput before it, the seconds until a 2 s window reached 80 % of it
-again, and the longest gap between answers. The tests run a short plan on both brokers
+and for each event the answers per second before it, its longest stall (the gap between two
+answers) and how long after the event answers were steady again. The tests run a short plan on both brokers
 (tests/test_elastic.py). Figures only; the exit code says whether the run held its promises.
 """
 

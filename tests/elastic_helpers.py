@@ -56,12 +56,12 @@ class ScaleEvent:
     at_s: float
     #: Started and not committed by every worker at the event: what it may repeat at most.
     in_flight: int
-    #: Answers per second over the 5 s before the event, and the seconds until a 2 s window
-    #: after it first reached 80 % of that rate again (None: never did before the next event).
+    #: Answers per second over the 5 s before the event.
     rate_before: float = 0.0
-    recovered_s: float | None = None
-    #: The longest gap between two answers from the event to the next one.
+    #: The longest gap between two answers from the event to the next one (the rebalance's
+    #: stall), and the seconds from the event until answers came again after it.
     longest_gap_s: float = 0.0
+    recovered_s: float | None = None
 
 
 @dataclass
@@ -93,8 +93,9 @@ class ElasticFigures:
             recovered = "never" if event.recovered_s is None else f"{event.recovered_s:.1f}s"
             out.append(
                 f"  {event.name}: at {event.at_answered} answered (t={event.at_s:.1f}s), "
-                f"{event.in_flight} in flight, rate before {event.rate_before:.1f}/s, "
-                f"back to 80% of it after {recovered}, longest gap {event.longest_gap_s:.1f}s"
+                f"{event.in_flight} in flight, {event.rate_before:.1f} answers/s before; "
+                f"longest stall {event.longest_gap_s:.1f}s, answers steady again {recovered} "
+                "after the event"
             )
         return out
 
@@ -232,20 +233,15 @@ class Elastic:
 
 
 def _follow(events: list[ScaleEvent], times: list[float]) -> None:
-    """Fill in each event's rate before it, recovery time and longest gap from `times`, the
-    seconds since the start at which answers arrived (in order)."""
+    """Fill in each event's rate before it, its longest gap between answers, and when the
+    answers came back after that gap (the rebalance's stall), from `times`: the seconds since
+    the start at which answers arrived, in order."""
     for i, event in enumerate(events):
         stop = events[i + 1].at_s if i + 1 < len(events) else (times[-1] if times else 0.0)
         before = [t for t in times if event.at_s - 5 <= t < event.at_s]
         event.rate_before = len(before) / 5
         after = [t for t in times if event.at_s <= t <= stop]
-        gaps = [b - a for a, b in zip([event.at_s, *after], after, strict=False)]
-        event.longest_gap_s = max(gaps, default=stop - event.at_s)
-        target = 0.8 * event.rate_before * 2  # answers in a 2 s window
-        j = 0
-        for k, t in enumerate(after):
-            while after[j] < t - 2:
-                j += 1
-            if k - j + 1 >= target:
-                event.recovered_s = t - event.at_s
-                break
+        gaps = [(b - a, b) for a, b in zip([event.at_s, *after], after, strict=False)]
+        if gaps:
+            event.longest_gap_s, resumed = max(gaps)
+            event.recovered_s = resumed - event.at_s

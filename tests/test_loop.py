@@ -217,6 +217,30 @@ async def test_a_broker_refusing_the_map_gets_positions_alone(start_loop, caplog
     await wait_for(lambda: consumer.commits[-1] == {P0: 2}, what="the commit of both")
 
 
+async def test_once_the_broker_refuses_maps_jobs_start_without_a_write_ahead_commit(start_loop):
+    # A commit without a map names nothing running, so waiting for one before jobs start
+    # protects nothing: each batch would only wait for the coordinator.
+    consumer = FakeConsumer()
+    consumer.metadata_limit = 4  # any map is too large for this broker
+    consumer.add(P0, job("first"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    commits_at_start: dict[str, int] = {}
+    engine.on_start = lambda started: commits_at_start.setdefault(
+        started.job_id, consumer.commits_started
+    )
+    loop = await start_loop(consumer, engine, commit_interval_ms=60_000)
+    await wait_for(lambda: "first" in loop.answered(), what="the first job")
+    await wait_for(lambda: not loop.worker._committer.maps_on, what="the maps refused")
+    assert commits_at_start["first"] >= 1  # written ahead: the broker had not refused maps yet
+    consumer.commit_gate = asyncio.Event()  # from now on no commit finishes
+    before = consumer.commits_started
+    consumer.add(P0, job("second"))
+    await wait_for(lambda: "second" in loop.answered(), what="the second job")
+    assert commits_at_start["second"] == before
+    consumer.commit_gate.set()
+
+
 async def test_each_commit_carries_the_map_of_what_finished_out_of_order(start_loop):
     consumer = FakeConsumer()
     consumer.add(P0, job("slow", gate="g"))
