@@ -222,3 +222,28 @@ async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_re
     landed = decode_offset_map(1, consumer.metadata[0][TP1])
     assert landed.clean and landed.answered == {2}
     assert read == [0, 1]  # the hand-over landed before this member read any map back
+
+
+async def test_a_new_owner_waits_briefly_for_the_hand_over_of_a_live_member() -> None:
+    # The live member commits its refused hand-over again as soon as it rejoins, in the round
+    # that assigned the partition here: read again, its answers are not run twice.
+    writer = new_incarnation()
+    reads = [
+        encode_offset_map(0, [2], running=[0, 1, 3], writer=writer),
+        encode_offset_map(0, [2], running=[0, 1, 3], writer=writer),
+        encode_offset_map(0, [0, 1, 2, 3], clean=True, writer=writer),
+    ]
+    consumer = FakeConsumer()
+    for _ in range(10):
+        consumer.add(TP, b"{}")
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {TP: (0, reads.pop(0) if len(reads) > 1 else reads[0])}
+
+    committer = Committer(
+        consumer, _settings(), Metrics(), read_committed, live_incarnations=_Group({writer})
+    )
+    await committer.assigned({TP})
+    partition = committer.partition(TP)
+    assert partition.answered_before == {0, 1, 2, 3}
+    assert partition.deaths == {}

@@ -226,9 +226,11 @@ async def test_once_the_broker_refuses_maps_jobs_start_without_a_write_ahead_com
     consumer.assign({P0})
     engine = ScriptedEngine()
     commits_at_start: dict[str, int] = {}
-    engine.on_start = lambda started: commits_at_start.setdefault(
-        started.job_id, consumer.commits_started
-    )
+
+    def on_start(started: Job) -> None:
+        commits_at_start.setdefault(started.job_id, consumer.commits_started)
+
+    engine.on_start = on_start
     loop = await start_loop(consumer, engine, commit_interval_ms=60_000)
     await wait_for(lambda: "first" in loop.answered(), what="the first job")
     await wait_for(lambda: not loop.worker._committer.maps_on, what="the maps refused")

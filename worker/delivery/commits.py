@@ -50,6 +50,11 @@ _HOLD_AT: Final = 0.75
 # The longest a batch of jobs waits for the commit that names them as running.
 _WRITE_AHEAD_WAIT_S: Final = 1.0
 
+# How long a new owner reads again the map of a partition whose last owner is alive but whose
+# hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
+_HAND_OVER_WAIT_S: Final = 2.0
+_HAND_OVER_POLL_S: Final = 0.1
+
 
 class GroupOffsetsReader:
     """Reads the group's committed offsets with their metadata (the offset maps) through the
@@ -230,32 +235,16 @@ class Committer:
         # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
         # assignment meanwhile, and a record started before its map is known would run again.
         self._reading |= partitions
+        alive = _AliveWriters(self.incarnation, self._live_incarnations, self._timeout_s)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                committed = await self._read_committed(sorted(partitions))
-            ends = await self._end_offsets(partitions)
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning(
-                "cannot read the committed offset maps (%r); answered records may run again", exc
-            )
-            return
+            maps = await self._read_maps(partitions)
+            if maps is None:
+                return
+            await self._await_hand_overs(maps, alive)
         finally:
             self._reading -= partitions
-        alive = _AliveWriters(self.incarnation, self._live_incarnations, self._timeout_s)
-        for tp, (position, metadata) in committed.items():
-            if tp not in partitions or position < 0:
-                continue
-            try:
-                previous = decode_offset_map(position, metadata, end=ends.get(tp))
-            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
-                logger.warning(
-                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
-                    "offset will run again",
-                    tp.topic,
-                    tp.partition,
-                    position,
-                    exc,
-                )
+        for tp, (position, previous) in sorted(maps.items()):
+            if previous is None:
                 self.tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
                 continue
             if previous.answered:
@@ -273,8 +262,8 @@ class Committer:
                 if writer_alive:
                     logger.info(
                         "%s-%s: the last owner is still a member of the group; its hand-over "
-                        "commit did not land, so the %d records it had in flight run again, "
-                        "blaming nobody",
+                        "did not land, so the %d records it had in flight run again, blaming "
+                        "nobody",
                         tp.topic,
                         tp.partition,
                         in_flight,
@@ -288,6 +277,73 @@ class Committer:
                         in_flight,
                     )
             self.tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
+
+    async def _read_maps(
+        self, partitions: set[TopicPartition]
+    ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
+        """The committed position and offset map of each of `partitions` that has a commit
+        (None for a map that cannot be decoded); None when they cannot be read at all."""
+        if self._read_committed is None:
+            return {}
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                committed = await self._read_committed(sorted(partitions))
+            ends = await self._end_offsets(partitions)
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offset maps (%r); answered records may run again", exc
+            )
+            return None
+        maps: dict[TopicPartition, tuple[int, OffsetMap | None]] = {}
+        for tp, (position, metadata) in committed.items():
+            if tp not in partitions or position < 0:
+                continue
+            try:
+                maps[tp] = (position, decode_offset_map(position, metadata, end=ends.get(tp)))
+            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
+                logger.warning(
+                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
+                    "offset will run again",
+                    tp.topic,
+                    tp.partition,
+                    position,
+                    exc,
+                )
+                maps[tp] = (position, None)
+        return maps
+
+    async def _await_hand_overs(
+        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
+    ) -> None:
+        """Read again, for a little while, the maps of partitions whose last owner is alive but
+        whose hand-over has not landed: that owner commits it again as soon as it rejoins
+        (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
+        running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
+        blaming nobody."""
+        waiting = set()
+        for tp, (_, previous) in maps.items():
+            if (
+                previous is not None
+                and not previous.clean
+                and previous.running - previous.answered
+                and previous.writer != self.incarnation
+                and await alive(previous.writer)
+            ):
+                waiting.add(tp)
+        deadline = time.monotonic() + _HAND_OVER_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            await asyncio.sleep(_HAND_OVER_POLL_S)
+            again = await self._read_maps(waiting)
+            for tp, (position, latest) in (again or {}).items():
+                if latest is not None and (latest.clean or position != maps[tp][0]):
+                    maps[tp] = (position, latest)
+                    waiting.discard(tp)
+        if waiting:
+            logger.info(
+                "the hand-over of %s by a live member did not land in %.1fs",
+                ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
+                _HAND_OVER_WAIT_S,
+            )
 
     async def _land_hand_over(self) -> None:
         """Commit again, in the new generation, the hand-over of revoked partitions that the
