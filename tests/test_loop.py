@@ -400,3 +400,26 @@ async def test_records_of_a_partition_revoked_while_their_commit_was_awaited_do_
     await asyncio.sleep(0.5)
     assert engine.peak_running == 0
     assert not loop.producer.sent
+
+
+async def test_records_fetched_while_their_partition_is_being_revoked_do_not_start(start_loop):
+    # The revoke callback runs beside the loop, and the partition stays assigned until it
+    # returns: a record fetched meanwhile would run after the hand-over, and again at the next
+    # owner.
+    consumer = consumer_with_jobs(1)
+    engine = ScriptedEngine()
+    loop = await start_loop(consumer, engine)
+    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
+    committer = loop.worker._committer
+    hand_over = committer.commit_now
+
+    async def hand_over_while_a_record_is_fetched(*args: Any, **kwargs: Any) -> None:
+        consumer.add(P0, job("late"))
+        await wait_for(lambda: consumer._positions[P0] == 2, 10, "the late record fetched")
+        await hand_over(*args, **kwargs)
+
+    committer.commit_now = hand_over_while_a_record_is_fetched
+    await loop.worker.on_partitions_revoked({P0})
+    await asyncio.sleep(0.3)
+    assert "late" not in loop.answered()
+    assert engine.peak_running <= 1

@@ -88,6 +88,8 @@ class Worker:
             incarnation=incarnation,
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
+        # Partitions whose revoke callback is running: none of their records starts.
+        self._revoking: set[TopicPartition] = set()
         self._breaker = CrashLoopBreaker(
             settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment
         )
@@ -187,7 +189,8 @@ class Worker:
         assigned = self._gate.assignment()
         runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
         for tp, fetched in batch.items():
-            if tp in assigned:  # else revoked between the fetch and now: the next owner reads it
+            # Else revoked (or being revoked) since the fetch: the next owner reads it.
+            if tp in assigned and tp not in self._revoking:
                 runnable += self._runnable(tp, fetched)
         if (alone := self._breaker.chosen()) is not None:
             # A suspect runs alone only once a commit names it alone as running: a death then
@@ -209,7 +212,7 @@ class Worker:
             # one kills the process, the next owner knows which records were in flight.
             await self._committer.write_ahead()
         for tp, partition, record in runnable:
-            if not self._committer.holds(tp, partition):
+            if tp in self._revoking or not self._committer.holds(tp, partition):
                 # Revoked while the commit above was awaited (and maybe assigned back, from
                 # the committed position): its next owner runs it, and only once.
                 continue
@@ -341,14 +344,21 @@ class Worker:
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         """Let the revoked partitions' jobs finish for a bounded time, abort the rest, commit."""
-        grace = self._settings.revoke_grace_s
-        if busy := self._jobs.busy(revoked):
-            logger.info(
-                "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
-            )
-        await self._settle(revoked, grace)
-        await self._committer.commit_now(revoked, clean=True)
-        self._gate.forget(revoked)
+        # The callback runs beside the loop, and the partitions stay assigned until it returns:
+        # nothing of theirs may start meanwhile, or it would run after the hand-over, and
+        # again at the next owner.
+        self._revoking |= revoked
+        try:
+            grace = self._settings.revoke_grace_s
+            if busy := self._jobs.busy(revoked):
+                logger.info(
+                    "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
+                )
+            await self._settle(revoked, grace)
+            await self._committer.commit_now(revoked, clean=True)
+            self._gate.forget(revoked)
+        finally:
+            self._revoking -= revoked
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
