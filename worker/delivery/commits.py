@@ -222,16 +222,23 @@ class Committer:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
 
-    async def assigned(self, partitions: set[TopicPartition]) -> None:
+    async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read the assigned partitions' offset maps, so what they name is skipped. A map that
-        cannot be read or decoded is ignored with a warning: plain at-least-once."""
-        await self._land_hand_over()
+        cannot be read or decoded is ignored with a warning: plain at-least-once.
+
+        Returns the partitions whose committed position moved while this member joined: its
+        own refused hand-over, made again (`_land_hand_over`), or the last owner's, awaited
+        (`_await_hand_overs`). The consumer looked its positions up before, and would fetch
+        from below, so the loop fetches them from the position returned. Any other position
+        stays the consumer's (which may be a reset past a truncated log)."""
+        landed = await self._land_hand_over()
         # Partitions kept through the rebalance (an incremental one) are known here already:
         # their committed map is this worker's own, and reading it back would blame its own
         # jobs in flight for a death that did not happen.
         partitions = {tp for tp in partitions if not self.tracker.holds(tp)}
         if self._read_committed is None or not partitions:
-            return
+            return {}
+        moved: dict[TopicPartition, int] = {}
         # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
         # assignment meanwhile, and a record started before its map is known would run again.
         self._reading |= partitions
@@ -239,8 +246,8 @@ class Committer:
         try:
             maps = await self._read_maps(partitions)
             if maps is None:
-                return
-            await self._await_hand_overs(maps, alive)
+                return {}
+            moved = await self._await_hand_overs(maps, alive)
         finally:
             self._reading -= partitions
         for tp, (position, previous) in sorted(maps.items()):
@@ -277,6 +284,10 @@ class Committer:
                         in_flight,
                     )
             self.tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
+        for tp, position in landed.items():
+            if tp in maps and maps[tp][0] == position:
+                moved[tp] = position
+        return moved
 
     async def _read_maps(
         self, partitions: set[TopicPartition]
@@ -314,13 +325,14 @@ class Committer:
 
     async def _await_hand_overs(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
-    ) -> None:
+    ) -> dict[TopicPartition, int]:
         """Read again, for a little while, the maps of partitions whose last owner is alive but
         whose hand-over has not landed: that owner commits it again as soon as it rejoins
         (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
         running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
-        blaming nobody."""
+        blaming nobody. Returns the partitions whose position moved, and where to."""
         waiting = set()
+        moved: dict[TopicPartition, int] = {}
         for tp, (_, previous) in maps.items():
             if (
                 previous is not None
@@ -336,6 +348,8 @@ class Committer:
             again = await self._read_maps(waiting)
             for tp, (position, latest) in (again or {}).items():
                 if latest is not None and (latest.clean or position != maps[tp][0]):
+                    if position != maps[tp][0]:
+                        moved[tp] = position
                     maps[tp] = (position, latest)
                     waiting.discard(tp)
         if waiting:
@@ -344,8 +358,9 @@ class Committer:
                 ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
                 _HAND_OVER_WAIT_S,
             )
+        return moved
 
-    async def _land_hand_over(self) -> None:
+    async def _land_hand_over(self) -> dict[TopicPartition, int]:
         """Commit again, in the new generation, the hand-over of revoked partitions that the
         group refused in the old one, before anything else on rejoining.
 
@@ -358,7 +373,7 @@ class Committer:
         member starts anything, it cannot move back a position a new owner committed since.
         """
         if not self._unlanded:
-            return
+            return {}
         offsets, self._unlanded = self._unlanded, {}
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -371,9 +386,10 @@ class Committer:
                 _fmt(offsets),
                 exc,
             )
-            return
+            return {}
         self._metrics.commits.labels("ok").inc()
         logger.info("hand-over of %s landed after rejoining", _fmt(offsets))
+        return {tp: position for tp, (position, _) in offsets.items()}
 
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or
