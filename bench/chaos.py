@@ -5,8 +5,9 @@ Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker
 (worker.dev.broker.LocalBroker).
 
 Two `python -m worker serve --engine mock` processes (static members) share a jobs topic of 8
-partitions holding 5,000 jobs (mock engine, 10 ms a token, 2-6 tokens, every 100th job 300
-tokens). While they serve, 50 SIGKILLs and 10 SIGTERM-then-SIGKILL-after-2-s stops land at
+partitions, fed 5,000 jobs in 20 even parts over 200 s (--produce-over-s), so the kills land
+under load rather than after the last job (mock engine, 10 ms a token, 2-6 tokens, every 100th
+job 300 tokens). While they serve, 50 SIGKILLs and 10 SIGTERM-then-SIGKILL-after-2-s stops land at
 random moments on a worker that is serving normally (not one running the suspects of a death
 one at a time), and each is restarted under its own instance id; 3 jobs hold the mock
 engine's crash token (`--mock-crash-token-id`) and kill whoever runs them, until the breaker
@@ -73,6 +74,12 @@ def main() -> int:
     parser.add_argument("--crash-jobs", type=int, default=defaults.crash_jobs)
     parser.add_argument("--max-in-flight", type=int, default=defaults.max_in_flight)
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--produce-over-s",
+        type=float,
+        default=200.0,
+        help="produce the jobs over this many seconds, so the kills land under load (0: at once)",
+    )
     args = parser.parse_args()
     plan = ChaosPlan(
         jobs=args.jobs,
@@ -81,6 +88,7 @@ def main() -> int:
         crash_jobs=args.crash_jobs,
         max_in_flight=args.max_in_flight,
         seed=args.seed,
+        produce_over_s=args.produce_over_s,
     )
     logs = Path(tempfile.mkdtemp(prefix="vkw-chaos-"))
     with env_or_local_broker() as bootstrap:

@@ -195,6 +195,11 @@ class ChaosPlan:
     long_tokens: int = 300
     seed: int = 0
     timeout_s: float = 900.0
+    #: Jobs are produced in 20 even parts over this many seconds (0: all at once), so that the
+    #: kills, planned at shares of the jobs answered, land over the whole run and under load:
+    #: a worker restarts in seconds, and a run whose jobs were all there at the start is over
+    #: before most of its kills.
+    produce_over_s: float = 0.0
 
 
 @dataclass
@@ -214,6 +219,8 @@ class ChaosFigures:
     committed: dict[int, int | None]
     ends: dict[int, int]
     seconds: float
+    #: Kills that landed before 90 % of the jobs were answered (under load).
+    kills_under_load: int = 0
 
     def line(self) -> str:
         return (
@@ -223,6 +230,7 @@ class ChaosFigures:
             f"failed_innocent={len(self.failed_innocent)} duplicates={self.duplicates} "
             f"in_flight_at_kills={self.in_flight_at_kills} sigkills={self.kills} "
             f"sigterm_then_sigkill={self.term_kills} crash_deaths={self.crash_deaths} "
+            f"kills_before_90%_answered={self.kills_under_load} "
             f"committed_at_end={self.committed == self.ends} committed={self.committed} "
             f"seconds={self.seconds:.1f}"
         )
@@ -300,6 +308,9 @@ class Chaos:
         self.crash_deaths = 0
         self.in_flight_at_kills = 0
         self.kills = self.term_kills = 0
+        #: Jobs answered at each kill: how the kills spread over the run.
+        self.answered_at_kills: list[int] = []
+        self._sampled = ""  # what the victim's metrics said when it was chosen
 
     def _jobs(self) -> list[Job]:
         plan, prefix = self.plan, uuid.uuid4().hex[:6]
@@ -337,17 +348,29 @@ class Chaos:
             self._workers.append(worker)
             self._ports.append(None)
 
-    async def _sample(self, slot: int) -> dict[str, float] | None:
-        if self._ports[slot] is None:
+    async def _sample(self, slot: int) -> tuple[Any, dict[str, float]] | None:
+        """The worker now in `slot` and its metrics, read from the port in its own log. The
+        port is kept per process, not per slot: a slot restarted while its port was being read
+        would otherwise be sampled at a dead process's port, which another process may have
+        bound since."""
+        worker = self._workers[slot]
+        port = self._ports[slot]
+        if port is None:
             try:
-                self._ports[slot] = await metrics_port(self._workers[slot].log, timeout_s=0.5)
+                port = await metrics_port(worker.log, timeout_s=0.5)
             except AssertionError:
                 return None
+            if self._workers[slot] is not worker:
+                return None  # restarted meanwhile: sample the new one next time
+            self._ports[slot] = port
         try:
-            async with Scraper(self._ports[slot] or 0) as scraper:
-                return await scraper.sample()
+            async with Scraper(port) as scraper:
+                metrics = await scraper.sample()
         except (TimeoutError, aiohttp.ClientError, OSError):
             return None
+        if self._workers[slot] is not worker or worker.proc.poll() is not None:
+            return None  # what answered may not have been this process
+        return worker, metrics
 
     async def _supervise(self) -> None:
         """Restart every worker that exits; count those that died by themselves."""
@@ -369,13 +392,21 @@ class Chaos:
             slots = list(range(self.plan.workers))
             self._rng.shuffle(slots)
             for slot in slots:
-                metrics = await self._sample(slot)
+                sampled = await self._sample(slot)
+                if sampled is None:
+                    continue
+                worker, metrics = sampled
                 if (
-                    metrics
-                    and metrics.get("vkw_assigned_partitions", 0) > 0
+                    metrics.get("vkw_assigned_partitions", 0) > 0
                     and metrics.get("vkw_crash_suspects", 1) == 0
+                    and self._workers[slot] is worker
                 ):
                     self.in_flight_at_kills += int(metrics.get("vkw_jobs_uncommitted", 0))
+                    self._sampled = (
+                        f"pid {worker.proc.pid}, "
+                        f"{metrics.get('vkw_assigned_partitions')} partitions, "
+                        f"{metrics.get('vkw_crash_suspects')} suspects"
+                    )
                     return slot
             await asyncio.sleep(0.1)
 
@@ -393,9 +424,10 @@ class Chaos:
                 await worker.wait(self.plan.term_kill_after_s)
             if worker.proc.poll() is None:
                 worker.signal(signal.SIGKILL)
+        self.answered_at_kills.append(len(seen.answered()))
         self._log(
-            f"  {kind} {self.kills + self.term_kills} of worker {slot} at "
-            f"{len(seen.answered())} answered"
+            f"  {time.strftime('%H:%M:%S')} {kind} {self.kills + self.term_kills} of worker "
+            f"{slot} ({self._sampled}) at {len(seen.answered())} answered"
         )
         await wait_for(lambda: worker.proc.poll() is not None, 30, "the kill")
 
@@ -408,7 +440,9 @@ class Chaos:
         job_ids = {j.job_id for j in jobs}
         crash_ids = {j.job_id for j in jobs if "-killer-" in j.job_id}
         ends = {p: len(range(p, plan.jobs, plan.partitions)) for p in range(plan.partitions)}
-        await produce_spread(bs, topics.jobs, [job_record(j) for j in jobs], plan.partitions)
+        producing = asyncio.create_task(self._produce(jobs))
+        if not plan.produce_over_s:
+            await producing
         kinds = ["kill"] * plan.kills + ["term"] * plan.term_kills
         self._rng.shuffle(kinds)
         low, high = plan.jobs // 20, plan.jobs * 9 // 10
@@ -439,6 +473,7 @@ class Chaos:
                 supervisor.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervisor
+                await producing
                 await self._stop_all()
             final = await committed(bs, topics.group, topics.jobs)
             await wait_for(lambda: seen.dead_lettered >= crash_ids, 30, "the dead-letter copies")
@@ -462,7 +497,24 @@ class Chaos:
             committed=final,
             ends=ends,
             seconds=time.monotonic() - t0,
+            kills_under_load=sum(a < plan.jobs * 9 // 10 for a in self.answered_at_kills),
         )
+
+    async def _produce(self, jobs: list[Job]) -> None:
+        """Produce the jobs, job i to partition i % partitions: all at once, or in 20 even
+        parts over `produce_over_s` (each part a multiple of the partitions, so the mapping
+        holds across parts)."""
+        plan, records = self.plan, [job_record(j) for j in jobs]
+        if not plan.produce_over_s:
+            await produce_spread(self._bootstrap, self._topics.jobs, records, plan.partitions)
+            return
+        part = max(plan.partitions, len(records) // 20 // plan.partitions * plan.partitions)
+        pause_s = plan.produce_over_s / max(len(records) // part, 1)
+        for start in range(0, len(records), part):
+            if start:
+                await asyncio.sleep(pause_s)
+            chunk = records[start : start + part]
+            await produce_spread(self._bootstrap, self._topics.jobs, chunk, plan.partitions)
 
     async def _stop_all(self) -> None:
         for worker in self._workers:

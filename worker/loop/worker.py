@@ -348,6 +348,9 @@ class Worker:
         # nothing of theirs may start meanwhile, or it would run after the hand-over, and
         # again at the next owner.
         self._revoking |= revoked
+        # Held no longer: a supervisor (or a chaos harness) reading the gauge during the
+        # rebalance must not take this worker for one serving them.
+        self.metrics.assigned_partitions.set(len(self._gate.assignment() - revoked))
         try:
             grace = self._settings.revoke_grace_s
             if busy := self._jobs.busy(revoked):
