@@ -132,7 +132,8 @@ class AnswerTopics:
     async def _look_up(self, topic: str) -> None:
         assert self._lookup is not None  # noqa: S101 - check() returns first without one
         try:
-            present = await asyncio.wait_for(self._lookup(topic), REPLY_TOPIC_CHECK_S)
+            async with asyncio.timeout(REPLY_TOPIC_CHECK_S):
+                present = await self._lookup(topic)
         except TimeoutError:
             self._refuse(topic, f"no metadata for it within {REPLY_TOPIC_CHECK_S:.0f}s")
             return

@@ -136,9 +136,8 @@ class CommandRunner:
                 "refused (an update with `force` rolls back)"
             )
         try:
-            await asyncio.wait_for(
-                asyncio.to_thread(self._policy.check, command), _POLICY_TIMEOUT_S
-            )
+            async with asyncio.timeout(_POLICY_TIMEOUT_S):
+                await asyncio.to_thread(self._policy.check, command)
         except TimeoutError:
             raise WeightUpdateError(
                 f"checkpoint {command.path} could not be checked in {_POLICY_TIMEOUT_S:.0f} s"

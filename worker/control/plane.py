@@ -344,14 +344,12 @@ class ControlPlane:
         if not self._status_on:
             return
         try:
-            await asyncio.wait_for(
-                self._producer.send_and_wait(
+            async with asyncio.timeout(_SEND_TIMEOUT_S):
+                await self._producer.send_and_wait(
                     self._settings.status_topic,
                     value=encode(message),
                     key=self._settings.worker_id.encode(),
-                ),
-                _SEND_TIMEOUT_S,
-            )
+                )
         except (TimeoutError, KafkaError) as exc:
             logger.warning("status topic: %s not sent (%r)", type(message).__name__, exc)
 

@@ -16,7 +16,8 @@ logger = logging.getLogger(__name__)
 async def bounded(step: Callable[[], Awaitable[object]], what: str, timeout_s: float) -> None:
     """Run `step` for at most `timeout_s`; a timeout or a broker error is logged, not raised."""
     try:
-        await asyncio.wait_for(step(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await step()
     except TimeoutError:
         logger.warning("%s did not finish in %.1fs; going on", what, timeout_s)
     except KafkaError as exc:

@@ -435,7 +435,8 @@ class Committer:
             return
         try:
             # aiokafka waits for a lost coordinator indefinitely; bound it and retry later.
-            await asyncio.wait_for(self._consumer.commit(offsets), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):
+                await self._consumer.commit(offsets)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit of %s timed out; retrying at the next commit", _fmt(offsets))

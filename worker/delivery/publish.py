@@ -147,7 +147,8 @@ class Delivery:
 
         remaining = deadline - time.monotonic()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._outbox.flush(), max(remaining, 0))
+            async with asyncio.timeout(max(remaining, 0)):
+                await self._outbox.flush()
         waiting: list[asyncio.Future[Any]] = [
             d for d, (_, members) in self._deliveries.items() if any(ours(t.tp) for t, _ in members)
         ]
@@ -172,7 +173,8 @@ class Delivery:
         """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
         and acknowledged (re-sends included), cancelling nothing; whether they all were."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._outbox.flush(), max(deadline - time.monotonic(), 0))
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+                await self._outbox.flush()
         waiting: list[asyncio.Future[Any]] = [*self._deliveries, *self._resends]
         remaining = deadline - time.monotonic()
         if waiting and remaining > 0:

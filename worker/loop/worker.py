@@ -166,7 +166,8 @@ class Worker:
                 # Long ones: poll with every partition paused.
                 self._wake.clear()
                 try:
-                    await asyncio.wait_for(self._wake.wait(), s.poll_timeout_ms / 1000)
+                    async with asyncio.timeout(s.poll_timeout_ms / 1000):
+                        await self._wake.wait()
                 except TimeoutError:
                     await self._start_jobs(await gate.poll_paused())
             else:
