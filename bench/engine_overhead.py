@@ -1,7 +1,7 @@
 """Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
-[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager]`. Uses
+[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--fetch-hold-ms MS]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -23,6 +23,10 @@ system of that process, its children excluded) per generated token, which neighb
 cores disturb far less than wall time; and, with no goal, the EngineCore children's CPU per token,
 which tells engine work apart from front-end work. Goals: throughput >= 0.97 of raw, front-end CPU
 per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
+
+The local broker answers an empty fetch at once instead of holding it as Kafka does, so every
+idle consumer spins (~4,000 fetches a second): on it, the worker and this process hold empty
+fetches in the client (`worker.dev.held_fetches`, --fetch-hold-ms; 0 measures the spin too).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.dev.broker import env_or_local_broker, new_topics
+from worker.dev.held_fetches import hold_empty_fetches
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
 THROUGHPUT_GOAL: Final = 0.97
@@ -57,6 +62,12 @@ CAPTURE_ENV: Final = ("VKW_TRITON_CPU_SHIM", "TRITON_INTERPRET", "VLLM_USE_V2_MO
 # that runs faster than the calibration still lasts the full length.
 ROUND_MARGIN: Final = 1.2
 START_TIMEOUT_S: Final = 900.0
+# Kafka holds an empty fetch up to fetch.max.wait.ms (500 ms by default) but answers as soon as a
+# record arrives; a hold in the client cannot tell, so both of its errors count against the
+# worker: a round's first jobs and last results wait up to the hold (on average about one hold a
+# round: ~1% of a 10 s round at 100 ms), and each consumer still fetches 1000/hold times a
+# second (two in the worker: ~4 ms of CPU a second, ~2% of its front end at 100 jobs/s).
+FETCH_HOLD_MS: Final = 100.0
 
 
 @dataclass(frozen=True)
@@ -200,9 +211,15 @@ class WorkerProcess:
 
     @classmethod
     async def launch(
-        cls, bootstrap: str, engine_args: list[str], max_in_flight: int, log_path: Path
+        cls,
+        bootstrap: str,
+        engine_args: list[str],
+        max_in_flight: int,
+        log_path: Path,
+        fetch_hold_s: float | None,
     ) -> WorkerProcess:
-        """Start the worker on fresh topics; `serving` waits for its engine."""
+        """Start the worker on fresh topics (its empty fetches held `fetch_hold_s` when not
+        None); `serving` waits for its engine."""
         names = ("jobs", "results", "dead-letter", "control", "status")
         topics = dict(zip(names, await new_topics(bootstrap, len(names)), strict=True))
         flags = {
@@ -214,6 +231,8 @@ class WorkerProcess:
             "max-in-flight": str(max_in_flight),
         }
         argv = [sys.executable, "-m", "worker", "serve"]
+        if fetch_hold_s is not None:
+            argv[2:3] = ["worker.dev.held_fetches", str(fetch_hold_s)]
         for name, value in flags.items():
             argv += [f"--{name}", value]
         with log_path.open("wb") as log:
@@ -313,7 +332,17 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     t0 = time.perf_counter()
-    worker = await WorkerProcess.launch(bootstrap, engine_args, args.max_num_seqs, log)
+    hold_s = fetch_hold_s(args)
+    if hold_s is not None:
+        # Ours too: a reader spinning beside the worker would take CPU from its engine.
+        hold_empty_fetches(hold_s)
+        print(
+            f"the local broker answers empty fetches at once (Kafka holds them up to "
+            f"fetch.max.wait.ms): both processes hold them {args.fetch_hold_ms:g} ms"
+        )
+    worker = await WorkerProcess.launch(
+        bootstrap, engine_args, args.max_num_seqs, log, fetch_hold_s=hold_s
+    )
     worker_pid = worker.pid
     engine: VllmEngine | None = None
     try:
@@ -405,6 +434,14 @@ def report(
         print(line)
 
 
+def fetch_hold_s(args: argparse.Namespace) -> float | None:
+    """How long the worker and this process hold an empty fetch: only on the local broker,
+    which does not hold them itself (`worker.dev.held_fetches`)."""
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or args.fetch_hold_ms <= 0:
+        return None
+    return float(args.fetch_hold_ms) / 1000
+
+
 @contextmanager
 def model(path: str | None) -> Iterator[Path]:
     if path is not None:
@@ -426,6 +463,13 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the tiny random MoE)")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile (faster start)"
+    )
+    parser.add_argument(
+        "--fetch-hold-ms",
+        type=float,
+        default=FETCH_HOLD_MS,
+        help="on the local broker, hold empty fetches this long in the clients, as Kafka holds "
+        "them in the broker (0: don't, and measure the broker's busy fetch loop too)",
     )
     args = parser.parse_args()
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]
