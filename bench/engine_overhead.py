@@ -1,7 +1,7 @@
 """Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
-[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--fetch-hold-ms MS]`. Uses
+[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--no-fetch-hold]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -25,8 +25,10 @@ which tells engine work apart from front-end work. Goals: throughput >= 0.97 of 
 per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
 
 The local broker answers an empty fetch at once instead of holding it as Kafka does, so every
-idle consumer spins (~4,000 fetches a second): on it, the worker and this process hold empty
-fetches in the client (`worker.dev.held_fetches`, --fetch-hold-ms; 0 measures the spin too).
+idle consumer spins (~4,000 fetches a second). On it, the worker runs through
+`worker.dev.held_fetches`: an empty fetch is held up to fetch.max.wait.ms (aiokafka's default,
+500 ms), and this process wakes the holds once a round's jobs are produced, when Kafka would
+answer them. This process's reader holds its own briefly (--no-fetch-hold measures the spin).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import argparse
 import asyncio
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -62,12 +65,11 @@ CAPTURE_ENV: Final = ("VKW_TRITON_CPU_SHIM", "TRITON_INTERPRET", "VLLM_USE_V2_MO
 # that runs faster than the calibration still lasts the full length.
 ROUND_MARGIN: Final = 1.2
 START_TIMEOUT_S: Final = 900.0
-# Kafka holds an empty fetch up to fetch.max.wait.ms (500 ms by default) but answers as soon as a
-# record arrives; a hold in the client cannot tell, so both of its errors count against the
-# worker: a round's first jobs and last results wait up to the hold (on average about one hold a
-# round: ~1% of a 10 s round at 100 ms), and each consumer still fetches 1000/hold times a
-# second (two in the worker: ~4 ms of CPU a second, ~2% of its front end at 100 jobs/s).
-FETCH_HOLD_MS: Final = 100.0
+# What Kafka holds an empty fetch for, at most, with aiokafka's default fetch_max_wait_ms.
+WORKER_FETCH_HOLD_S: Final = 0.5
+# Nothing tells this process's reader when results arrive: a round's last results wait up to
+# this longer to be read, and the reader's fetches (~50 a second) take CPU from the engines.
+READER_FETCH_HOLD_S: Final = 0.02
 
 
 @dataclass(frozen=True)
@@ -201,8 +203,11 @@ class WorkerProcess:
         bootstrap: str,
         topics: dict[str, str],
         log_path: Path,
+        *,
+        held_fetches: bool = False,
     ) -> None:
         self._proc = proc
+        self._held_fetches = held_fetches
         self._ps = psutil.Process(proc.pid)
         self.pid = proc.pid
         self._bootstrap = bootstrap
@@ -219,7 +224,7 @@ class WorkerProcess:
         fetch_hold_s: float | None,
     ) -> WorkerProcess:
         """Start the worker on fresh topics (its empty fetches held `fetch_hold_s` when not
-        None); `serving` waits for its engine."""
+        None, and woken when a round's jobs are produced); `serving` waits for its engine."""
         names = ("jobs", "results", "dead-letter", "control", "status")
         topics = dict(zip(names, await new_topics(bootstrap, len(names)), strict=True))
         flags = {
@@ -239,7 +244,7 @@ class WorkerProcess:
             proc = await asyncio.create_subprocess_exec(
                 *argv, "--", *engine_args, stdout=log, stderr=log
             )
-        return cls(proc, bootstrap, topics, log_path)
+        return cls(proc, bootstrap, topics, log_path, held_fetches=fetch_hold_s is not None)
 
     def _check_alive(self) -> None:
         if self._proc.returncode is not None:
@@ -289,6 +294,9 @@ class WorkerProcess:
             cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
             deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
             await asyncio.gather(*deliveries)
+            if self._held_fetches:
+                # The jobs are in the log: a Kafka broker would answer held fetches now.
+                self._proc.send_signal(signal.SIGUSR1)
             tokens, pending = 0, {j.job_id for j in jobs}
             failures: list[str] = []
             while pending:
@@ -332,16 +340,22 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     t0 = time.perf_counter()
-    hold_s = fetch_hold_s(args)
-    if hold_s is not None:
+    hold = holds_fetches(args)
+    if hold:
         # Ours too: a reader spinning beside the worker would take CPU from its engine.
-        hold_empty_fetches(hold_s)
+        hold_empty_fetches(READER_FETCH_HOLD_S)
         print(
-            f"the local broker answers empty fetches at once (Kafka holds them up to "
-            f"fetch.max.wait.ms): both processes hold them {args.fetch_hold_ms:g} ms"
+            "the local broker answers empty fetches at once (Kafka holds them up to "
+            f"fetch.max.wait.ms): the worker holds them {WORKER_FETCH_HOLD_S * 1000:.0f} ms "
+            f"(woken when jobs are produced), this process's reader "
+            f"{READER_FETCH_HOLD_S * 1000:.0f} ms"
         )
     worker = await WorkerProcess.launch(
-        bootstrap, engine_args, args.max_num_seqs, log, fetch_hold_s=hold_s
+        bootstrap,
+        engine_args,
+        args.max_num_seqs,
+        log,
+        fetch_hold_s=WORKER_FETCH_HOLD_S if hold else None,
     )
     worker_pid = worker.pid
     engine: VllmEngine | None = None
@@ -434,12 +448,10 @@ def report(
         print(line)
 
 
-def fetch_hold_s(args: argparse.Namespace) -> float | None:
-    """How long the worker and this process hold an empty fetch: only on the local broker,
-    which does not hold them itself (`worker.dev.held_fetches`)."""
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or args.fetch_hold_ms <= 0:
-        return None
-    return float(args.fetch_hold_ms) / 1000
+def holds_fetches(args: argparse.Namespace) -> bool:
+    """Whether the worker and this process hold empty fetches: only on the local broker,
+    which does not hold them itself (`worker.dev.held_fetches`), unless told not to."""
+    return not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and not args.no_fetch_hold
 
 
 @contextmanager
@@ -465,11 +477,10 @@ def main() -> None:
         "--enforce-eager", action="store_true", help="skip torch.compile (faster start)"
     )
     parser.add_argument(
-        "--fetch-hold-ms",
-        type=float,
-        default=FETCH_HOLD_MS,
-        help="on the local broker, hold empty fetches this long in the clients, as Kafka holds "
-        "them in the broker (0: don't, and measure the broker's busy fetch loop too)",
+        "--no-fetch-hold",
+        action="store_true",
+        help="on the local broker, do not hold empty fetches in the clients as Kafka holds "
+        "them in the broker (measures that broker's busy fetch loop too)",
     )
     args = parser.parse_args()
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]

@@ -88,16 +88,16 @@ def test_a_front_end_is_charged_its_own_cpu_not_its_childrens() -> None:
 
 
 @pytest.mark.parametrize(
-    ("env", "hold_ms", "expected"),
-    [(None, 100.0, 0.1), (None, 0.0, None), ("kafka:9092", 100.0, None)],
+    ("env", "no_fetch_hold", "expected"),
+    [(None, False, True), (None, True, False), ("kafka:9092", False, False)],
 )
 def test_empty_fetches_are_held_only_on_the_local_broker(
-    monkeypatch: pytest.MonkeyPatch, env: str | None, hold_ms: float, expected: float | None
+    monkeypatch: pytest.MonkeyPatch, env: str | None, no_fetch_hold: bool, expected: bool
 ) -> None:
-    # A real Kafka holds empty fetches itself; the local broker does not, and 0 opts out.
+    # A real Kafka holds empty fetches itself; the local broker does not, and the flag opts out.
     if env is None:
         monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
     else:
         monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", env)
-    args = argparse.Namespace(fetch_hold_ms=hold_ms)
-    assert bench.fetch_hold_s(args) == (None if expected is None else pytest.approx(expected))
+    args = argparse.Namespace(no_fetch_hold=no_fetch_hold)
+    assert bench.holds_fetches(args) is expected
