@@ -1,7 +1,7 @@
 """Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
-[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager]`. Uses
+[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--no-fetch-hold]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -23,6 +23,12 @@ system of that process, its children excluded) per generated token, which neighb
 cores disturb far less than wall time; and, with no goal, the EngineCore children's CPU per token,
 which tells engine work apart from front-end work. Goals: throughput >= 0.97 of raw, front-end CPU
 per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
+
+The local broker answers an empty fetch at once instead of holding it as Kafka does, so every
+idle consumer spins (~4,000 fetches a second). On it, the worker runs through
+`worker.dev.held_fetches`: an empty fetch is held up to fetch.max.wait.ms (aiokafka's default,
+500 ms), and this process wakes the holds once a round's jobs are produced, when Kafka would
+answer them. This process's reader holds its own briefly (--no-fetch-hold measures the spin).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import argparse
 import asyncio
 import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,6 +54,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.dev.broker import env_or_local_broker, new_topics
+from worker.dev.held_fetches import hold_empty_fetches
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 
 THROUGHPUT_GOAL: Final = 0.97
@@ -57,6 +65,11 @@ CAPTURE_ENV: Final = ("VKW_TRITON_CPU_SHIM", "TRITON_INTERPRET", "VLLM_USE_V2_MO
 # that runs faster than the calibration still lasts the full length.
 ROUND_MARGIN: Final = 1.2
 START_TIMEOUT_S: Final = 900.0
+# What Kafka holds an empty fetch for, at most, with aiokafka's default fetch_max_wait_ms.
+WORKER_FETCH_HOLD_S: Final = 0.5
+# Nothing tells this process's reader when results arrive: a round's last results wait up to
+# this longer to be read, and the reader's fetches (~50 a second) take CPU from the engines.
+READER_FETCH_HOLD_S: Final = 0.02
 
 
 @dataclass(frozen=True)
@@ -190,8 +203,11 @@ class WorkerProcess:
         bootstrap: str,
         topics: dict[str, str],
         log_path: Path,
+        *,
+        held_fetches: bool = False,
     ) -> None:
         self._proc = proc
+        self._held_fetches = held_fetches
         self._ps = psutil.Process(proc.pid)
         self.pid = proc.pid
         self._bootstrap = bootstrap
@@ -200,9 +216,15 @@ class WorkerProcess:
 
     @classmethod
     async def launch(
-        cls, bootstrap: str, engine_args: list[str], max_in_flight: int, log_path: Path
+        cls,
+        bootstrap: str,
+        engine_args: list[str],
+        max_in_flight: int,
+        log_path: Path,
+        fetch_hold_s: float | None,
     ) -> WorkerProcess:
-        """Start the worker on fresh topics; `serving` waits for its engine."""
+        """Start the worker on fresh topics (its empty fetches held `fetch_hold_s` when not
+        None, and woken when a round's jobs are produced); `serving` waits for its engine."""
         names = ("jobs", "results", "dead-letter", "control", "status")
         topics = dict(zip(names, await new_topics(bootstrap, len(names)), strict=True))
         flags = {
@@ -214,13 +236,15 @@ class WorkerProcess:
             "max-in-flight": str(max_in_flight),
         }
         argv = [sys.executable, "-m", "worker", "serve"]
+        if fetch_hold_s is not None:
+            argv[2:3] = ["worker.dev.held_fetches", str(fetch_hold_s)]
         for name, value in flags.items():
             argv += [f"--{name}", value]
         with log_path.open("wb") as log:
             proc = await asyncio.create_subprocess_exec(
                 *argv, "--", *engine_args, stdout=log, stderr=log
             )
-        return cls(proc, bootstrap, topics, log_path)
+        return cls(proc, bootstrap, topics, log_path, held_fetches=fetch_hold_s is not None)
 
     def _check_alive(self) -> None:
         if self._proc.returncode is not None:
@@ -270,6 +294,9 @@ class WorkerProcess:
             cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
             deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
             await asyncio.gather(*deliveries)
+            if self._held_fetches:
+                # The jobs are in the log: a Kafka broker would answer held fetches now.
+                self._proc.send_signal(signal.SIGUSR1)
             tokens, pending = 0, {j.job_id for j in jobs}
             failures: list[str] = []
             while pending:
@@ -313,7 +340,23 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     t0 = time.perf_counter()
-    worker = await WorkerProcess.launch(bootstrap, engine_args, args.max_num_seqs, log)
+    hold = holds_fetches(args)
+    if hold:
+        # Ours too: a reader spinning beside the worker would take CPU from its engine.
+        hold_empty_fetches(READER_FETCH_HOLD_S)
+        print(
+            "the local broker answers empty fetches at once (Kafka holds them up to "
+            f"fetch.max.wait.ms): the worker holds them {WORKER_FETCH_HOLD_S * 1000:.0f} ms "
+            f"(woken when jobs are produced), this process's reader "
+            f"{READER_FETCH_HOLD_S * 1000:.0f} ms"
+        )
+    worker = await WorkerProcess.launch(
+        bootstrap,
+        engine_args,
+        args.max_num_seqs,
+        log,
+        fetch_hold_s=WORKER_FETCH_HOLD_S if hold else None,
+    )
     worker_pid = worker.pid
     engine: VllmEngine | None = None
     try:
@@ -405,6 +448,12 @@ def report(
         print(line)
 
 
+def holds_fetches(args: argparse.Namespace) -> bool:
+    """Whether the worker and this process hold empty fetches: only on the local broker,
+    which does not hold them itself (`worker.dev.held_fetches`), unless told not to."""
+    return not os.environ.get("KAFKA_BOOTSTRAP_SERVERS") and not args.no_fetch_hold
+
+
 @contextmanager
 def model(path: str | None) -> Iterator[Path]:
     if path is not None:
@@ -426,6 +475,12 @@ def main() -> None:
     parser.add_argument("--model", help="model directory (default: the tiny random MoE)")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile (faster start)"
+    )
+    parser.add_argument(
+        "--no-fetch-hold",
+        action="store_true",
+        help="on the local broker, do not hold empty fetches in the clients as Kafka holds "
+        "them in the broker (measures that broker's busy fetch loop too)",
     )
     args = parser.parse_args()
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -84,3 +85,19 @@ def test_a_front_end_is_charged_its_own_cpu_not_its_childrens() -> None:
             assert child.pid not in bench.children_cpu_s(me, skip=child.pid)
         finally:
             child.stdin.close()  # the child exits; leaving the block waits for it
+
+
+@pytest.mark.parametrize(
+    ("env", "no_fetch_hold", "expected"),
+    [(None, False, True), (None, True, False), ("kafka:9092", False, False)],
+)
+def test_empty_fetches_are_held_only_on_the_local_broker(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, no_fetch_hold: bool, expected: bool
+) -> None:
+    # A real Kafka holds empty fetches itself; the local broker does not, and the flag opts out.
+    if env is None:
+        monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    else:
+        monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", env)
+    args = argparse.Namespace(no_fetch_hold=no_fetch_hold)
+    assert bench.holds_fetches(args) is expected

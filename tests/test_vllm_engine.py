@@ -44,6 +44,7 @@ from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_engine import (
     MoeLayout,
     VllmEngine,
+    _sampling_params,
     build_vllm_engine,
     check_capture,
     moe_layout,
@@ -488,6 +489,27 @@ async def test_token_outside_the_vocabulary_is_an_invalid_job(engine):
 
 
 # ---- checks that need no running engine ----------------------------------------------------
+
+
+async def test_jobs_asking_for_the_same_sampling_share_one_set_of_vllm_params():
+    # vLLM clones the parameters it is given before it changes them, so sharing is safe.
+    spec = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = _sampling_params(Job(job_id="a", prompt="x", sampling=spec))
+    equal = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True)  # another object
+    same = _sampling_params(Job(job_id="b", prompt="y", sampling=equal))
+    assert same is first
+    assert (first.max_tokens, first.temperature, first.ignore_eos) == (8, 0.0, True)
+    seeded = _sampling_params(Job(job_id="c", prompt="x", sampling=SamplingSpec(seed=5)))
+    assert seeded is not first and seeded.seed == 5
+    later_start = _sampling_params(
+        Job(job_id="d", prompt="x", sampling=spec, routed_experts_prompt_start=3)
+    )
+    assert later_start is not first and later_start.routed_experts_prompt_start == 3
+    # A list of stop strings cannot be a key: built for the job alone, every time.
+    stops = SamplingSpec(stop=["x", "y"], stop_token_ids=[5])
+    one, two = (_sampling_params(Job(job_id=i, prompt="x", sampling=stops)) for i in "ef")
+    assert one is not two
+    assert (one.stop, one.stop_token_ids) == (["x", "y"], [5])
 
 
 async def test_self_check_refuses_all_zero_capture_and_names_enforce_eager():

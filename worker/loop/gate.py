@@ -8,7 +8,8 @@ polling while partitions are held, so the group never evicts the worker for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -34,11 +35,22 @@ class HoldReason(Protocol):
 
 
 class PartitionGate:
-    """Fetches from the consumer what no `HoldReason` holds back."""
+    """Fetches from the consumer what no `HoldReason` holds back. At the in-flight cap it polls
+    every `keepalive_s` at least (see `poll_paused`)."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, reasons: Sequence[HoldReason]) -> None:
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        reasons: Sequence[HoldReason],
+        *,
+        keepalive_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._consumer = consumer
         self._reasons = reasons
+        self._keepalive_s = keepalive_s
+        self._clock = clock
+        self._polled = clock()
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
@@ -63,16 +75,23 @@ class PartitionGate:
         if held:
             consumer.pause(*(held & consumer.assignment()))
         batch: Batch = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        self._polled = self._clock()
         return batch
 
     async def poll_paused(self) -> Batch:
-        """At the in-flight cap: pause everything and poll anyway, so the group does not evict
-        the worker for exceeding `max_poll_interval_ms` (counted client-side between fetches). A rebalance can
-        complete inside this call; the records it returns are jobs like any other (dropping
-        them would skip their offsets)."""
+        """At the in-flight cap: pause everything, and poll anyway once `keepalive_s` has passed
+        since the last poll, so the group does not evict the worker for exceeding
+        `max_poll_interval_ms` (counted client-side between fetches) and coordinator errors
+        still surface. Not on every call: asked for records while a partition is paused,
+        aiokafka drops those it has fetched for it and fetches them again after the resume.
+        A rebalance can complete inside this call; the records it returns are jobs like any
+        other (dropping them would skip their offsets)."""
         consumer = self._consumer
         consumer.pause(*consumer.assignment())
+        if self._clock() - self._polled < self._keepalive_s:
+            return {}
         batch: Batch = await consumer.getmany(timeout_ms=0)
+        self._polled = self._clock()
         return batch
 
     def pause(self, partitions: set[TopicPartition]) -> None:

@@ -97,7 +97,12 @@ class Worker:
         # The gate asks each reason afresh before every fetch: paused while a partition's
         # offset map nears its cap or is being read, while it runs a suspect of a crash, and
         # while its next job waits for newer weights.
-        self._gate = PartitionGate(consumer, (self._committer, self._breaker, self._holds))
+        # At the cap, polled as often as the group hears from the worker (its heartbeats):
+        # well inside max_poll_interval_ms, and a coordinator error surfaces as soon.
+        keepalive_s = min(settings.heartbeat_interval_ms, settings.max_poll_interval_ms / 4) / 1000
+        self._gate = PartitionGate(
+            consumer, (self._committer, self._breaker, self._holds), keepalive_s=keepalive_s
+        )
         self._delivery = Delivery(
             producer,
             settings,
