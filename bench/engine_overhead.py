@@ -1,7 +1,8 @@
 """Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
-[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--no-fetch-hold]`. Uses
+[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--no-fetch-hold]
+[--no-pin]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -24,6 +25,13 @@ cores disturb far less than wall time; and, with no goal, the EngineCore childre
 which tells engine work apart from front-end work. Goals: throughput >= 0.97 of raw, front-end CPU
 per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
 
+vLLM binds each engine's compute threads to CPUs of its own choosing and leaves the others
+for the front end, but nothing keeps other processes off the engines' CPUs: on a small machine
+the local broker, this process's clients and the worker's front end preempted the engine in the
+worker's rounds only, and that, not the worker's own work, decided the throughput ratio. Once
+both engines are up, the front ends (this process and the worker process), and a broker running
+on this machine, are pinned to the CPUs the engines' threads are not bound to (--no-pin: not).
+
 The local broker answers an empty fetch at once instead of holding it as Kafka does, so every
 idle consumer spins (~4,000 fetches a second). On it, the worker runs through
 `worker.dev.held_fetches`: an empty fetch is held up to fetch.max.wait.ms (aiokafka's default,
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -43,7 +52,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +158,69 @@ def children_cpu_s(process: psutil.Process, skip: int | None = None) -> dict[int
         except psutil.NoSuchProcess:
             continue
     return out
+
+
+def cpus_beside_the_engines(thread_cpus: Iterable[set[int]], all_cpus: set[int]) -> set[int]:
+    """The CPUs that no engine compute thread is bound to, given the CPU sets of the engine
+    processes' threads: vLLM binds each compute thread to one CPU; the rest may run anywhere.
+    Empty when there is nothing to keep apart (no bound thread, or every CPU taken)."""
+    bound: set[int] = set()
+    for cpus in thread_cpus:
+        if len(cpus) == 1:
+            bound |= cpus
+    return all_cpus - bound if bound else set()
+
+
+def thread_cpus(process: psutil.Process) -> list[set[int]]:
+    out = []
+    for thread in process.threads():
+        with contextlib.suppress(OSError):
+            out.append(set(os.sched_getaffinity(thread.id)))
+    return out
+
+
+def pin(process: psutil.Process, cpus: set[int]) -> None:
+    """Every thread of `process` (threads it starts later inherit it) onto `cpus`."""
+    for thread in process.threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(thread.id, cpus)
+
+
+def local_listener(bootstrap: str) -> psutil.Process | None:
+    """The process on this machine that listens on the first bootstrap address's port."""
+    host, _, port = bootstrap.split(",", maxsplit=1)[0].rpartition(":")
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        return None
+    for conn in psutil.net_connections(kind="tcp"):
+        listening = conn.status == psutil.CONN_LISTEN and conn.pid is not None
+        if listening and conn.laddr and conn.laddr.port == int(port):
+            return psutil.Process(conn.pid)
+    return None
+
+
+def keep_off_the_engines(front_ends: list[psutil.Process], bootstrap: str) -> str:
+    """Pin the front ends and a local broker beside the engines' compute threads; what was done."""
+    me = psutil.Process()
+    engines = [
+        child
+        for front_end in front_ends
+        for child in front_end.children(recursive=True)
+        if child.pid not in {p.pid for p in front_ends}
+    ]
+    cpus = cpus_beside_the_engines(
+        (c for engine in engines for c in thread_cpus(engine)), set(os.sched_getaffinity(0))
+    )
+    if not cpus:
+        return "no CPU is free of engine threads: nothing pinned"
+    others = [*front_ends]
+    if (broker := local_listener(bootstrap)) is not None and broker.pid != me.pid:
+        others.append(broker)
+    for process in others:
+        pin(process, cpus)
+    return (
+        f"the front ends{' and the local broker' if broker is not None else ''} pinned to CPUs "
+        f"{sorted(cpus)}, beside the engines' compute threads"
+    )
 
 
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
@@ -368,6 +440,8 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             f"engines up: raw (this process) after {raw_start_s:.0f} s, worker (pid {worker_pid}) "
             f"after {time.perf_counter() - t0:.0f} s"
         )
+        if not args.no_pin:
+            print(keep_off_the_engines([psutil.Process(), psutil.Process(worker_pid)], bootstrap))
         vocab = int(engine.async_llm.model_config.get_vocab_size())
         raw = RawPath(engine, worker_pid)
         paths = {"raw": raw.run, "worker": worker.run}
@@ -481,6 +555,11 @@ def main() -> None:
         action="store_true",
         help="on the local broker, do not hold empty fetches in the clients as Kafka holds "
         "them in the broker (measures that broker's busy fetch loop too)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave the front ends and a local broker free to run on the engines' CPUs",
     )
     args = parser.parse_args()
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]

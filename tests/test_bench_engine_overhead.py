@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -101,3 +104,50 @@ def test_empty_fetches_are_held_only_on_the_local_broker(
         monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", env)
     args = argparse.Namespace(no_fetch_hold=no_fetch_hold)
     assert bench.holds_fetches(args) is expected
+
+
+@pytest.mark.parametrize(
+    ("threads", "cpus", "expected"),
+    [
+        # vLLM binds each compute thread to one CPU; its other threads may run anywhere.
+        ([{0}, {0, 1}, {0, 1}], {0, 1}, {1}),
+        ([{0}, {1}, {0, 1, 2, 3}], {0, 1, 2, 3}, {2, 3}),
+        ([{0, 1}, {0, 1}], {0, 1}, set()),  # nothing bound: nothing to keep apart
+        ([{0}, {1}], {0, 1}, set()),  # every CPU bound
+    ],
+)
+def test_the_front_ends_get_the_cpus_no_engine_thread_is_bound_to(
+    threads: list[set[int]], cpus: set[int], expected: set[int]
+) -> None:
+    assert bench.cpus_beside_the_engines(threads, cpus) == expected
+
+
+def test_pinning_moves_every_thread_of_a_process() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading; threading.Thread(target=sys.stdin.read).start(); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        process = psutil.Process(child.pid)
+        while len(process.threads()) < 2:
+            time.sleep(0.01)
+        bench.pin(process, {usable[-1]})
+        assert bench.thread_cpus(process) == [{usable[-1]}] * len(process.threads())
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+
+
+def test_the_local_broker_is_the_process_listening_on_the_bootstrap_port() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        found = bench.local_listener(f"127.0.0.1:{port},elsewhere:9092")
+        assert found is not None and found.pid == os.getpid()
+    assert bench.local_listener(f"kafka.example:{port}") is None  # not on this machine
