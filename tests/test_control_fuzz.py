@@ -348,20 +348,17 @@ def hostile_commands(root: Path) -> st.SearchStrategy[Command]:
     )
 
 
-async def feed(records: list[bytes], good: list[Command], key: bytes | None, root: Path) -> None:
-    values: dict[str, Any] = {
-        "control_topic": CONTROL,
-        "status_topic": STATUS,
-        "worker_id": "fuzz",
-        "weights_root": [str(root)],
-        "status_interval_s": 3600,
-    }
-    if key is not None:
-        values["control_hmac_key"] = key.decode()
+async def caught_up_plane(
+    values: dict[str, Any], records: list[bytes]
+) -> tuple[ControlPlane, StatusTopic, SteerableEngine]:
+    """A control plane with settings `values`, on in-memory control and status topics, caught
+    up, with `records` waiting on its control topic."""
     control, status = OnePartition(CONTROL, listed=frozenset({STATUS})), StatusTopic()
     engine = SteerableEngine(MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4)))
     plane = ControlPlane(
-        settings_from(values, {}),
+        settings_from(
+            {"control_topic": CONTROL, "status_topic": STATUS, "worker_id": "fuzz", **values}, {}
+        ),
         engine,
         Metrics(),
         IdleWorker(),
@@ -372,6 +369,14 @@ async def feed(records: list[bytes], good: list[Command], key: bytes | None, roo
     await plane.catch_up()
     for value in records:
         control.add(value)
+    return plane, status, engine
+
+
+async def feed(records: list[bytes], good: list[Command], key: bytes | None, root: Path) -> None:
+    values: dict[str, Any] = {"weights_root": [str(root)], "status_interval_s": 3600}
+    if key is not None:
+        values["control_hmac_key"] = key.decode()
+    plane, status, engine = await caught_up_plane(values, records)
     running = asyncio.create_task(plane.run())
     wanted = {c.command_id for c in good}
 
@@ -415,21 +420,7 @@ def test_a_stop_lands_whenever_it_comes_while_records_are_reported(weights):
     # tests below, one hang in a few hundred examples; here a stop comes at every turn of the
     # loop in turn while the plane reports unreadable records.
     async def stop_after(turns: int) -> None:
-        control, status = OnePartition(CONTROL, listed=frozenset({STATUS})), StatusTopic()
-        plane = ControlPlane(
-            settings_from(
-                {"control_topic": CONTROL, "status_topic": STATUS, "worker_id": "fuzz"}, {}
-            ),
-            SteerableEngine(MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4))),
-            Metrics(),
-            IdleWorker(),
-            consumer=control,
-            producer=status,
-        )
-        await plane.start()
-        await plane.catch_up()
-        for _ in range(50):
-            control.add(b"not a command")
+        plane, _, _ = await caught_up_plane({}, [b"not a command"] * 50)
         running = asyncio.create_task(plane.run())
         for _ in range(turns):
             await asyncio.sleep(0)
