@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from schemas import Failed, Job, SamplingSpec, decode_result
 from tests.kafka_helpers import Record, committed, job_record, wait_for
+from tests.workers import stop_all
 
 MiB = 1024 * 1024
 
@@ -517,10 +518,4 @@ class Chaos:
             await produce_spread(self._bootstrap, self._topics.jobs, chunk, plan.partitions)
 
     async def _stop_all(self) -> None:
-        for worker in self._workers:
-            if worker.proc.poll() is None:
-                worker.signal(signal.SIGTERM)
-        for worker in self._workers:
-            with contextlib.suppress(AssertionError):
-                await worker.wait(30)
-            worker.stop_now()
+        await stop_all(self._workers, 30)

@@ -22,6 +22,7 @@ import aiohttp
 from schemas import Job, SamplingSpec
 from tests.chaos_helpers import AnswersSeen, Scraper, metrics_port, produce_spread
 from tests.kafka_helpers import committed, job_record, wait_for
+from tests.workers import stop_all
 
 #: Log lines of the crash-loop breaker: a record blamed for a death, a suspect run alone.
 BLAME_LINES = re.compile(r"died with \d+ records in flight|worker deaths: running it alone")
@@ -223,13 +224,7 @@ class Elastic:
         )
 
     async def _stop_all(self) -> None:
-        for worker in self._workers.values():
-            if worker.proc.poll() is None:
-                worker.signal(signal.SIGTERM)
-        for worker in self._workers.values():
-            with contextlib.suppress(AssertionError):
-                await worker.wait(60)
-            worker.stop_now()
+        await stop_all(self._workers.values(), 60)
 
 
 def _follow(events: list[ScaleEvent], times: list[float]) -> None:

@@ -6,12 +6,14 @@ The fixtures are registered in `conftest.py`, so any test module can ask for the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +287,19 @@ class WorkerProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._log_file.close()
+
+
+async def stop_all(workers: Iterable[WorkerProcess], timeout_s: float) -> None:
+    """SIGTERM every worker still running, give each `timeout_s` to drain and exit, then kill
+    whatever is left."""
+    workers = list(workers)
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.signal(signal.SIGTERM)
+    for worker in workers:
+        with contextlib.suppress(AssertionError):
+            await worker.wait(timeout_s)
+        worker.stop_now()
 
 
 @pytest.fixture
