@@ -15,7 +15,8 @@ from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
 from worker.core.config import Settings, settings_from
 from worker.core.limits import RecordLimits
-from worker.delivery.commits import CommittedReader
+from worker.core.metrics import Metrics
+from worker.delivery.commits import CommittedReader, Committer
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
 from worker.loop.worker import Worker
 
@@ -335,6 +336,27 @@ async def test_jobs_are_named_running_in_a_commit_before_they_start(start_loop):
     await wait_for(lambda: bool(seen), what="the job to start")
     assert seen == [frozenset({0})]
     engine.release("g")
+
+
+async def test_a_write_ahead_commit_counts_as_the_intervals_commit() -> None:
+    # It commits every partition's answers as well as what runs: an interval commit right
+    # after it would send the broker the same thing again, once per cluster of starting jobs.
+    consumer = FakeConsumer()
+    consumer.add(P0, job("j0"))
+    consumer.add(P0, job("j1"))
+    committer = Committer(consumer, settings(commit_interval_ms=60_000), Metrics())
+    await committer.assigned({P0})
+    partition = committer.partition(P0)
+    partition.start(0)
+    await committer.write_ahead()
+    assert consumer.commits == [{P0: 0}]
+    partition.start(1)
+    partition.finish(0)
+    committer.tick()
+    await asyncio.sleep(0)
+    assert consumer.commits == [{P0: 0}]  # the interval runs from the write-ahead commit
+    await committer.write_ahead()
+    assert consumer.commits == [{P0: 0}, {P0: 1}]
 
 
 async def test_an_inherited_map_near_its_cap_does_not_stall_the_new_owner(start_loop):
