@@ -66,25 +66,27 @@ class GroupOffsetsReader:
         self._started = False
 
     async def __call__(self, partitions: list[TopicPartition]) -> dict[TopicPartition, Commit]:
-        if not self._started:
-            await self._admin.start()
-            self._started = True
-        committed = await self._admin.list_consumer_group_offsets(
-            self._group_id, partitions=partitions
-        )
+        admin = await self._started_admin()
+        committed = await admin.list_consumer_group_offsets(self._group_id, partitions=partitions)
         return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
 
     async def live_incarnations(self) -> set[int]:
         """The incarnations the group's live members announce (`worker.core.incarnation`)."""
-        if not self._started:
-            await self._admin.start()
-            self._started = True
-        described = await self._admin.describe_consumer_groups([self._group_id])
+        admin = await self._started_admin()
+        described = await admin.describe_consumer_groups([self._group_id])
         return incarnations_of_members(described, self._group_id)
 
     async def close(self) -> None:
         if self._started:
             await self._admin.close()
+
+    async def _started_admin(self) -> AIOKafkaAdminClient:
+        """The admin client, started on first use: a worker that is never assigned a
+        partition never connects it."""
+        if not self._started:
+            await self._admin.start()
+            self._started = True
+        return self._admin
 
 
 class Committer:

@@ -10,7 +10,7 @@ Format (version 2): `vkw2:` then URL-safe base64 (unpadded) of unsigned LEB128 v
 (1: written on a clean hand-over; 2: the writer is named), the committed offset the map was
 written for (its anchor), the writer's incarnation when flag 2 is set (a random number each
 worker process draws at start and announces to the group, so the next owner can tell a writer
-that is still alive from one that died: `worker.core.kafka.IncarnationAssignor`), then three
+that is still alive from one that died: `worker.core.incarnation`), then three
 sections, each a count and that many runs: answered runs and running runs (gap from
 the previous run's end, the anchor first, then the run's length, as Confluent's
 parallel-consumer's run-length encoding does), and death runs (gap, length, deaths each offset

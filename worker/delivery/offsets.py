@@ -4,6 +4,7 @@ offsets answered out of order (the offset map, carried in the commit's metadata)
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
 from typing import NamedTuple
 
@@ -156,20 +157,10 @@ class PartitionOffsets:
         above = [o for o in self.answered_before if o >= position]
         running = [o for o in self._order if o not in done]
         deaths = {o: n for o, n in self.deaths.items() if o >= position}
-        if limit is None:
-            metadata = encode_offset_map(
-                position,
-                [*done, *above],
-                running=running,
-                deaths=deaths,
-                clean=clean,
-                writer=writer,
-            )
-            return Planned((position, metadata), (), 0)
-        if limit <= 0:
+        if limit is not None and limit <= 0:
             return Planned((position, ""), (), 0)
         bounded = encode_bounded(
-            limit,
+            sys.maxsize if limit is None else limit,
             position,
             [*done, *above],
             running=running,
