@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +123,20 @@ async def test_partitions_assigned_at_the_cap_stay_paused_and_lose_no_record(sta
     await wait_for(
         lambda: consumer.commits and consumer.commits[-1].get(P1) == 3, what="P1 committed"
     )
+
+
+async def test_at_the_cap_a_freed_slot_starts_the_next_job_at_once(start_loop):
+    # At the cap the loop's wait ends only for the commit interval and the keepalive (here
+    # seconds); a job that finishes must wake it, or the engine's batch runs short meanwhile.
+    consumer = consumer_with_jobs(3)
+    engine = ScriptedEngine()
+    started = time.monotonic()
+    loop = await start_loop(
+        consumer, engine, max_in_flight=1, poll_timeout_ms=5_000, commit_interval_ms=5_000
+    )
+    await wait_for(lambda: len(loop.answered()) == 3, what="every job answered")
+    assert engine.peak_running == 1
+    assert time.monotonic() - started < 2.0  # not a wait's end (3 s) per job
 
 
 async def test_a_slow_commit_does_not_hold_up_fetching(start_loop):

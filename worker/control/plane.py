@@ -49,7 +49,7 @@ from worker.control.catch_up import check_control_partitions, read_control_topic
 from worker.control.commands import CommandRunner, WorkerView
 from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
-from worker.core.kafka import client_kwargs
+from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
 from worker.engines.steerable import SteerableEngine
@@ -59,6 +59,9 @@ __all__ = ["ControlPlane", "WorkerView"]
 logger = logging.getLogger(__name__)
 
 _SEND_TIMEOUT_S: Final = 10.0
+# A command is returned the moment it is fetched, and a stop cancels the wait: the timeout only
+# ends an empty wait, and each such end is a wake-up with nothing to do.
+_FOLLOW_WAIT_MS: Final = 10_000
 
 
 class ControlPlane:
@@ -105,6 +108,7 @@ class ControlPlane:
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            consumer_timeout_ms=FETCHER_FALLBACK_WAKE_MS,
         )
         self._producer = producer or AIOKafkaProducer(**client_kwargs(self._settings), acks="all")
         self._started_clients = True
@@ -218,7 +222,7 @@ class ControlPlane:
 
     async def _fetch(self) -> list[ConsumerRecord[bytes, bytes]]:
         try:
-            batch = await self._consumer.getmany(self._tp, timeout_ms=500)
+            batch = await self._consumer.getmany(self._tp, timeout_ms=_FOLLOW_WAIT_MS)
         except KafkaError as exc:
             logger.warning("control topic fetch failed (%r); retrying", exc)
             await asyncio.sleep(1.0)

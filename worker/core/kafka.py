@@ -59,6 +59,14 @@ CONTROL_TOPIC_CONFIGS: Final = {
 }
 
 
+# aiokafka's fetcher task wakes at least this often even when nothing happened (its own default
+# is 200 ms). Every event it serves wakes it at once (a response, records consumed, a resume, a
+# seek, an assignment change, a backoff ending), so the timeout is only a fallback; at 200 ms
+# it was the largest source of an idle worker's wake-ups, each of which costs CPU beside the
+# engine.
+FETCHER_FALLBACK_WAKE_MS: Final = 2_000
+
+
 def client_kwargs(settings: Settings) -> dict[str, Any]:
     """Connection and security arguments shared by every aiokafka client."""
     kwargs: dict[str, Any] = {
@@ -139,6 +147,7 @@ def make_consumer(
         # timeout) would have the group drop a member that is still draining.
         "rebalance_timeout_ms": settings.rebalance_timeout_ms,
         "isolation_level": "read_committed",
+        "consumer_timeout_ms": FETCHER_FALLBACK_WAKE_MS,
     }
     if incarnation is not None:
         kwargs["partition_assignment_strategy"] = (incarnation_assignor(incarnation),)

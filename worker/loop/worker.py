@@ -103,6 +103,12 @@ class Worker:
         self._gate = PartitionGate(
             consumer, (self._committer, self._breaker, self._holds), keepalive_s=keepalive_s
         )
+        # At the cap the loop wakes for a freed slot, a stop or a fatal error; otherwise only
+        # for the commit interval's tick and the keepalive poll: each wake-up with nothing to
+        # do is CPU taken beside the engine.
+        self._full_wait_s = min(
+            max(settings.poll_timeout_ms, settings.commit_interval_ms) / 1000, keepalive_s
+        )
         self._delivery = Delivery(
             producer,
             settings,
@@ -168,10 +174,11 @@ class Worker:
                 # Full. Any free slot is filled at once: waiting for several leaves the engine's
                 # batch short, which costs vLLM throughput when max_in_flight is near
                 # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
-                # Long ones: poll with every partition paused.
+                # Long ones: poll with every partition paused. A freed slot, a stop and a fatal
+                # error all wake this wait; its end only keeps the commit interval's ticks.
                 self._wake.clear()
                 try:
-                    async with asyncio.timeout(s.poll_timeout_ms / 1000):
+                    async with asyncio.timeout(self._full_wait_s):
                         await self._wake.wait()
                 except TimeoutError:
                     await self._start_jobs(await gate.poll_paused())
