@@ -274,7 +274,7 @@ class BreakerMachine(RuleBasedStateMachine):
             committer = owner.worker._committer
             tracker = committer.tracker
             idle = all(p.idle for _, p in tracker.items())
-            near_cap = committer.held() - committer._reading
+            near_cap = committer.held() - committer._inheritance.reading
             assert all(not tracker.partition(tp).idle for tp in near_cap), near_cap
             breaker = owner.worker._breaker
             assignment = owner.process.consumer.assignment()

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -27,19 +26,21 @@ from aiokafka.errors import (
 
 from worker.core.config import Settings
 from worker.core.incarnation import incarnations_of_members, new_incarnation
-from worker.core.kafka import client_kwargs, commit_handed_over
+from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
-from worker.delivery.offset_map import OffsetMap, decode_offset_map
-from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets, Planned
+from worker.delivery.inheritance import CommittedReader, Inheritance, LiveIncarnations
+from worker.delivery.offsets import (
+    Commit,
+    OffsetTracker,
+    PartitionOffsets,
+    Planned,
+    describe_commits,
+)
 
 __all__ = ["CommittedReader", "Committer", "GroupOffsetsReader", "LiveIncarnations"]
 
 logger = logging.getLogger(__name__)
 
-#: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
-CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
-#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`).
-LiveIncarnations = Callable[[], Awaitable[set[int]]]
 
 # Above this share of `offset_map_max_bytes` for what this owner finished out of order, a
 # partition takes no new records until that shrinks: the gap closes instead of the map growing
@@ -49,11 +50,6 @@ _HOLD_AT: Final = 0.75
 
 # The longest a batch of jobs waits for the commit that names them as running.
 _WRITE_AHEAD_WAIT_S: Final = 1.0
-
-# How long a new owner reads again the map of a partition whose last owner is alive but whose
-# hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
-_HAND_OVER_WAIT_S: Final = 2.0
-_HAND_OVER_POLL_S: Final = 0.1
 
 
 class GroupOffsetsReader:
@@ -107,18 +103,23 @@ class Committer:
         self._timeout_s = settings.commit_timeout_s
         self._map_max_bytes = settings.offset_map_max_bytes
         self._metrics = metrics
-        self._read_committed = read_committed
-        self._live_incarnations = live_incarnations
         #: Named in every map this process commits: the next owner of a partition whose
         #: hand-over did not land asks the group whether this process is still a member.
         self.incarnation = incarnation or new_incarnation()
         self.tracker = OffsetTracker(writer=self.incarnation)
+        self._inheritance = Inheritance(
+            consumer,
+            self.tracker,
+            metrics,
+            incarnation=self.incarnation,
+            timeout_s=self._timeout_s,
+            read_committed=read_committed,
+            live_incarnations=live_incarnations,
+        )
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
-        # Partitions whose offset map was near its cap at their last commit, and those whose
-        # committed map is being read after the assignment.
+        # Partitions whose offset map was near its cap at their last commit.
         self._near_cap: set[TopicPartition] = set()
-        self._reading: set[TopicPartition] = set()
         self._maps_refused = False
         self._slow_commits_warned = False
         self._stuck: asyncio.Task[None] | None = None
@@ -126,9 +127,6 @@ class Committer:
         self._degraded: dict[TopicPartition, tuple[str, ...]] = {}
         # From the stop on, every commit is a clean hand-over (see `hand_over`).
         self._handing_over = False
-        # Hand-over commits of revoked partitions that the group refused during the rebalance,
-        # made again once this member has rejoined (see `assigned`).
-        self._unlanded: dict[TopicPartition, Commit] = {}
 
     @property
     def maps_on(self) -> bool:
@@ -142,7 +140,7 @@ class Committer:
         finished out of order, so no partition is held for it: the reason is re-examined at
         every commit and on every fetch."""
         near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
-        return self._reading | near_cap
+        return self._inheritance.reading | near_cap
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -228,192 +226,16 @@ class Committer:
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """Read the assigned partitions' offset maps, so what they name is skipped. A map that
-        cannot be read or decoded is ignored with a warning: plain at-least-once.
-
-        Returns the partitions whose committed position moved while this member joined: its
-        own refused hand-over, made again (`_land_hand_over`), or the last owner's, awaited
-        (`_await_hand_overs`). The consumer looked its positions up before, and would fetch
-        from below, so the loop fetches them from the position returned. Any other position
-        stays the consumer's (which may be a reset past a truncated log)."""
-        landed = await self._land_hand_over()
-        # Partitions kept through the rebalance (an incremental one) are known here already:
-        # their committed map is this worker's own, and reading it back would blame its own
-        # jobs in flight for a death that did not happen.
-        partitions = {tp for tp in partitions if not self.tracker.holds(tp)}
-        if self._read_committed is None or not partitions:
-            return {}
-        moved: dict[TopicPartition, int] = {}
-        # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
-        # assignment meanwhile, and a record started before its map is known would run again.
-        self._reading |= partitions
-        alive = _AliveWriters(self.incarnation, self._live_incarnations, self._timeout_s)
-        try:
-            maps = await self._read_maps(partitions)
-            if maps is None:
-                return {}
-            moved = await self._await_hand_overs(maps, alive)
-        finally:
-            self._reading -= partitions
-        for tp, (position, previous) in sorted(maps.items()):
-            if previous is None:
-                self.tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
-                continue
-            if previous.answered:
-                logger.info(
-                    "%s-%s: %d records past offset %d were answered before; skipping them",
-                    tp.topic,
-                    tp.partition,
-                    len(previous.answered),
-                    position,
-                )
-            writer_alive = False
-            in_flight = len(previous.running - previous.answered)
-            if in_flight and not previous.clean:
-                writer_alive = await alive(previous.writer)
-                if writer_alive:
-                    logger.info(
-                        "%s-%s: the last owner is still a member of the group; its hand-over "
-                        "did not land, so the %d records it had in flight run again, blaming "
-                        "nobody",
-                        tp.topic,
-                        tp.partition,
-                        in_flight,
-                    )
-                else:
-                    logger.warning(
-                        "%s-%s: the last owner died with %d records in flight; they run one at "
-                        "a time now",
-                        tp.topic,
-                        tp.partition,
-                        in_flight,
-                    )
-            self.tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
-        for tp, position in landed.items():
-            if tp in maps and maps[tp][0] == position:
-                moved[tp] = position
-        return moved
-
-    async def _read_maps(
-        self, partitions: set[TopicPartition]
-    ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
-        """The committed position and offset map of each of `partitions` that has a commit
-        (None for a map that cannot be decoded); None when they cannot be read at all."""
-        if self._read_committed is None:
-            return {}
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                committed = await self._read_committed(sorted(partitions))
-            ends = await self._end_offsets(partitions)
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning(
-                "cannot read the committed offset maps (%r); answered records may run again", exc
-            )
-            return None
-        maps: dict[TopicPartition, tuple[int, OffsetMap | None]] = {}
-        for tp, (position, metadata) in committed.items():
-            if tp not in partitions or position < 0:
-                continue
-            try:
-                maps[tp] = (position, decode_offset_map(position, metadata, end=ends.get(tp)))
-            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
-                logger.warning(
-                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
-                    "offset will run again",
-                    tp.topic,
-                    tp.partition,
-                    position,
-                    exc,
-                )
-                maps[tp] = (position, None)
-        return maps
-
-    async def _await_hand_overs(
-        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
-    ) -> dict[TopicPartition, int]:
-        """Read again, for a little while, the maps of partitions whose last owner is alive but
-        whose hand-over has not landed: that owner commits it again as soon as it rejoins
-        (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
-        running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
-        blaming nobody. Returns the partitions whose position moved, and where to."""
-        waiting = set()
-        moved: dict[TopicPartition, int] = {}
-        for tp, (_, previous) in maps.items():
-            if (
-                previous is not None
-                and not previous.clean
-                and previous.running - previous.answered
-                and previous.writer != self.incarnation
-                and await alive(previous.writer)
-            ):
-                waiting.add(tp)
-        deadline = time.monotonic() + _HAND_OVER_WAIT_S
-        while waiting and time.monotonic() < deadline:
-            await asyncio.sleep(_HAND_OVER_POLL_S)
-            again = await self._read_maps(waiting)
-            for tp, (position, latest) in (again or {}).items():
-                if latest is not None and (latest.clean or position != maps[tp][0]):
-                    if position != maps[tp][0]:
-                        moved[tp] = position
-                    maps[tp] = (position, latest)
-                    waiting.discard(tp)
-        if waiting:
-            logger.info(
-                "the hand-over of %s by a live member did not land in %.1fs",
-                ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
-                _HAND_OVER_WAIT_S,
-            )
-        return moved
-
-    async def _land_hand_over(self) -> dict[TopicPartition, int]:
-        """Commit again, in the new generation, the hand-over of revoked partitions that the
-        group refused in the old one, before anything else on rejoining.
-
-        A broker may refuse the old generation's commits from the moment another member asks
-        to join, before this member even hears of the rebalance (noida-db does; Apache Kafka
-        takes them until the rebalance completes). The group takes a commit of the current
-        generation for any partition, so the hand-over lands now: the new owners, assigned in
-        this same round, read it unless they read first (they then run again what was answered
-        and not committed, blaming nobody: the map names a live writer). Made before this
-        member starts anything, it cannot move back a position a new owner committed since.
-        """
-        if not self._unlanded:
-            return {}
-        offsets, self._unlanded = self._unlanded, {}
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                await commit_handed_over(self._consumer, offsets)
-        except (KafkaError, TimeoutError) as exc:
-            self._metrics.commits.labels("failed").inc()
-            logger.warning(
-                "the hand-over of %s did not land after rejoining either (%r); the records "
-                "answered and not committed will run again",
-                _fmt(offsets),
-                exc,
-            )
-            return {}
-        self._metrics.commits.labels("ok").inc()
-        logger.info("hand-over of %s landed after rejoining", _fmt(offsets))
-        return {tp: position for tp, (position, _) in offsets.items()}
-
-    async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """The partitions' end offsets, or none when they cannot be read: map offsets at or
-        past the end name no record (the log was truncated under them)."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                ends: dict[TopicPartition, int] = await self._consumer.end_offsets(
-                    sorted(partitions)
-                )
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning("cannot read the partitions' end offsets (%r)", exc)
-            return {}
-        return ends
+        """Read what the previous owners of `partitions` committed into the tracker, after
+        landing this member's own refused hand-overs; the partitions whose position moved
+        meanwhile, and where to fetch them from (`Inheritance.assigned`)."""
+        return await self._inheritance.assigned(partitions)
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
         self.tracker.forget(partitions)
         self._near_cap -= partitions
-        self._reading -= partitions
+        self._inheritance.forget(partitions)
         for tp in partitions:
             self._degraded.pop(tp, None)
             with contextlib.suppress(KeyError):
@@ -444,7 +266,9 @@ class Committer:
                 await self._consumer.commit(offsets)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
-            logger.warning("commit of %s timed out; retrying at the next commit", _fmt(offsets))
+            logger.warning(
+                "commit of %s timed out; retrying at the next commit", describe_commits(offsets)
+            )
             return
         except OffsetMetadataTooLargeError:
             # The broker's offset.metadata.max.bytes is below offset_map_max_bytes: commit the
@@ -462,27 +286,31 @@ class Committer:
             # unless this was the hand-over, which is made again once this member rejoins.
             self._metrics.commits.labels("failed").inc()
             if clean and partitions is not None:
-                self._unlanded.update(offsets)
+                self._inheritance.refused(offsets)
                 logger.info(
                     "hand-over commit of %s refused during the rebalance (%s); it is made "
                     "again after rejoining",
-                    _fmt(offsets),
+                    describe_commits(offsets),
                     exc,
                 )
                 return
             logger.warning(
-                "commit of %s failed (%s); the records will be redelivered", _fmt(offsets), exc
+                "commit of %s failed (%s); the records will be redelivered",
+                describe_commits(offsets),
+                exc,
             )
             return
         except KafkaError as exc:
             self._metrics.commits.labels("retry").inc()
             logger.warning(
-                "commit of %s failed (%s); retrying at the next commit", _fmt(offsets), exc
+                "commit of %s failed (%s); retrying at the next commit",
+                describe_commits(offsets),
+                exc,
             )
             return
         self.tracker.committed(offsets)
         self._metrics.commits.labels("ok").inc()
-        logger.debug("committed %s", _fmt(offsets))
+        logger.debug("committed %s", describe_commits(offsets))
         self._update_lag()
 
     def _plan(
@@ -572,39 +400,3 @@ class Committer:
                 self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
                     max(highwater - position, 0)
                 )
-
-
-class _AliveWriters:
-    """Whether the writer of a map is a live member of the group: this process itself, or an
-    incarnation a live member announces. The group is asked once per assignment, and only
-    about a map that was not a clean hand-over; a writer that names no incarnation, or a
-    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side)."""
-
-    def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
-        self._own = own
-        self._ask = ask
-        self._timeout_s = timeout_s
-        self._live: set[int] | None = None
-
-    async def __call__(self, writer: int) -> bool:
-        if not writer:
-            return False
-        if writer == self._own:
-            return True
-        if self._live is None:
-            self._live = set()
-            if self._ask is not None:
-                try:
-                    async with asyncio.timeout(self._timeout_s):
-                        self._live = await self._ask()
-                except (KafkaError, TimeoutError) as exc:
-                    logger.warning(
-                        "cannot ask the group which members are alive (%r); a previous owner "
-                        "that did not hand over counts as dead",
-                        exc,
-                    )
-        return writer in self._live
-
-
-def _fmt(offsets: dict[TopicPartition, Commit]) -> str:
-    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, (o, _) in sorted(offsets.items()))

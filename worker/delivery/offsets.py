@@ -12,12 +12,17 @@ from aiokafka import TopicPartition
 
 from worker.delivery.offset_map import OffsetMap, encode_bounded, encode_offset_map
 
-__all__ = ["OffsetTracker", "PartitionOffsets", "Planned"]
+__all__ = ["Commit", "OffsetTracker", "PartitionOffsets", "Planned", "describe_commits"]
 
 logger = logging.getLogger(__name__)
 
 #: What a commit sends for one partition: the position and its metadata (the offset map).
 Commit = tuple[int, str]
+
+
+def describe_commits(offsets: dict[TopicPartition, Commit]) -> str:
+    """`topic-partition@position, ...` of some commits, for the log (their maps left out)."""
+    return ", ".join(f"{tp.topic}-{tp.partition}@{o}" for tp, (o, _) in sorted(offsets.items()))
 
 
 class Planned(NamedTuple):

@@ -1,0 +1,287 @@
+"""What the previous owners of newly assigned partitions left behind.
+
+On assignment their committed offset maps are read back (the records they name were answered,
+or were in flight at a death), waiting briefly for the hand-over of a previous owner that is
+still alive; and this member's own hand-overs that the group refused during the rebalance are
+committed again first. `Committer` owns the commits; this reads and lands hand-overs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
+
+from worker.core.kafka import commit_handed_over
+from worker.core.metrics import Metrics
+from worker.delivery.offset_map import OffsetMap, decode_offset_map
+from worker.delivery.offsets import Commit, OffsetTracker, describe_commits
+
+__all__ = ["CommittedReader", "Inheritance", "LiveIncarnations"]
+
+logger = logging.getLogger(__name__)
+
+#: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
+CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
+#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`).
+LiveIncarnations = Callable[[], Awaitable[set[int]]]
+
+# How long a new owner reads again the map of a partition whose last owner is alive but whose
+# hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
+_HAND_OVER_WAIT_S: Final = 2.0
+_HAND_OVER_POLL_S: Final = 0.1
+
+
+class Inheritance:
+    """Reads the offset maps of the partitions assigned to this member into its `tracker`, and
+    lands again the hand-overs the group refused it (`refused`)."""
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        tracker: OffsetTracker,
+        metrics: Metrics,
+        *,
+        incarnation: int,
+        timeout_s: float,
+        read_committed: CommittedReader | None = None,
+        live_incarnations: LiveIncarnations | None = None,
+    ) -> None:
+        self._consumer = consumer
+        self._tracker = tracker
+        self._metrics = metrics
+        self._incarnation = incarnation
+        self._timeout_s = timeout_s
+        self._read_committed = read_committed
+        self._live_incarnations = live_incarnations
+        #: Partitions whose committed map is being read: none of their records may start yet.
+        self.reading: set[TopicPartition] = set()
+        # Hand-over commits of revoked partitions that the group refused during the rebalance,
+        # made again once this member has rejoined (see `assigned`).
+        self._unlanded: dict[TopicPartition, Commit] = {}
+
+    def refused(self, offsets: dict[TopicPartition, Commit]) -> None:
+        """The group refused this hand-over during a rebalance: land it on rejoining."""
+        self._unlanded.update(offsets)
+
+    def forget(self, partitions: set[TopicPartition]) -> None:
+        self.reading -= partitions
+
+    async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """Read the assigned partitions' offset maps, so what they name is skipped. A map that
+        cannot be read or decoded is ignored with a warning: plain at-least-once.
+
+        Returns the partitions whose committed position moved while this member joined: its
+        own refused hand-over, made again (`_land_hand_over`), or the last owner's, awaited
+        (`_await_hand_overs`). The consumer looked its positions up before, and would fetch
+        from below, so the loop fetches them from the position returned. Any other position
+        stays the consumer's (which may be a reset past a truncated log)."""
+        landed = await self._land_hand_over()
+        # Partitions kept through the rebalance (an incremental one) are known here already:
+        # their committed map is this worker's own, and reading it back would blame its own
+        # jobs in flight for a death that did not happen.
+        partitions = {tp for tp in partitions if not self._tracker.holds(tp)}
+        if self._read_committed is None or not partitions:
+            return {}
+        moved: dict[TopicPartition, int] = {}
+        # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
+        # assignment meanwhile, and a record started before its map is known would run again.
+        self.reading |= partitions
+        alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
+        try:
+            maps = await self._read_maps(partitions)
+            if maps is None:
+                return {}
+            moved = await self._await_hand_overs(maps, alive)
+        finally:
+            self.reading -= partitions
+        for tp, (position, previous) in sorted(maps.items()):
+            if previous is None:
+                self._tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
+                continue
+            if previous.answered:
+                logger.info(
+                    "%s-%s: %d records past offset %d were answered before; skipping them",
+                    tp.topic,
+                    tp.partition,
+                    len(previous.answered),
+                    position,
+                )
+            writer_alive = False
+            in_flight = len(previous.running - previous.answered)
+            if in_flight and not previous.clean:
+                writer_alive = await alive(previous.writer)
+                if writer_alive:
+                    logger.info(
+                        "%s-%s: the last owner is still a member of the group; its hand-over "
+                        "did not land, so the %d records it had in flight run again, blaming "
+                        "nobody",
+                        tp.topic,
+                        tp.partition,
+                        in_flight,
+                    )
+                else:
+                    logger.warning(
+                        "%s-%s: the last owner died with %d records in flight; they run one at "
+                        "a time now",
+                        tp.topic,
+                        tp.partition,
+                        in_flight,
+                    )
+            self._tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
+        for tp, position in landed.items():
+            if tp in maps and maps[tp][0] == position:
+                moved[tp] = position
+        return moved
+
+    async def _read_maps(
+        self, partitions: set[TopicPartition]
+    ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
+        """The committed position and offset map of each of `partitions` that has a commit
+        (None for a map that cannot be decoded); None when they cannot be read at all."""
+        if self._read_committed is None:
+            return {}
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                committed = await self._read_committed(sorted(partitions))
+            ends = await self._end_offsets(partitions)
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offset maps (%r); answered records may run again", exc
+            )
+            return None
+        maps: dict[TopicPartition, tuple[int, OffsetMap | None]] = {}
+        for tp, (position, metadata) in committed.items():
+            if tp not in partitions or position < 0:
+                continue
+            try:
+                maps[tp] = (position, decode_offset_map(position, metadata, end=ends.get(tp)))
+            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
+                logger.warning(
+                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
+                    "offset will run again",
+                    tp.topic,
+                    tp.partition,
+                    position,
+                    exc,
+                )
+                maps[tp] = (position, None)
+        return maps
+
+    async def _await_hand_overs(
+        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
+    ) -> dict[TopicPartition, int]:
+        """Read again, for a little while, the maps of partitions whose last owner is alive but
+        whose hand-over has not landed: that owner commits it again as soon as it rejoins
+        (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
+        running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
+        blaming nobody. Returns the partitions whose position moved, and where to."""
+        waiting = set()
+        moved: dict[TopicPartition, int] = {}
+        for tp, (_, previous) in maps.items():
+            if (
+                previous is not None
+                and not previous.clean
+                and previous.running - previous.answered
+                and previous.writer != self._incarnation
+                and await alive(previous.writer)
+            ):
+                waiting.add(tp)
+        deadline = time.monotonic() + _HAND_OVER_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            await asyncio.sleep(_HAND_OVER_POLL_S)
+            again = await self._read_maps(waiting)
+            for tp, (position, latest) in (again or {}).items():
+                if latest is not None and (latest.clean or position != maps[tp][0]):
+                    if position != maps[tp][0]:
+                        moved[tp] = position
+                    maps[tp] = (position, latest)
+                    waiting.discard(tp)
+        if waiting:
+            logger.info(
+                "the hand-over of %s by a live member did not land in %.1fs",
+                ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
+                _HAND_OVER_WAIT_S,
+            )
+        return moved
+
+    async def _land_hand_over(self) -> dict[TopicPartition, int]:
+        """Commit again, in the new generation, the hand-over of revoked partitions that the
+        group refused in the old one, before anything else on rejoining.
+
+        A broker may refuse the old generation's commits from the moment another member asks
+        to join, before this member even hears of the rebalance (noida-db does; Apache Kafka
+        takes them until the rebalance completes). The group takes a commit of the current
+        generation for any partition, so the hand-over lands now: the new owners, assigned in
+        this same round, read it unless they read first (they then run again what was answered
+        and not committed, blaming nobody: the map names a live writer). Made before this
+        member starts anything, it cannot move back a position a new owner committed since.
+        """
+        if not self._unlanded:
+            return {}
+        offsets, self._unlanded = self._unlanded, {}
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await commit_handed_over(self._consumer, offsets)
+        except (KafkaError, TimeoutError) as exc:
+            self._metrics.commits.labels("failed").inc()
+            logger.warning(
+                "the hand-over of %s did not land after rejoining either (%r); the records "
+                "answered and not committed will run again",
+                describe_commits(offsets),
+                exc,
+            )
+            return {}
+        self._metrics.commits.labels("ok").inc()
+        logger.info("hand-over of %s landed after rejoining", describe_commits(offsets))
+        return {tp: position for tp, (position, _) in offsets.items()}
+
+    async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
+        """The partitions' end offsets, or none when they cannot be read: map offsets at or
+        past the end name no record (the log was truncated under them)."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                ends: dict[TopicPartition, int] = await self._consumer.end_offsets(
+                    sorted(partitions)
+                )
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning("cannot read the partitions' end offsets (%r)", exc)
+            return {}
+        return ends
+
+
+class _AliveWriters:
+    """Whether the writer of a map is a live member of the group: this process itself, or an
+    incarnation a live member announces. The group is asked once per assignment, and only
+    about a map that was not a clean hand-over; a writer that names no incarnation, or a
+    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side)."""
+
+    def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
+        self._own = own
+        self._ask = ask
+        self._timeout_s = timeout_s
+        self._live: set[int] | None = None
+
+    async def __call__(self, writer: int) -> bool:
+        if not writer:
+            return False
+        if writer == self._own:
+            return True
+        if self._live is None:
+            self._live = set()
+            if self._ask is not None:
+                try:
+                    async with asyncio.timeout(self._timeout_s):
+                        self._live = await self._ask()
+                except (KafkaError, TimeoutError) as exc:
+                    logger.warning(
+                        "cannot ask the group which members are alive (%r); a previous owner "
+                        "that did not hand over counts as dead",
+                        exc,
+                    )
+        return writer in self._live
