@@ -13,15 +13,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import Completed, Failed, Job, decode_job, decode_result
 from tests.fakes import ScriptedEngine
 from tests.kafka_helpers import wait_for
 from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, run, worker_on
 from worker.core.errors import BrokerError, EngineDeadError
+from worker.core.metrics import Metrics
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
-from worker.delivery.offsets import Commit
+from worker.delivery.offsets import Commit, OffsetTracker
+from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.worker import Worker
 
 P0, P1 = TopicPartition(JOBS, 0), TopicPartition(JOBS, 1)
@@ -159,6 +161,55 @@ async def test_a_death_with_many_in_flight_never_stalls_the_partition(caplog):
     assert lives.committed[P0][0] == 50
     assert len(lives.latest) == 50
     assert "left out" not in caplog.text
+
+
+def test_the_suspect_that_ran_alone_counts_until_a_commit_past_it_lands():
+    # A supervisor (the chaos harness) kills a worker only while it reports no suspects. The
+    # suspect that ran alone stopped counting once answered, but its map still named it alone
+    # as running until the commit past it landed: a kill in that window blamed it again, and
+    # two such kills dead-lettered a healthy job (CI, test_chaos, "failed_innocent=1").
+    tracker = OffsetTracker()
+    tracker.assigned(P0, decode_offset_map(0, encode_offset_map(0, [], running=[0])), anchor=0)
+    breaker = CrashLoopBreaker(3, Metrics(), tracker, lambda: {P0, P1})
+    partition = tracker.partition(P0)
+    records = [ConsumerRecord(JOBS, 0, o, 0, 0, b"k", job(f"j{o}"), None, 1, 1, ()) for o in (0, 1)]
+    taken = breaker.take(P0, partition, records)
+    assert [r.offset for r in taken.run] == [0] and taken.rewind_to == 1
+    assert breaker.suspects() == 1 and not breaker.commit_due()
+    breaker.confirmed(landed=True)
+    assert not breaker.commit_due()  # still running: a commit now would name it running
+    partition.finish(0)
+    assert breaker.suspects() == 1
+    assert breaker.commit_due()
+    assert breaker.held() == {P0, P1}
+    commit = partition.to_commit(writer=tracker.writer)
+    assert commit is not None and commit[0] == 1
+    tracker.committed({P0: commit})
+    assert breaker.suspects() == 0
+    assert not breaker.commit_due()
+    assert breaker.held() == set()
+
+
+async def test_after_a_suspect_ran_alone_the_commit_past_it_does_not_wait_for_the_interval():
+    # Every partition is held until that commit lands: at the interval's tick, a minute here.
+    lives = Lives({P0: [job("suspect"), job("next")], P1: [job("other")]})
+    lives.committed[P0] = (0, encode_offset_map(0, [], running=[0]))
+    process = Process(lives.committed)
+    for tp, values in lives.records.items():
+        for value in values:
+            process.consumer.add(tp, value)
+    process.consumer.assign(set(lives.records))
+    engine = ScriptedEngine()
+    settings = process_settings(commit_interval_ms=60_000)
+    worker = worker_on(process, engine, settings, lives.read_committed)
+    task = run(worker)
+    try:
+        await wait_for(lambda: len(engine.started) == 3, 10, "every job to start")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    assert engine.started[0] == "suspect"
+    assert sorted(engine.started[1:]) == ["next", "other"]
 
 
 async def test_a_map_naming_an_offset_answered_and_suspect_is_ignored_and_commits_go_on(caplog):

@@ -150,12 +150,13 @@ class Committer:
         """Whether `partition` is still the offsets of `tp` as held now: not revoked since."""
         return self.tracker.holds(tp) and self.tracker.partition(tp) is partition
 
-    def tick(self) -> None:
-        """Start a commit in the background when the interval has passed and none is running."""
+    def tick(self, *, due: bool = False) -> None:
+        """Start a commit in the background when the interval has passed (or the commit is
+        `due` now) and none is running."""
         if self._task is not None:
             return
         now = time.monotonic()
-        if now - self._last < self._interval_s:
+        if not due and now - self._last < self._interval_s:
             return
         self._last = now
         self._task = asyncio.create_task(self._commit(None), name="commit")

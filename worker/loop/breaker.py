@@ -152,11 +152,8 @@ class CrashLoopBreaker:
         suspect's. Re-examined on every fetch."""
         if not self.enabled:
             return set()
-        if (alone := self._alone) is not None:
-            committed = alone.partition.committed
-            if self._unconfirmed or committed is None or committed[0] <= alone.offset:
-                return self._assignment()
-            self._alone = None
+        if self._running_alone() is not None:
+            return self._assignment()
         if self._waiting:
             assigned = self._assignment()
             self._waiting = {
@@ -169,14 +166,41 @@ class CrashLoopBreaker:
         return self._assignment()
 
     def suspects(self) -> int:
-        """Records in flight at an earlier death still to run alone or be answered."""
-        return sum(len(partition.deaths) for _, partition in self._tracker.items())
+        """Records in flight at an earlier death still to run alone or be answered, and the
+        one that ran alone until a commit past it lands: a death until then still blames it
+        (what a supervisor reads before it kills a worker)."""
+        count = sum(len(partition.deaths) for _, partition in self._tracker.items())
+        if (
+            alone := self._running_alone()
+        ) is not None and alone.offset not in alone.partition.deaths:
+            count += 1
+        return count
+
+    def commit_due(self) -> bool:
+        """The suspect that ran alone is answered: commit past it now, not at the interval's
+        next tick, since every partition is held until that commit lands."""
+        alone = self._running_alone()
+        if alone is None or self._unconfirmed:
+            return False
+        position = alone.partition.commit_position()
+        return position is not None and position > alone.offset
 
     def forget(self, revoked: set[TopicPartition]) -> None:
         self._waiting -= revoked
         if self._alone is not None and self._alone.tp in revoked:
             self._alone = None
             self._unconfirmed = False
+
+    def _running_alone(self) -> _Alone | None:
+        """The suspect chosen to run alone, from its choice until a commit past it lands."""
+        alone = self._alone
+        if alone is None:
+            return None
+        committed = alone.partition.committed
+        if self._unconfirmed or committed is None or committed[0] <= alone.offset:
+            return alone
+        self._alone = None
+        return None
 
     def _quiet(self) -> bool:
         """Nothing of any partition is in flight (every started record is acknowledged)."""

@@ -192,7 +192,7 @@ class Worker:
                     self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
                     break
                 await self._start_jobs(batch)
-            self._committer.tick()
+            self._committer.tick(due=self._breaker.commit_due())
             if (found := await self._watchdog.check()) is not None:
                 self._fail(*found)
 
