@@ -240,6 +240,9 @@ class FakeConsumer:
         #: Each commit's metadata by partition; the broker's offset.metadata.max.bytes.
         self.metadata: list[dict[TopicPartition, str]] = []
         self.metadata_limit: int | None = None
+        #: An empty fetch waits at most this long (a real consumer waits its whole timeout:
+        #: None), so tests with long poll timeouts stay quick.
+        self.empty_wait_cap_ms: int | None = 10
 
     def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
         records = self.records.setdefault(tp, [])
@@ -316,7 +319,8 @@ class FakeConsumer:
                 self._positions[tp] = position + len(taken)
                 budget -= len(taken)
         if not out:
-            await asyncio.sleep(min(timeout_ms, 10) / 1000)
+            cap = self.empty_wait_cap_ms
+            await asyncio.sleep((timeout_ms if cap is None else min(timeout_ms, cap)) / 1000)
         return out
 
     async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:

@@ -212,6 +212,30 @@ async def test_after_a_suspect_ran_alone_the_commit_past_it_does_not_wait_for_th
     assert sorted(engine.started[1:]) == ["next", "other"]
 
 
+async def test_suspects_run_one_after_another_without_waiting_out_fetch_timeouts():
+    # While a suspect runs alone every partition is held, and each fetch waited out its whole
+    # timeout: two of them per suspect beside its own run (10 s here for five; 400 ms a
+    # suspect at the default --poll-timeout-ms, after a death with hundreds in flight).
+    lives = Lives({P0: [job(f"j{i}") for i in range(5)]})
+    lives.committed[P0] = (0, encode_offset_map(0, [], running=range(5)))
+    process = Process(lives.committed)
+    process.consumer.empty_wait_cap_ms = None
+    for value in lives.records[P0]:
+        process.consumer.add(P0, value)
+    process.consumer.assign({P0})
+    engine = ScriptedEngine()
+    settings = process_settings(poll_timeout_ms=1_000)
+    worker = worker_on(process, engine, settings, lives.read_committed)
+    task = run(worker)
+    try:
+        await wait_for(lambda: lives.committed[P0][0] == 5, 4, "the five suspects, one at a time")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    assert engine.peak_running == 1
+    assert engine.started == [f"j{i}" for i in range(5)]
+
+
 async def test_a_map_naming_an_offset_answered_and_suspect_is_ignored_and_commits_go_on(caplog):
     # Hand-made or another tool's: offset 1 both answered and in flight at 2 deaths. The
     # breaker ran the answered record again, it finished twice, and from then on every commit

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -97,8 +98,12 @@ class Committer:
         *,
         live_incarnations: LiveIncarnations | None = None,
         incarnation: int | None = None,
+        on_background_done: Callable[[], None] = lambda: None,
     ) -> None:
         self._consumer = consumer
+        #: Called when a commit in the background ended (and another may start): what waits
+        #: for one to land (the breaker) may go on.
+        self._on_background_done = on_background_done
         self._interval_s = settings.commit_interval_ms / 1000
         self._timeout_s = settings.commit_timeout_s
         self._map_max_bytes = settings.offset_map_max_bytes
@@ -255,6 +260,7 @@ class Committer:
         if not task.cancelled() and (exc := task.exception()) is not None:
             # _commit handles every Kafka error; anything else is a bug worth a traceback.
             logger.error("background commit failed", exc_info=exc)
+        self._on_background_done()
 
     async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
         offsets = self._plan(partitions, clean=clean or self._handing_over)

@@ -61,6 +61,7 @@ class Delivery:
 
     `smaller(answer, index, refused_by)` gives the answer with that record shrunk, or None when
     it cannot shrink. `on_free` is called when records leave the outbox (slots free up);
+    `on_acknowledged` when the broker acknowledged answers (their offsets are finished);
     `on_fatal` when an answer cannot be delivered at all.
     """
 
@@ -74,6 +75,7 @@ class Delivery:
         smaller: Callable[[Answer, int, str], Answer | None],
         on_free: Callable[[], None],
         on_fatal: Callable[[FatalError], None],
+        on_acknowledged: Callable[[], None] = lambda: None,
     ) -> None:
         self._producer = producer
         self._publish_timeout_s = settings.publish_timeout_s
@@ -81,6 +83,7 @@ class Delivery:
         self._metrics = metrics
         self._smaller = smaller
         self._on_free = on_free
+        self._on_acknowledged = on_acknowledged
         self._on_fatal = on_fatal
         self._send_lock = asyncio.Lock()
         # Unacknowledged deliveries: when each was sent (oldest first) and whose records it has.
@@ -196,6 +199,7 @@ class Delivery:
         if error is None:
             for ticket, _ in members:
                 self._acknowledged(ticket)
+            self._on_acknowledged()
             return
         if not self._resending:
             return
@@ -245,6 +249,7 @@ class Delivery:
             logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
             raise
         self._acknowledged(ticket)
+        self._on_acknowledged()
 
     def _resend_done(self, task: asyncio.Task[None]) -> None:
         self._resends.pop(task, None)

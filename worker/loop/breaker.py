@@ -125,6 +125,12 @@ class CrashLoopBreaker:
                 self._metrics.skipped.inc()
         return Taken(run, crash_looped)
 
+    @property
+    def engaged(self) -> bool:
+        """A suspect runs alone or waits for the worker to be quiet: an acknowledgement or a
+        commit may let it go on."""
+        return self._alone is not None or bool(self._waiting)
+
     def blocks(self) -> bool:
         """A suspect runs alone (or was just chosen to): nothing else may start."""
         return self._alone is not None

@@ -111,6 +111,12 @@ class PartitionGate:
         for reason in self._reasons:
             reason.forget(revoked)
 
+    def holds_everything(self) -> bool:
+        """Every assigned partition is held (and there is at least one): a fetch would only
+        wait out its timeout."""
+        assigned = self.assignment()
+        return bool(assigned) and self.held() >= assigned
+
     def held(self) -> set[TopicPartition]:
         held: set[TopicPartition] = set()
         for reason in self._reasons:

@@ -8,6 +8,7 @@ The worker coordinates: the in-flight cap, the rebalance listener, the fatal fla
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -86,6 +87,7 @@ class Worker:
             read_committed,
             live_incarnations=live_incarnations,
             incarnation=incarnation,
+            on_background_done=self._wake_breaker,
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         # Partitions whose revoke callback is running: none of their records starts.
@@ -117,6 +119,7 @@ class Worker:
             smaller=self._answers.smaller,
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
+            on_acknowledged=self._wake_breaker,
         )
         self._watchdog = Watchdog(settings, engine, self._delivery)
         # Read when scraped, not written twice per job.
@@ -169,6 +172,10 @@ class Worker:
         s = self._settings
         gate = self._gate
         while not self._stopping.is_set() and self._fatal is None:
+            # Cleared before the reasons to wait (and the commit due) are read: whatever
+            # changes them from here on wakes the waits below.
+            self._wake.clear()
+            self._committer.tick(due=self._breaker.commit_due())
             free = self.max_in_flight - self._in_flight()
             if free <= 0:
                 # Full. Any free slot is filled at once: waiting for several leaves the engine's
@@ -176,12 +183,20 @@ class Worker:
                 # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
                 # Long ones: poll with every partition paused. A freed slot, a stop and a fatal
                 # error all wake this wait; its end only keeps the commit interval's ticks.
-                self._wake.clear()
                 try:
                     async with asyncio.timeout(self._full_wait_s):
                         await self._wake.wait()
                 except TimeoutError:
                     await self._start_jobs(await gate.poll_paused())
+            elif gate.holds_everything():
+                # Nothing may be fetched: a fetch would wait out its whole timeout, however soon
+                # the hold ends. After a death the breaker holds every partition around each
+                # suspect's run, and the acknowledgement and commits that end each hold wake
+                # this wait (a suspect cost two fetch timeouts more than its own run).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(s.poll_timeout_ms / 1000):
+                        await self._wake.wait()
+                await self._start_jobs(await gate.poll_paused())
             else:
                 try:
                     batch = await gate.fetch(free, s.poll_timeout_ms)
@@ -192,7 +207,6 @@ class Worker:
                     self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
                     break
                 await self._start_jobs(batch)
-            self._committer.tick(due=self._breaker.commit_due())
             if (found := await self._watchdog.check()) is not None:
                 self._fail(*found)
 
@@ -351,6 +365,11 @@ class Worker:
             self._fatal = exc
             logger.error("fatal error at %s: %s", where, exc, exc_info=exc)
         self._wake.set()
+
+    def _wake_breaker(self) -> None:
+        """An acknowledgement came or a commit ended: the breaker may let the next record go."""
+        if self._breaker.engaged:
+            self._wake.set()
 
     def _job_crashed(self, exc: BaseException) -> None:
         self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")
