@@ -139,6 +139,39 @@ async def test_at_the_cap_a_freed_slot_starts_the_next_job_at_once(start_loop):
     assert time.monotonic() - started < 2.0  # not a wait's end (3 s) per job
 
 
+async def test_with_a_backlog_in_the_engine_freed_slots_are_refilled_in_lots(start_loop):
+    # 12 in flight on an engine that runs 4: 8 wait in its queue, and the loop refills in lots
+    # of 4, each named running by one write-ahead commit, instead of a commit per freed slot.
+    consumer = FakeConsumer()
+    for i in range(20):
+        consumer.add(P0, job(f"j{i}", gate=f"g{i}"))
+    consumer.assign({P0})
+    engine = ScriptedEngine(max_concurrency=4)
+    named_at_start: dict[str, frozenset[int]] = {}
+
+    def on_start(started: Job) -> None:
+        committed = consumer.commits[-1][P0]
+        named = decode_offset_map(committed, consumer.metadata[-1][P0]).running
+        named_at_start[started.job_id] = named
+
+    engine.on_start = on_start
+    loop = await start_loop(consumer, engine, max_in_flight=12, commit_interval_ms=60_000)
+    await wait_for(lambda: len(engine.started) == 12, what="the cap to fill")
+    for i in range(3):
+        engine.release(f"g{i}")
+    await wait_for(lambda: len(loop.answered()) == 3, what="three jobs answered")
+    await asyncio.sleep(0.2)  # many loop turns: three free slots are not a lot yet
+    assert len(engine.started) == 12
+    engine.release("g3")
+    await wait_for(lambda: len(engine.started) == 16, what="a lot of four to start")
+    lot = [f"j{i}" for i in range(12, 16)]
+    assert engine.started[12:] == lot
+    assert all(named_at_start[j] >= {12, 13, 14, 15} for j in lot)  # one commit named them all
+    for i in range(4, 20):
+        engine.release(f"g{i}")
+    await wait_for(lambda: len(loop.answered()) == 20, what="every job answered")
+
+
 async def test_a_slow_commit_does_not_hold_up_fetching(start_loop):
     consumer = FakeConsumer()
     consumer.commit_gate = asyncio.Event()  # the coordinator does not answer

@@ -74,6 +74,12 @@ class Worker:
         self._engine = engine
         self.metrics = metrics or Metrics()
         self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
+        # Jobs beyond what the engine runs at once wait in its queue and take a finished job's
+        # place there at once. While the engine has such a backlog the loop refills in lots of
+        # half the room for one: the engine stays busy on the rest meanwhile, and each lot
+        # costs one fetch and one write-ahead commit, where refilling every freed slot cost a
+        # commit per job or two. Without a backlog every freed slot is filled at once.
+        self._refill_lot = max(1, (self.max_in_flight - engine.max_concurrency) // 2)
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
@@ -177,12 +183,13 @@ class Worker:
             self._wake.clear()
             self._committer.tick(due=self._breaker.commit_due())
             free = self.max_in_flight - self._in_flight()
-            if free <= 0:
-                # Full. Any free slot is filled at once: waiting for several leaves the engine's
-                # batch short, which costs vLLM throughput when max_in_flight is near
-                # max_num_seqs. Short jobs free slots soon: wait without touching the fetcher.
-                # Long ones: poll with every partition paused. A freed slot, a stop and a fatal
-                # error all wake this wait; its end only keeps the commit interval's ticks.
+            if free <= 0 or (free < self._refill_lot and self._engine_has_backlog()):
+                # Full, or short of a lot while the engine has a backlog to run meanwhile.
+                # Otherwise any free slot is filled at once: waiting for several leaves the
+                # engine's batch short, which costs vLLM throughput. Short jobs free slots
+                # soon: wait without touching the fetcher. Long ones: poll with every
+                # partition paused. A freed slot, a stop and a fatal error all wake this wait;
+                # its end only keeps the commit interval's ticks.
                 try:
                     async with asyncio.timeout(self._full_wait_s):
                         await self._wake.wait()
@@ -359,6 +366,10 @@ class Worker:
         engine, the worker fetches no more than it can deliver.
         """
         return len(self._jobs) + self._delivery.pending
+
+    def _engine_has_backlog(self) -> bool:
+        """More jobs running than the engine runs at once: some wait in its queue."""
+        return len(self._jobs) > self._engine.max_concurrency
 
     def _fail(self, exc: FatalError, where: str) -> None:
         if self._fatal is None:
