@@ -1,8 +1,8 @@
 """Benchmark: the worker (Kafka in, Kafka out) against raw AsyncLLM on the same jobs.
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
-[--max-tokens N] [--max-num-seqs N] [--model DIR] [--enforce-eager] [--no-fetch-hold]
-[--no-pin]`. Uses
+[--max-tokens N] [--max-num-seqs N] [--max-in-flight N] [--model DIR] [--enforce-eager]
+[--no-fetch-hold] [--no-pin]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -10,9 +10,12 @@ capture; the tiny random MoE unless --model is given), each with its EngineCore 
 - raw: `AsyncLLM.generate` per prompt in this process, at most max_num_seqs at once, final output
   only; the front end is this process, which then runs nothing else (no Kafka client is open
   during a raw round);
-- worker: `python -m worker serve` as a subprocess with `--max-in-flight` = max_num_seqs; all of a
-  round's jobs are produced at once and the round ends when the last result is read. The front end
-  is the worker process alone: this process's producer and reader are not counted.
+- worker: `python -m worker serve` as a subprocess, as it is run: its default `--max-in-flight`
+  (twice max_num_seqs) keeps a backlog in the engine's queue, which it refills in lots
+  (--max-in-flight N measures another; at max_num_seqs every freed slot is refilled alone, at a
+  commit round trip per job or two). All of a round's jobs are produced at once and the round
+  ends when the last result is read. The front end is the worker process alone: this process's
+  producer and reader are not counted.
 
 Both paths get the same prompts and sampling (greedy, ignore_eos, so a round generates exactly
 jobs x max_tokens tokens, checked every round). A warm-up and a calibration run of each path size
@@ -22,8 +25,10 @@ worker/raw sees the same machine load on both sides. Per path it reports, median
 over rounds: throughput (generated tokens per wall second) and the front end's CPU time (user +
 system of that process, its children excluded) per generated token, which neighbours on shared
 cores disturb far less than wall time; and, with no goal, the EngineCore children's CPU per token,
-which tells engine work apart from front-end work. Goals: throughput >= 0.97 of raw, front-end CPU
-per token <= 1.10 of raw. It prints figures and never fails on them (exit code 0).
+which tells engine work apart from front-end work. Each ratio comes with the run's resolution: the
+half-width of the 95 % confidence interval of the mean paired ratio (Student's t), relative to
+it. Goals: throughput >= 0.97 of raw, front-end CPU per token <= 1.10 of raw, each resolved to
+3 %. It prints figures and never fails on them (exit code 0).
 
 vLLM binds each engine's compute threads to CPUs of its own choosing and leaves the others
 for the front end, but nothing keeps other processes off the engines' CPUs: on a small machine
@@ -121,6 +126,23 @@ class Spread:
 def paired_ratios(worker: Sequence[float], raw: Sequence[float]) -> list[float]:
     """worker/raw round by round: both sides of a pair ran back to back under the same load."""
     return [w / r for w, r in zip(worker, raw, strict=True)]
+
+
+# Two-sided 95 % quantiles of Student's t for 1-10 degrees of freedom; beyond, 1.96 + 2.4/df
+# is within 0.3 % of the table.
+_T95: Final = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def resolution(ratios: Sequence[float]) -> float | None:
+    """Half-width of the 95 % confidence interval of the mean paired ratio, relative to that
+    mean: the smallest difference between the paths the run can tell from noise. None for fewer
+    than two rounds."""
+    if len(ratios) < 2:
+        return None
+    df = len(ratios) - 1
+    t = _T95[df - 1] if df <= len(_T95) else 1.96 + 2.4 / df
+    mean = statistics.fmean(ratios)
+    return t * statistics.stdev(ratios) / math.sqrt(len(ratios)) / mean
 
 
 def jobs_per_round(tokens_per_s: float, round_seconds: float, max_tokens: int, batch: int) -> int:
@@ -291,7 +313,7 @@ class WorkerProcess:
         cls,
         bootstrap: str,
         engine_args: list[str],
-        max_in_flight: int,
+        max_in_flight: int | None,
         log_path: Path,
         fetch_hold_s: float | None,
     ) -> WorkerProcess:
@@ -305,8 +327,9 @@ class WorkerProcess:
             **{f"{name}-topic": topic for name, topic in topics.items()},
             "group-id": f"bench-{uuid.uuid4().hex[:8]}",
             "worker-id": "bench-overhead",
-            "max-in-flight": str(max_in_flight),
         }
+        if max_in_flight is not None:
+            flags["max-in-flight"] = str(max_in_flight)
         argv = [sys.executable, "-m", "worker", "serve"]
         if fetch_hold_s is not None:
             argv[2:3] = ["worker.dev.held_fetches", str(fetch_hold_s)]
@@ -425,7 +448,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
     worker = await WorkerProcess.launch(
         bootstrap,
         engine_args,
-        args.max_num_seqs,
+        args.max_in_flight,
         log,
         fetch_hold_s=WORKER_FETCH_HOLD_S if hold else None,
     )
@@ -516,6 +539,8 @@ def report(
         ratios = paired_ratios(values["worker"], values["raw"])
         s = Spread.of(ratios)
         line = f"    worker/raw {s.median:>9.3f} [{s.low:.3f} - {s.high:.3f}]"
+        if (resolved := resolution(ratios)) is not None:
+            line += f"   resolves +-{resolved:.1%} (95 %)"
         if sense:
             met = s.median >= goal if sense == ">=" else s.median <= goal
             line += f"   goal {sense} {goal:.2f}: {'meets' if met else 'MISSES'}"
@@ -546,6 +571,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--max-in-flight", type=int, help="the worker's --max-in-flight (default: its own)"
+    )
     parser.add_argument("--model", help="model directory (default: the tiny random MoE)")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="skip torch.compile (faster start)"

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +58,18 @@ def test_ratios_pair_rounds_and_the_spread_is_median_min_max() -> None:
     assert (spread.median, spread.low, spread.high) == pytest.approx((1.0, 0.9, 1.25))
     with pytest.raises(ValueError, match="longer"):
         bench.paired_ratios([1.0], [1.0, 2.0])
+
+
+def test_resolution_is_the_relative_half_width_of_the_means_95_percent_interval() -> None:
+    # Three rounds: mean 1.0, stdev 0.02, t(2) = 4.303 -> 4.303 * 0.02 / sqrt(3).
+    assert bench.resolution([0.98, 1.0, 1.02]) == pytest.approx(4.303 * 0.02 / 3**0.5)
+    # Beyond the table (df 29): t = 2.045; the approximation gives 2.043.
+    thirty = [1.0 + (0.01 if i % 2 else -0.01) for i in range(30)]
+    sd = statistics.stdev(thirty)
+    assert bench.resolution(thirty) == pytest.approx(2.045 * sd / 30**0.5, rel=0.003)
+    # Twice the rounds at the same spread resolve finer; one round resolves nothing.
+    assert bench.resolution([0.98, 1.02] * 4) < bench.resolution([0.98, 1.02] * 2)
+    assert bench.resolution([1.0]) is None
 
 
 def test_cpu_deltas_compare_only_processes_seen_both_times() -> None:
