@@ -72,6 +72,24 @@ def test_resolution_is_the_relative_half_width_of_the_means_95_percent_interval(
     assert bench.resolution([1.0]) is None
 
 
+def test_the_steady_rate_is_read_between_the_ramps_even_from_waves() -> None:
+    # 40 waves of 32 jobs, one every 0.25 s (128 jobs/s), but the first wave only after 2 s and
+    # the last 3 s after the one before: ramps the whole-round rate counts and this one leaves
+    # out. Jobs of one wave finish microseconds apart, as vLLM hands them out.
+    finished = [
+        2.0 + 0.25 * wave + (3.0 if wave == 39 else 0.0) + 1e-6 * i
+        for wave in range(40)
+        for i in range(32)
+    ]
+    assert bench.steady_rate(finished, 10) == pytest.approx(1280.0, rel=0.01)
+    assert len(finished) * 10 / max(finished) < 1280 * 0.7  # what the ramps do to the whole
+    # Spread evenly, with an outlier at each end.
+    even = [0.0, *(1.0 + 0.01 * i for i in range(100)), 60.0]
+    assert bench.steady_rate(even, 1) == pytest.approx(100.0, rel=0.01)
+    with pytest.raises(ValueError, match="too few"):
+        bench.steady_rate([1.0, 1.0, 1.0, 1.0], 32)
+
+
 def test_cpu_deltas_compare_only_processes_seen_both_times() -> None:
     # A process that started or ended in between has no delta to give.
     assert bench.cpu_delta({1: 1.0, 2: 5.0}, {1: 1.5, 3: 9.0}) == pytest.approx(0.5)
