@@ -74,6 +74,7 @@ from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.dev.broker import env_or_local_broker, new_topics
 from worker.dev.held_fetches import hold_empty_fetches
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
+from worker.loop.worker import max_in_flight_for
 
 THROUGHPUT_GOAL: Final = 0.97
 FRONT_END_CPU_GOAL: Final = 1.10
@@ -494,8 +495,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
         if not args.no_pin:
             print(keep_off_the_engines([psutil.Process(), psutil.Process(worker_pid)], bootstrap))
         vocab = int(engine.async_llm.model_config.get_vocab_size())
-        # The worker's own default when not given (worker.loop.worker.Worker.max_in_flight).
-        in_flight = args.max_in_flight or 2 * engine.max_concurrency
+        in_flight = max_in_flight_for(args.max_in_flight, engine.max_concurrency)
         raw = RawPath(engine, worker_pid, in_flight)
         paths = {"raw": raw.run, "worker": worker.run}
         batch_size = engine.max_concurrency

@@ -36,9 +36,15 @@ from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
 from worker.loop.watchdog import Watchdog
 
-__all__ = ["Worker"]
+__all__ = ["Worker", "max_in_flight_for"]
 
 logger = logging.getLogger(__name__)
+
+
+def max_in_flight_for(configured: int | None, engine_concurrency: int) -> int:
+    """Jobs the worker runs at once: `--max-in-flight` when given, else twice what the engine
+    runs at once (the rest wait in its queue, ready to take a finished job's place)."""
+    return configured or 2 * engine_concurrency
 
 
 class Worker:
@@ -73,7 +79,7 @@ class Worker:
         self._producer = producer
         self._engine = engine
         self.metrics = metrics or Metrics()
-        self.max_in_flight = settings.max_in_flight or 2 * engine.max_concurrency
+        self.max_in_flight = max_in_flight_for(settings.max_in_flight, engine.max_concurrency)
         # Jobs beyond what the engine runs at once wait in its queue and take a finished job's
         # place there at once. While the engine has such a backlog the loop refills in lots of
         # half the room for one: the engine stays busy on the rest meanwhile, and each lot
