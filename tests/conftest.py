@@ -27,6 +27,9 @@ from worker.dev.broker import (
     wait_until_ready_blocking,
 )
 
+# pytester runs the leak guard's own tests in a pytest of their own.
+pytest_plugins = ["tests.leak_guard", "pytester"]
+
 logger = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 30.0
