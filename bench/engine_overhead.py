@@ -2,7 +2,7 @@
 
 Run `python bench/engine_overhead.py [--rounds R] [--round-seconds S] [--prompt-tokens N]
 [--max-tokens N] [--max-num-seqs N] [--max-in-flight N] [--model DIR] [--enforce-eager]
-[--no-fetch-hold] [--no-pin]`. Uses
+[--no-fetch-hold] [--no-pin] [--no-nice]`. Uses
 $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two engines with the same arguments (the normal fast CPU path: no Triton shim, no routed-experts
@@ -40,6 +40,15 @@ the local broker, this process's clients and the worker's front end preempted th
 worker's rounds only, and that, not the worker's own work, decided the throughput ratio. Once
 both engines are up, the front ends (this process and the worker process), and a broker running
 on this machine, are pinned to the CPUs the engines' threads are not bound to (--no-pin: not).
+There they still share a CPU with the EngineCore processes' own threads (scheduling, and waiting
+for each step's output), which no binding covers: whatever else runs there delays the engine's
+steps. In production the broker and the trainer that produces jobs and reads results are other
+machines; here a local broker, and this process in the worker's rounds (its producer and
+reader), run at nice 19, so that they take that CPU only when nothing of the path under test
+wants it (--no-nice: at the front ends' priority). Their CPU per token is reported beside the
+paths', with no goal. After each of the worker's rounds the jobs and results topics' records
+are deleted (DeleteRecords), outside the measure: the local broker keeps every record in memory
+and rewrites one file of all of them, so its CPU otherwise grows with each round.
 
 The local broker answers an empty fetch at once instead of holding it as Kafka does, so every
 idle consumer spins (~4,000 fetches a second). On it, the worker runs through
@@ -69,6 +78,8 @@ from typing import Final
 
 import psutil
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+from aiokafka.errors import KafkaError
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.dev.broker import env_or_local_broker, new_topics
@@ -101,6 +112,10 @@ class Round:
     engine_core_cpu_s: float
     #: Generated tokens per second while the engine was saturated (`steady_rate`).
     steady_tokens_per_s: float
+    #: CPU of what shares the machine with the path and is not part of it: a local broker and
+    #: the other path's front end (in a worker round, this process: the jobs' producer and
+    #: the results' reader).
+    beside_cpu_s: float
 
     @property
     def tokens_per_s(self) -> float:
@@ -113,6 +128,10 @@ class Round:
     @property
     def engine_core_us_per_token(self) -> float:
         return self.engine_core_cpu_s / self.tokens * 1e6
+
+    @property
+    def beside_us_per_token(self) -> float:
+        return self.beside_cpu_s / self.tokens * 1e6
 
 
 @dataclass(frozen=True)
@@ -230,6 +249,47 @@ def pin(process: psutil.Process, cpus: set[int]) -> None:
             os.sched_setaffinity(thread.id, cpus)
 
 
+# CFS weight of nice 19 is 15 against 1024 at nice 0: a process at 19 runs when nothing at 0 wants
+# the CPU, and a nice-0 thread that wakes preempts it.
+BACKGROUND_NICE: Final = 19
+
+
+def renice(process: psutil.Process, value: int) -> None:
+    """Every thread of `process` to nice `value` (on Linux nice is per thread; threads started
+    later inherit their creator's). Raises OSError when not allowed."""
+    for thread in process.threads():
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread.id, value)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+def check_renice_back() -> None:
+    """Fail unless this process may lower its threads' nice again (root, or CAP_SYS_NICE / a
+    nice rlimit): a path once put in the background must be put back for the next round."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, BACKGROUND_NICE)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+    except PermissionError as exc:
+        raise SystemExit(
+            "cannot lower nice again (needs root or CAP_SYS_NICE): run with --no-nice"
+        ) from exc
+
+
+@contextmanager
+def in_background(process: psutil.Process, enabled: bool) -> Iterator[None]:
+    """`process` at BACKGROUND_NICE while the block runs, at nice 0 after."""
+    if not enabled:
+        yield
+        return
+    renice(process, BACKGROUND_NICE)
+    try:
+        yield
+    finally:
+        renice(process, 0)
+
+
 def local_listener(bootstrap: str) -> psutil.Process | None:
     """The process on this machine that listens on the first bootstrap address's port."""
     host, _, port = bootstrap.split(",", maxsplit=1)[0].rpartition(":")
@@ -267,6 +327,31 @@ def keep_off_the_engines(front_ends: list[psutil.Process], bootstrap: str) -> st
     )
 
 
+def total_cpu_s(processes: Sequence[psutil.Process]) -> float:
+    return sum(own_cpu_s(p) for p in processes)
+
+
+async def delete_all_records(
+    bootstrap: str, reader: AIOKafkaConsumer, topics: Sequence[str]
+) -> str | None:
+    """Delete every record of partition 0 of `topics` (DeleteRecords up to each end offset, read
+    through `reader`); None when done, else why the broker refused (a cluster may not allow it).
+
+    The local broker keeps all records in memory and rewrites one file of all of them as it saves,
+    so without this its CPU grew with every round: beside raw's rounds, from 1 to 40 us per
+    generated token over 16 rounds, taking the CPU it shares with both paths."""
+    ends = await reader.end_offsets([TopicPartition(topic, 0) for topic in topics])
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        await admin.delete_records({tp: RecordsToDelete(end) for tp, end in ends.items()})
+    except KafkaError as exc:
+        return f"DeleteRecords failed: {exc!r}"
+    finally:
+        await admin.close()
+    return None
+
+
 def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
     return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
@@ -274,11 +359,18 @@ def cpu_delta(before: dict[int, float], after: dict[int, float]) -> float:
 class RawPath:
     """AsyncLLM in this process: the baseline."""
 
-    def __init__(self, engine: VllmEngine, worker_pid: int, in_flight: int) -> None:
+    def __init__(
+        self,
+        engine: VllmEngine,
+        worker_pid: int,
+        in_flight: int,
+        beside: Sequence[psutil.Process],
+    ) -> None:
         self._engine = engine
         self._me = psutil.Process()
         self._worker_pid = worker_pid
         self._in_flight = in_flight
+        self._beside = beside
 
     async def run(self, batch: list[list[int]], max_tokens: int) -> Round:
         from vllm import SamplingParams  # noqa: PLC0415 - heavy; spawned children re-import this file
@@ -306,12 +398,17 @@ class RawPath:
                 finished.append(time.perf_counter())
                 return tokens
 
-        engine0 = children_cpu_s(self._me, skip=self._worker_pid)
+        engine0, beside0 = (
+            children_cpu_s(self._me, skip=self._worker_pid),
+            total_cpu_s(self._beside),
+        )
         cpu0, t0 = own_cpu_s(self._me), time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i) for i in range(len(batch)))))
         seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._me)
         engine = cpu_delta(engine0, children_cpu_s(self._me, skip=self._worker_pid))
-        return Round(seconds, tokens, cpu1 - cpu0, engine, steady_rate(finished, max_tokens))
+        beside = total_cpu_s(self._beside) - beside0
+        steady = steady_rate(finished, max_tokens)
+        return Round(seconds, tokens, cpu1 - cpu0, engine, steady, beside)
 
 
 class WorkerProcess:
@@ -333,6 +430,11 @@ class WorkerProcess:
         self._bootstrap = bootstrap
         self._topics = topics
         self._log_path = log_path
+        #: Set once the engines are up: what shares the machine (Round.beside_cpu_s), and
+        #: whether this process goes to the background during the worker's rounds.
+        self.beside: Sequence[psutil.Process] = ()
+        self.background_during_rounds = False
+        self._told_records_kept = False
 
     @classmethod
     async def launch(
@@ -407,42 +509,64 @@ class WorkerProcess:
         await producer.start()
         await reader.start()
         try:
-            tp = TopicPartition(self._topics["results"], 0)
-            reader.assign([tp])
-            await reader.seek_to_end(tp)
-            await reader.position(tp)  # resolved now, before any of this round's results exist
-            engine0 = children_cpu_s(self._ps)
-            cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
-            deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
-            await asyncio.gather(*deliveries)
-            if self._held_fetches:
-                # The jobs are in the log: a Kafka broker would answer held fetches now.
-                self._proc.send_signal(signal.SIGUSR1)
-            tokens, pending = 0, {j.job_id for j in jobs}
-            # When each answer went into the worker's outbox: its record's timestamp.
-            finished: list[float] = []
-            failures: list[str] = []
-            while pending:
-                self._check_alive()
-                for batch_records in (await reader.getmany(tp, timeout_ms=200)).values():
-                    for record in batch_records:
-                        result = decode_result(record.value or b"")
-                        if result.job_id not in pending:
-                            raise RuntimeError(f"unexpected result for job {result.job_id}")
-                        pending.discard(result.job_id)
-                        finished.append(record.timestamp / 1000)
-                        if isinstance(result, Completed):
-                            tokens += sum(len(c.token_ids) for c in result.completions)
-                        else:
-                            failures.append(f"{result.job_id}: {result.error}")
-            seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._ps)
-            engine = cpu_delta(engine0, children_cpu_s(self._ps))
+            with in_background(psutil.Process(), self.background_during_rounds):
+                measured = await self._round(producer, reader, jobs, records, max_tokens)
+            await self._delete_records(reader)
+            return measured
         finally:
             await reader.stop()
             await producer.stop()
+
+    async def _delete_records(self, reader: AIOKafkaConsumer) -> None:
+        topics = [self._topics["jobs"], self._topics["results"]]
+        refused = await delete_all_records(self._bootstrap, reader, topics)
+        if refused is not None and not self._told_records_kept:
+            print(f"the rounds' records stay in the topics: {refused}")
+            self._told_records_kept = True
+
+    async def _round(
+        self,
+        producer: AIOKafkaProducer,
+        reader: AIOKafkaConsumer,
+        jobs: list[Job],
+        records: list[tuple[bytes, bytes]],
+        max_tokens: int,
+    ) -> Round:
+        tp = TopicPartition(self._topics["results"], 0)
+        reader.assign([tp])
+        await reader.seek_to_end(tp)
+        await reader.position(tp)  # resolved now, before any of this round's results exist
+        engine0, beside0 = children_cpu_s(self._ps), total_cpu_s(self.beside)
+        cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
+        deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
+        await asyncio.gather(*deliveries)
+        if self._held_fetches:
+            # The jobs are in the log: a Kafka broker would answer held fetches now.
+            self._proc.send_signal(signal.SIGUSR1)
+        tokens, pending = 0, {j.job_id for j in jobs}
+        # When each answer went into the worker's outbox: its record's timestamp.
+        finished: list[float] = []
+        failures: list[str] = []
+        while pending:
+            self._check_alive()
+            for batch_records in (await reader.getmany(tp, timeout_ms=200)).values():
+                for record in batch_records:
+                    result = decode_result(record.value or b"")
+                    if result.job_id not in pending:
+                        raise RuntimeError(f"unexpected result for job {result.job_id}")
+                    pending.discard(result.job_id)
+                    finished.append(record.timestamp / 1000)
+                    if isinstance(result, Completed):
+                        tokens += sum(len(c.token_ids) for c in result.completions)
+                    else:
+                        failures.append(f"{result.job_id}: {result.error}")
+        seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._ps)
+        engine = cpu_delta(engine0, children_cpu_s(self._ps))
+        beside = total_cpu_s(self.beside) - beside0
         if failures:
             raise RuntimeError(f"{len(failures)} jobs failed, first {failures[0]}")
-        return Round(seconds, tokens, cpu1 - cpu0, engine, steady_rate(finished, max_tokens))
+        steady = steady_rate(finished, max_tokens)
+        return Round(seconds, tokens, cpu1 - cpu0, engine, steady, beside)
 
     async def stop(self) -> None:
         if self._proc.returncode is not None:
@@ -492,11 +616,25 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             f"engines up: raw (this process) after {raw_start_s:.0f} s, worker (pid {worker_pid}) "
             f"after {time.perf_counter() - t0:.0f} s"
         )
+        me, worker_ps = psutil.Process(), psutil.Process(worker_pid)
         if not args.no_pin:
-            print(keep_off_the_engines([psutil.Process(), psutil.Process(worker_pid)], bootstrap))
+            print(keep_off_the_engines([me, worker_ps], bootstrap))
+        broker = local_listener(bootstrap)
+        broker_beside = [broker] if broker is not None and broker.pid != me.pid else []
+        if not args.no_nice:
+            check_renice_back()
+            for process in broker_beside:
+                renice(process, BACKGROUND_NICE)
+            worker.background_during_rounds = True
+            print(
+                f"{'the local broker, and ' if broker_beside else ''}this process in the "
+                f"worker's rounds (its producer and reader), at nice {BACKGROUND_NICE}: "
+                "beside the front end under test, not before it"
+            )
         vocab = int(engine.async_llm.model_config.get_vocab_size())
         in_flight = max_in_flight_for(args.max_in_flight, engine.max_concurrency)
-        raw = RawPath(engine, worker_pid, in_flight)
+        raw = RawPath(engine, worker_pid, in_flight, beside=[worker_ps, *broker_beside])
+        worker.beside = [me, *broker_beside]
         paths = {"raw": raw.run, "worker": worker.run}
         batch_size = engine.max_concurrency
 
@@ -566,6 +704,13 @@ def report(
             "{:.1f}",
         ),
         ("EngineCore CPU, us per generated token", "engine_core_us_per_token", "", 0.0, "{:.1f}"),
+        (
+            "beside the path (local broker, the other front end), CPU us per generated token",
+            "beside_us_per_token",
+            "",
+            0.0,
+            "{:.1f}",
+        ),
     )
     for title, attr, sense, goal, fmt in figures:
         values = {n: [getattr(r, attr) for r in runs] for n, runs in rounds.items()}
@@ -629,6 +774,12 @@ def main() -> None:
         "--no-pin",
         action="store_true",
         help="leave the front ends and a local broker free to run on the engines' CPUs",
+    )
+    parser.add_argument(
+        "--no-nice",
+        action="store_true",
+        help="leave a local broker, and this process's producer and reader in the worker's "
+        "rounds, at the front ends' priority",
     )
     args = parser.parse_args()
     enabled = [name for name in CAPTURE_ENV if os.environ.get(name)]

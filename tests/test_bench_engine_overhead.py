@@ -15,6 +15,10 @@ from types import ModuleType
 
 import psutil
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from tests.conftest import TopicFactory
+from tests.kafka_helpers import produce
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "engine_overhead.py"
 
@@ -182,3 +186,57 @@ def test_the_local_broker_is_the_process_listening_on_the_bootstrap_port() -> No
         found = bench.local_listener(f"127.0.0.1:{port},elsewhere:9092")
         assert found is not None and found.pid == os.getpid()
     assert bench.local_listener(f"kafka.example:{port}") is None  # not on this machine
+
+
+def test_the_background_nice_reaches_every_thread_and_is_undone_after() -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, threading; threading.Thread(target=sys.stdin.read).start(); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+
+    def nices(process: psutil.Process) -> list[int]:
+        return [os.getpriority(os.PRIO_PROCESS, t.id) for t in process.threads()]
+
+    try:
+        process = psutil.Process(child.pid)
+        while len(process.threads()) < 2:
+            time.sleep(0.01)
+        if os.geteuid() != 0:
+            # Raising nice needs no privilege, lowering it does: the bench refuses to start.
+            bench.renice(process, bench.BACKGROUND_NICE)
+            assert nices(process) == [bench.BACKGROUND_NICE] * 2
+            with pytest.raises(SystemExit, match="--no-nice"):
+                bench.check_renice_back()
+            return
+        bench.check_renice_back()
+        with bench.in_background(process, enabled=True):
+            assert nices(process) == [bench.BACKGROUND_NICE] * 2
+        assert nices(process) == [0, 0]
+        with bench.in_background(process, enabled=False):
+            assert nices(process) == [0, 0]
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(10)
+
+
+async def test_after_a_round_the_topics_records_are_deleted(
+    kafka_bootstrap_servers: str, new_topic: TopicFactory
+) -> None:
+    bs = kafka_bootstrap_servers
+    topics = [await new_topic(1), await new_topic(1)]
+    for topic in topics:
+        await produce(bs, topic, [(None, b"x" * 100, [])] * 50)
+    reader = AIOKafkaConsumer(bootstrap_servers=bs, enable_auto_commit=False)
+    await reader.start()
+    try:
+        assert await bench.delete_all_records(bs, reader, topics) is None
+        partitions = [TopicPartition(topic, 0) for topic in topics]
+        assert await reader.beginning_offsets(partitions) == dict.fromkeys(partitions, 50)
+    finally:
+        await reader.stop()
