@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import prometheus_client as prom
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.core.metrics import LoopCounter, LoopHistogram, Metrics
+from worker.core.metrics import LoopCounter, LoopHistogram, Metrics, MetricsServer
 
 BUCKETS = (0.01, 0.1, 1.0, 10.0)
 # On a bound, between bounds, below the first, above the last, and zero.
@@ -89,3 +91,28 @@ class _Single(prom.registry.Collector):
 
     def collect(self) -> list[prom.Metric]:
         return [self._metric.family()]
+
+
+def test_the_server_serves_more_registries_after_the_workers_own() -> None:
+    """vLLM keeps its metrics in the process's default registry; the worker's endpoint serves
+    them beside its own, as one exposition that parses into distinct families."""
+    engine_registry = prom.CollectorRegistry()
+    steps = prom.Histogram(
+        "vllm:iteration_tokens_total", "tokens per step", buckets=(1, 32), registry=engine_registry
+    )
+    steps.observe(32)
+    metrics = Metrics()
+    metrics.jobs.inc(labels=("completed", ""))
+    server = MetricsServer(metrics, "127.0.0.1", 0, also=(engine_registry,))
+    server.start()
+    try:
+        url = f"http://127.0.0.1:{server.bound_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+    finally:
+        server.stop()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vkw_jobs"].samples[0].value == 1.0
+    count = {s.name: s.value for s in families["vllm:iteration_tokens_total"].samples}
+    assert count["vllm:iteration_tokens_total_count"] == 1.0
+    assert count["vllm:iteration_tokens_total_sum"] == 32.0

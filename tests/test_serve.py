@@ -10,6 +10,7 @@ import urllib.request
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from worker.cli import main as cli
 from worker.core.config import Settings, settings_from
@@ -66,10 +67,14 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
 
     monkeypatch.setattr("worker.build.read_record_limits", no_broker)
     seen: list[tuple[int, int]] = []
+    scraped: list[str] = []
     done = threading.Event()
 
     def probe() -> None:
         while not done.is_set():
+            if not scraped and _status(f"http://127.0.0.1:{port}/healthz") == 200:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as reply:
+                    scraped.append(reply.read().decode())
             seen.append(
                 (
                     _status(f"http://127.0.0.1:{port}/healthz"),
@@ -93,3 +98,7 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
     # ready"; had it not answered, the load would have given up first.
     assert len(answered) >= _ANSWERS_WANTED, seen
     assert all(s == (200, 503) for s in answered)
+    # /metrics serves the process's default registry after the worker's own: where vLLM's stat
+    # logger keeps its vllm:* metrics, and where prometheus_client puts python_info.
+    names = {f.name for f in text_string_to_metric_families(scraped[0])}
+    assert {"vkw_jobs", "python_info"} <= names, sorted(names)

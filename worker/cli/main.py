@@ -239,6 +239,7 @@ def _tiny_model(out_dir: Path, seed: int) -> int:
 
 
 async def _serve(settings: Settings, engine_args: list[str]) -> int:
+    import prometheus_client as prom  # noqa: PLC0415
     from aiokafka.errors import KafkaError  # noqa: PLC0415
 
     from worker.build import build_engine, build_worker, tune_gc_for_serving  # noqa: PLC0415
@@ -248,8 +249,12 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
     metrics = Metrics()
     server: MetricsServer | None = None
     if settings.metrics_port is not None:
-        # Before the engine: /healthz answers while the model loads.
-        server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port)
+        # Before the engine: /healthz answers while the model loads. The process's default
+        # registry rides along: vLLM's own metrics (batch sizes, token counts, latencies) and
+        # the process's CPU and memory, on the one endpoint an operator scrapes.
+        server = MetricsServer(
+            metrics, settings.metrics_host, settings.metrics_port, also=(prom.REGISTRY,)
+        )
         server.start()
     try:
         engine = build_engine(settings, engine_args)  # bad arguments fail before Kafka

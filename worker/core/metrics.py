@@ -224,8 +224,13 @@ class MetricsServer:
         host: str,
         port: int,
         is_ready: Callable[[], bool] = lambda: False,
+        *,
+        also: Sequence[prom.CollectorRegistry] = (),
     ) -> None:
+        """`also`: more registries served on /metrics after the worker's own, such as the
+        process's default registry, where vLLM's stat logger keeps its `vllm:*` metrics."""
         self._metrics = metrics
+        self._also = tuple(also)
         self.is_ready = is_ready
         self._host = host
         self._port = port
@@ -268,7 +273,8 @@ class MetricsServer:
         """Status, content type and body for a GET of `path`."""
         path = path.split("?", 1)[0]
         if path == "/metrics":
-            return 200, prom.CONTENT_TYPE_LATEST, prom.generate_latest(self._metrics.registry)
+            body = b"".join(prom.generate_latest(r) for r in (self._metrics.registry, *self._also))
+            return 200, prom.CONTENT_TYPE_LATEST, body
         if path == "/healthz":
             return 200, "text/plain", b"ok\n"
         if path == "/readyz":
