@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import psutil
 import pytest
@@ -240,3 +241,92 @@ async def test_after_a_round_the_topics_records_are_deleted(
         assert await reader.beginning_offsets(partitions) == dict.fromkeys(partitions, 50)
     finally:
         await reader.stop()
+
+
+def test_engine_steps_are_the_step_histograms_count_summed_over_engines() -> None:
+    exposition = "\n".join(
+        [
+            "# HELP vllm:iteration_tokens_total Number of tokens per engine_step.",
+            "# TYPE vllm:iteration_tokens_total histogram",
+            'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 1537.0',
+            'vllm:iteration_tokens_total_count{engine="0"} 1537.0',
+            'vllm:iteration_tokens_total_sum{engine="0"} 98304.0',
+            'vllm:iteration_tokens_total_count{engine="1"} 3.0',
+            "# TYPE vkw_jobs_total counter",
+            'vkw_jobs_total{code="",outcome="completed"} 9.0',
+            "",
+        ]
+    )
+    assert bench.engine_steps(exposition) == 1540
+    assert bench.engine_steps("# no engine here\n") == 0
+
+
+def _round(tokens_per_s: float, *, tokens: int = 3200, steps: int = 100) -> Any:
+    return bench.Round(
+        seconds=tokens / tokens_per_s,
+        tokens=tokens,
+        front_end_cpu_s=0.1,
+        engine_core_cpu_s=1.0,
+        steady_tokens_per_s=tokens_per_s,
+        beside_cpu_s=0.0,
+        engine_steps=steps,
+    )
+
+
+def test_tokens_per_step_is_how_full_the_batch_was() -> None:
+    assert _round(4000.0, tokens=3200, steps=100).tokens_per_step == pytest.approx(32.0)
+    assert _round(4000.0, tokens=3200, steps=110).tokens_per_step == pytest.approx(29.09, 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "sense", "expected"),
+    [
+        # Mean 0.99, +-1.5 %: the whole interval is above 0.97.
+        ([0.98, 0.99, 1.0, 0.98, 0.99, 1.0], ">=", "meets"),
+        # Median 1.06, but the interval reaches below 0.97: the run cannot tell.
+        ([0.76, 0.95, 1.25, 1.05, 1.12, 1.07], ">=", "not resolved"),
+        ([0.90, 0.91, 0.92, 0.90, 0.91, 0.92], ">=", "MISSES"),
+        ([1.02, 1.03, 1.04, 1.02, 1.03, 1.04], "<=", "meets"),
+        ([1.20, 1.21, 1.22, 1.20, 1.21, 1.22], "<=", "MISSES"),
+        ([0.90, 1.30, 1.00, 1.20], "<=", "not resolved"),
+        ([1.0], ">=", "not resolved"),
+    ],
+)
+def test_a_goal_is_met_or_missed_only_when_the_whole_interval_says_so(
+    ratios: list[float], sense: str, expected: str
+) -> None:
+    goal = 0.97 if sense == ">=" else 1.10
+    assert bench.verdict(ratios, sense, goal) == expected
+
+
+async def test_rounds_go_on_past_the_least_only_while_a_goal_is_unresolved(capsys) -> None:
+    # Raw is steady; the worker swings by 4-5 % for four rounds, then matches raw on every
+    # figure: the intervals close on the goals' side only once enough steady rounds are in.
+    swings = iter([1.05, 0.95, 1.04, 0.96] + [1.0] * 40)
+    order: list[str] = []
+
+    async def run(name: str) -> Any:
+        order.append(name)
+        if name == "raw":
+            return _round(4000.0, steps=100)
+        factor = next(swings)
+        return bench.Round(
+            seconds=1.0,
+            tokens=3200,
+            front_end_cpu_s=0.1 * factor,
+            engine_core_cpu_s=1.0,
+            steady_tokens_per_s=4000.0 * factor,
+            beside_cpu_s=0.0,
+            engine_steps=round(100 / factor),
+        )
+
+    rounds = await bench.interleaved_rounds(run, 3, 30)
+    done = len(rounds["raw"])
+    assert len(rounds["worker"]) == done
+    assert 3 < done < 30, done
+    assert bench.unresolved_goals(rounds) == []
+    assert order[:4] == ["raw", "worker", "worker", "raw"]  # pairs alternate their order
+    assert "not resolved yet" in capsys.readouterr().out
+    # Without room to go on, the least is what runs.
+    swings = iter([1.05, 0.95, 1.04, 0.96] + [1.0] * 40)
+    assert len((await bench.interleaved_rounds(run, 3, None))["raw"]) == 3
