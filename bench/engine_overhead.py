@@ -45,8 +45,9 @@ Each ratio comes with the run's resolution: the half-width of the 95 % confidenc
 the mean paired ratio (Student's t), relative to it. Goals: throughput >= 0.97 of raw (both
 wall-clock while saturated and per engine step), front-end CPU per token <= 1.10 of raw. A goal
 is met or missed only when the whole interval lies on one side of it; otherwise the run says it
-cannot tell. With --max-rounds the run goes on past --rounds until every goal is resolved or it
-has run that many. It prints figures and never fails on them (exit code 0).
+cannot tell. With --max-rounds the run goes on past --rounds until every goal is resolved and
+each goal figure's resolution is within --resolution (3 %), or it has run that many rounds.
+It prints figures and never fails on them (exit code 0).
 
 vLLM binds each engine's compute threads to CPUs of its own choosing and leaves the others
 for the front end, but nothing keeps other processes off the engines' CPUs: on a small machine
@@ -728,7 +729,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             + f" -> {jobs} jobs a round"
         )
         rounds = await interleaved_rounds(
-            functools.partial(checked, jobs=jobs), args.rounds, args.max_rounds
+            functools.partial(checked, jobs=jobs), args.rounds, args.max_rounds, args.resolution
         )
     finally:
         await worker.stop()
@@ -781,20 +782,23 @@ FIGURES: Final = (
 
 
 async def interleaved_rounds(
-    run: Callable[[str], Awaitable[Round]], least: int, most: int | None
+    run: Callable[[str], Awaitable[Round]], least: int, most: int | None, target: float
 ) -> dict[str, list[Round]]:
     """`least` rounds of each path, in pairs whose order alternates (raw-worker, worker-raw,
-    ...), then more while a goal is not resolved, up to `most` in all."""
+    ...), then more while a goal is not resolved to `target`, up to `most` in all."""
     rounds: dict[str, list[Round]] = {"raw": [], "worker": []}
     most = max(least, most or 0)
     for r in range(most):
         for name in ("raw", "worker") if r % 2 == 0 else ("worker", "raw"):
             rounds[name].append(await run(name))
         if r + 1 >= least:
-            if not (open_goals := unresolved_goals(rounds)):
+            if not (open_goals := unresolved_goals(rounds, target)):
                 break
             if r + 1 < most:
-                print(f"after {r + 1} rounds, not resolved yet: {'; '.join(open_goals)}")
+                print(
+                    f"after {r + 1} rounds, not resolved to {target:.0%} yet: "
+                    + "; ".join(open_goals)
+                )
     return rounds
 
 
@@ -811,8 +815,9 @@ def verdict(ratios: Sequence[float], sense: str, goal: float) -> str:
     return "meets" if good else "MISSES" if bad else "not resolved"
 
 
-def unresolved_goals(rounds: dict[str, list[Round]]) -> list[str]:
-    """Titles of the goal figures this run cannot yet place on either side of their goal."""
+def unresolved_goals(rounds: dict[str, list[Round]], target: float) -> list[str]:
+    """Titles of the goal figures this run cannot yet place on either side of their goal, or
+    whose resolution is still wider than `target`."""
     out = []
     for figure in FIGURES:
         if figure.sense:
@@ -820,7 +825,9 @@ def unresolved_goals(rounds: dict[str, list[Round]]) -> list[str]:
                 [getattr(r, figure.attr) for r in rounds["worker"]],
                 [getattr(r, figure.attr) for r in rounds["raw"]],
             )
-            if verdict(ratios, figure.sense, figure.goal) == "not resolved":
+            resolved = resolution(ratios)
+            judged = verdict(ratios, figure.sense, figure.goal) != "not resolved"
+            if not judged or resolved is None or resolved > target:
                 out.append(figure.title)
     return out
 
@@ -892,7 +899,13 @@ def main() -> None:
         "--max-rounds",
         type=int,
         help="past --rounds, go on until every goal is resolved (its 95 %% interval on one "
-        "side of it) or this many rounds",
+        "side of it, and no wider than --resolution) or this many rounds",
+    )
+    parser.add_argument(
+        "--resolution",
+        type=float,
+        default=0.03,
+        help="with --max-rounds: the widest relative half-interval a goal figure may keep",
     )
     parser.add_argument("--round-seconds", type=float, default=10.0, help="least length of a round")
     parser.add_argument("--prompt-tokens", type=int, default=32)

@@ -320,13 +320,14 @@ async def test_rounds_go_on_past_the_least_only_while_a_goal_is_unresolved(capsy
             engine_steps=round(100 / factor),
         )
 
-    rounds = await bench.interleaved_rounds(run, 3, 30)
+    rounds = await bench.interleaved_rounds(run, 3, 30, 0.03)
     done = len(rounds["raw"])
     assert len(rounds["worker"]) == done
     assert 3 < done < 30, done
-    assert bench.unresolved_goals(rounds) == []
+    assert bench.unresolved_goals(rounds, 0.03) == []
+    assert bench.unresolved_goals(rounds, 0.001) != []  # resolved, but not that finely
     assert order[:4] == ["raw", "worker", "worker", "raw"]  # pairs alternate their order
-    assert "not resolved yet" in capsys.readouterr().out
+    assert "not resolved to 3% yet" in capsys.readouterr().out
     # Without room to go on, the least is what runs.
     swings = iter([1.05, 0.95, 1.04, 0.96] + [1.0] * 40)
-    assert len((await bench.interleaved_rounds(run, 3, None))["raw"]) == 3
+    assert len((await bench.interleaved_rounds(run, 3, None, 0.03))["raw"]) == 3
