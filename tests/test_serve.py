@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import urllib.error
@@ -16,6 +15,7 @@ from worker.cli import main as cli
 from worker.core.config import Settings, settings_from
 from worker.core.errors import EngineDeadError
 from worker.core.limits import RecordLimits
+from worker.dev.broker import free_port
 from worker.engines.mock import MockEngine
 
 #: Probes the health server must answer while the model loads; the load gives up after
@@ -37,13 +37,6 @@ class SlowLoadingEngine(MockEngine):
         raise EngineDeadError("the model did not load (on purpose)")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=1) as reply:  # noqa: S310 - our own server
@@ -55,7 +48,7 @@ def _status(url: str) -> int:
 
 
 async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypatch):
-    port = _free_port()
+    port = free_port()
     settings = settings_from(
         {"engine": "mock", "metrics_port": str(port), "metrics_host": "127.0.0.1"}, {}
     )

@@ -269,7 +269,7 @@ class LocalBroker(_ChildBroker):
         choose_port = self._port is None
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             if choose_port:
-                self._port = _free_port(self._host)
+                self._port = free_port(self._host)
             result = self._command(
                 "up",
                 "--only",
@@ -383,7 +383,7 @@ class TansuBroker(_ChildBroker):
         choose_port = self._port is None
         for attempt in range(1, _PORT_ATTEMPTS + 1):
             if choose_port:
-                self._port = _free_port(self._host)
+                self._port = free_port(self._host)
             self._launch()
             try:
                 _run_blocking(
@@ -569,7 +569,8 @@ def _run_blocking(make_coroutine: Callable[[], Coroutine[Any, Any, None]]) -> No
         pool.submit(lambda: asyncio.run(make_coroutine())).result()
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a server started next (a broker, a metrics port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from schemas import Failed, decode_result
+from worker.dev.broker import env_or_local_broker, free_port
 from worker.dev.tiny_model import build_tiny_model, tiny_model_engine_args
 
 DEMO_DIR: Final = Path(".demo")
@@ -59,7 +59,7 @@ def main() -> int:
         broker = ["--bootstrap-servers", bootstrap]
         jobs_topic = ["--jobs-topic", "demo.jobs"]
         results_topic = ["--results-topic", "demo.results"]
-        port = _free_port()
+        port = free_port()
         _step(3, f"worker: starting vLLM on the tiny model (worker and vLLM logs: {log_path})")
         with log_path.open("wb") as log:
             worker = subprocess.Popen(
@@ -159,8 +159,6 @@ def _step(number: int, text: str) -> None:
 
 @contextlib.contextmanager
 def _broker() -> Iterator[str]:
-    from worker.dev.broker import env_or_local_broker  # noqa: PLC0415 - dev-only module
-
     given = bool(os.environ.get("KAFKA_BOOTSTRAP_SERVERS"))
     with env_or_local_broker() as bootstrap:
         _step(1, f"broker: {'using the one' if given else 'started a local one'} at {bootstrap}")
@@ -214,13 +212,6 @@ def _run(command: list[str]) -> None:
     # The client commands' INFO lines (aiokafka's) would interrupt the story.
     env = {**os.environ, "VKW_LOG_LEVEL": "WARNING"}
     subprocess.run(command, check=True, timeout=600, env=env)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import __main__

@@ -21,7 +21,8 @@ import msgspec
 
 from worker.client.rl_loop import StepReport, rl_loop
 from worker.client.rollout import RolloutClient
-from worker.dev.demo import DEMO_DIR, _broker, _engine_env, _free_port, _tiny_model, _wait_ready
+from worker.dev.broker import free_port
+from worker.dev.demo import DEMO_DIR, _broker, _engine_env, _tiny_model, _wait_ready
 from worker.dev.tiny_model import perturb_checkpoint, tiny_model_engine_args
 
 TOPICS: Final = {
@@ -53,7 +54,7 @@ def print_step(report: StepReport) -> None:
 async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) -> int:
     work = DEMO_DIR / "rl-checkpoints"
     work.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     log_path = DEMO_DIR / "rl-worker.log"
     worker = _spawn_worker(bootstrap, model_dir, port, log_path, work)
     try:
