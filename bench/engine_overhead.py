@@ -77,11 +77,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import math
 import os
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -102,7 +100,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
-from worker.dev.broker import env_or_local_broker, new_topics
+from worker.dev.broker import env_or_local_broker, free_port, new_topics
 from worker.dev.held_fetches import hold_empty_fetches
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 from worker.loop.worker import max_in_flight_for
@@ -238,13 +236,6 @@ def jobs_per_round(tokens_per_s: float, round_seconds: float, max_tokens: int, b
 def prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
     # Distinct prompts (no shared prefix beyond chance), the same in every round and path.
     return [[(7 + 131 * i + 17 * j) % vocab_size for j in range(length)] for i in range(count)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def own_cpu_s(process: psutil.Process) -> float:
@@ -710,7 +701,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
         paths = {"raw": raw.run, "worker": worker.run}
         batch_size = engine.max_concurrency
 
-        async def checked(name: str, *, jobs: int) -> Round:
+        async def checked(name: str, jobs: int) -> Round:
             result = await paths[name](prompts(jobs, args.prompt_tokens, vocab), args.max_tokens)
             if result.tokens != jobs * args.max_tokens:
                 raise RuntimeError(
@@ -719,8 +710,8 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             return result
 
         for name in paths:  # warm-up: shapes compiled, the worker's group joined
-            await checked(name, jobs=2 * batch_size)
-        calibration = {name: await checked(name, jobs=8 * batch_size) for name in paths}
+            await checked(name, 2 * batch_size)
+        calibration = {name: await checked(name, 8 * batch_size) for name in paths}
         rate = max(r.tokens_per_s for r in calibration.values())
         jobs = jobs_per_round(rate, args.round_seconds, args.max_tokens, batch_size)
         print(
@@ -728,14 +719,27 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             + ", ".join(f"{n} {r.tokens_per_s:,.0f} tokens/s" for n, r in calibration.items())
             + f" -> {jobs} jobs a round"
         )
+
+        def resized(jobs: int, fastest_tokens_per_s: float) -> int:
+            # A machine that speeds up past the calibration's margin would make rounds short.
+            fit = jobs_per_round(
+                fastest_tokens_per_s, args.round_seconds, args.max_tokens, batch_size
+            )
+            return max(jobs, fit)
+
         rounds = await interleaved_rounds(
-            functools.partial(checked, jobs=jobs), args.rounds, args.max_rounds, args.resolution
+            checked,
+            jobs,
+            resized,
+            least=args.rounds,
+            most=args.max_rounds,
+            target=args.resolution,
         )
     finally:
         await worker.stop()
         if engine is not None:
             await engine.close()
-    report(args, jobs, batch_size, in_flight, rounds)
+    report(args, batch_size, in_flight, rounds)
 
 
 @dataclass(frozen=True)
@@ -782,15 +786,26 @@ FIGURES: Final = (
 
 
 async def interleaved_rounds(
-    run: Callable[[str], Awaitable[Round]], least: int, most: int | None, target: float
+    run: Callable[[str, int], Awaitable[Round]],
+    jobs: int,
+    resized: Callable[[int, float], int],
+    *,
+    least: int,
+    most: int | None,
+    target: float,
 ) -> dict[str, list[Round]]:
     """`least` rounds of each path, in pairs whose order alternates (raw-worker, worker-raw,
-    ...), then more while a goal is not resolved to `target`, up to `most` in all."""
+    ...), then more while a goal is not resolved to `target`, up to `most` in all. Both rounds
+    of a pair run `jobs` jobs; after each pair, `resized(jobs, its faster rate)` sizes the next
+    (the machine's speed drifts: a round sized at the calibrated rate can come out short)."""
     rounds: dict[str, list[Round]] = {"raw": [], "worker": []}
     most = max(least, most or 0)
     for r in range(most):
+        pair = []
         for name in ("raw", "worker") if r % 2 == 0 else ("worker", "raw"):
-            rounds[name].append(await run(name))
+            pair.append(await run(name, jobs))
+            rounds[name].append(pair[-1])
+        jobs = resized(jobs, max(p.tokens_per_s for p in pair))
         if r + 1 >= least:
             if not (open_goals := unresolved_goals(rounds, target)):
                 break
@@ -834,16 +849,17 @@ def unresolved_goals(rounds: dict[str, list[Round]], target: float) -> list[str]
 
 def report(
     args: argparse.Namespace,
-    jobs: int,
     concurrency: int,
     in_flight: int,
     rounds: dict[str, list[Round]],
 ) -> None:
     shortest = min(r.seconds for runs in rounds.values() for r in runs)
+    jobs = sorted({r.tokens // args.max_tokens for r in rounds["raw"]})
+    sizes = f"{jobs[0]}" if len(jobs) == 1 else f"{jobs[0]}-{jobs[-1]}"
     print(
-        f"{jobs} jobs a round: {args.prompt_tokens} prompt tokens -> {args.max_tokens} generated "
-        f"each (greedy, ignore_eos; every round checked to generate exactly "
-        f"{jobs * args.max_tokens:,}), engine concurrency {concurrency}, {in_flight} in flight, "
+        f"{sizes} jobs a round: {args.prompt_tokens} prompt tokens -> {args.max_tokens} generated "
+        f"each (greedy, ignore_eos; every round checked to generate exactly jobs x "
+        f"{args.max_tokens}), engine concurrency {concurrency}, {in_flight} in flight, "
         f"{len(rounds['raw'])} interleaved rounds a path, shortest {shortest:.1f} s"
         + (
             f" (below --round-seconds {args.round_seconds:g})"

@@ -305,7 +305,7 @@ async def test_rounds_go_on_past_the_least_only_while_a_goal_is_unresolved(capsy
     swings = iter([1.05, 0.95, 1.04, 0.96] + [1.0] * 40)
     order: list[str] = []
 
-    async def run(name: str) -> Any:
+    async def run(name: str, jobs: int) -> Any:
         order.append(name)
         if name == "raw":
             return _round(4000.0, steps=100)
@@ -320,7 +320,10 @@ async def test_rounds_go_on_past_the_least_only_while_a_goal_is_unresolved(capsy
             engine_steps=round(100 / factor),
         )
 
-    rounds = await bench.interleaved_rounds(run, 3, 30, 0.03)
+    def same(jobs: int, rate: float) -> int:
+        return jobs
+
+    rounds = await bench.interleaved_rounds(run, 100, same, least=3, most=30, target=0.03)
     done = len(rounds["raw"])
     assert len(rounds["worker"]) == done
     assert 3 < done < 30, done
@@ -330,4 +333,31 @@ async def test_rounds_go_on_past_the_least_only_while_a_goal_is_unresolved(capsy
     assert "not resolved to 3% yet" in capsys.readouterr().out
     # Without room to go on, the least is what runs.
     swings = iter([1.05, 0.95, 1.04, 0.96] + [1.0] * 40)
-    assert len((await bench.interleaved_rounds(run, 3, None, 0.03))["raw"]) == 3
+    assert (
+        len(
+            (await bench.interleaved_rounds(run, 100, same, least=3, most=None, target=0.03))["raw"]
+        )
+        == 3
+    )
+
+
+async def test_both_rounds_of_a_pair_run_as_many_jobs_and_a_fast_pair_lengthens_the_next() -> None:
+    # The machine speeds up from the third round on: rounds sized at the calibrated rate would
+    # end short of their length, so the next pair is sized from the faster rate seen.
+    seen: list[tuple[str, int]] = []
+    rates = iter([4000.0, 4000.0, 6000.0, 5000.0] + [6000.0] * 10)
+
+    async def run(name: str, jobs: int) -> Any:
+        seen.append((name, jobs))
+        return _round(next(rates), tokens=jobs * 32)
+
+    def resized(jobs: int, fastest: float) -> int:
+        fit: int = bench.jobs_per_round(fastest, 10.0, 32, 32)
+        return max(jobs, fit)
+
+    first = bench.jobs_per_round(4000.0, 10.0, 32, 32)
+    await bench.interleaved_rounds(run, first, resized, least=4, most=None, target=0.03)
+    jobs = [j for _, j in seen]
+    assert jobs[0] == jobs[1] == jobs[2] == jobs[3] == first
+    assert jobs[4] == jobs[5] == bench.jobs_per_round(6000.0, 10.0, 32, 32) > first
+    assert jobs[6] == jobs[7] == jobs[4]  # never shorter again
