@@ -752,6 +752,14 @@ class Figure:
     sense: str = ""  # ">=" or "<=" with a goal
     goal: float = 0.0
 
+    def series(self, rounds: dict[str, list[Round]]) -> dict[str, list[float]]:
+        """The figure round by round, per path."""
+        return {name: [getattr(r, self.attr) for r in runs] for name, runs in rounds.items()}
+
+    def ratios(self, rounds: dict[str, list[Round]]) -> list[float]:
+        values = self.series(rounds)
+        return paired_ratios(values["worker"], values["raw"])
+
 
 FIGURES: Final = (
     Figure("throughput, generated tokens/s, whole round", "tokens_per_s", "{:,.0f}"),
@@ -817,17 +825,20 @@ async def interleaved_rounds(
     return rounds
 
 
+NOT_RESOLVED: Final = "not resolved"
+
+
 def verdict(ratios: Sequence[float], sense: str, goal: float) -> str:
     """Whether the run shows the mean paired ratio on the goal's side: 'meets' or 'misses'
     when the whole 95 % interval lies on one side, else 'not resolved' (a median on the right
     side says nothing while the interval straddles the goal)."""
     resolved = resolution(ratios)
     if resolved is None:
-        return "not resolved"
+        return NOT_RESOLVED
     mean = statistics.fmean(ratios)
     low, high = mean * (1 - resolved), mean * (1 + resolved)
     good, bad = (low >= goal, high < goal) if sense == ">=" else (high <= goal, low > goal)
-    return "meets" if good else "MISSES" if bad else "not resolved"
+    return "meets" if good else "MISSES" if bad else NOT_RESOLVED
 
 
 def unresolved_goals(rounds: dict[str, list[Round]], target: float) -> list[str]:
@@ -836,12 +847,9 @@ def unresolved_goals(rounds: dict[str, list[Round]], target: float) -> list[str]
     out = []
     for figure in FIGURES:
         if figure.sense:
-            ratios = paired_ratios(
-                [getattr(r, figure.attr) for r in rounds["worker"]],
-                [getattr(r, figure.attr) for r in rounds["raw"]],
-            )
+            ratios = figure.ratios(rounds)
             resolved = resolution(ratios)
-            judged = verdict(ratios, figure.sense, figure.goal) != "not resolved"
+            judged = verdict(ratios, figure.sense, figure.goal) != NOT_RESOLVED
             if not judged or resolved is None or resolved > target:
                 out.append(figure.title)
     return out
@@ -870,16 +878,15 @@ def report(
     print("median [min - max] over rounds; worker/raw is the ratio within each round's pair")
     for figure in FIGURES:
         fmt = figure.fmt
-        values = {n: [getattr(r, figure.attr) for r in runs] for n, runs in rounds.items()}
         print(f"  {figure.title}")
-        for name, series in values.items():
+        for name, series in figure.series(rounds).items():
             s = Spread.of(series)
             per_round = ", ".join(fmt.format(v) for v in series)
             print(
                 f"    {name:<10} {fmt.format(s.median):>9} [{fmt.format(s.low)} - "
                 f"{fmt.format(s.high)}]   rounds: {per_round}"
             )
-        ratios = paired_ratios(values["worker"], values["raw"])
+        ratios = figure.ratios(rounds)
         s = Spread.of(ratios)
         line = f"    worker/raw {s.median:>9.3f} [{s.low:.3f} - {s.high:.3f}]"
         if (resolved := resolution(ratios)) is not None:

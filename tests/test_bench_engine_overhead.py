@@ -244,6 +244,9 @@ async def test_after_a_round_the_topics_records_are_deleted(
 
 
 def test_engine_steps_are_the_step_histograms_count_summed_over_engines() -> None:
+    # vLLM 0.32, vllm/v1/metrics/loggers.py: PrometheusStatLogger.record observes one
+    # histogram_iteration_tokens sample per engine step, labelled by engine; StatLoggerManager
+    # always adds that logger. The series below are shaped as it exposes them.
     exposition = "\n".join(
         [
             "# HELP vllm:iteration_tokens_total Number of tokens per engine_step.",
