@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SHIM := tests/support/triton_cpu_backend
 
-.PHONY: setup demo rl-demo test lint unit bench clean
+.PHONY: setup demo rl-demo test lint unit lanes bench clean
 
 setup: $(STAMP)
 
@@ -30,8 +30,17 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Every lane in turn (unit, broker, vllm, chaos), each lane's time and slowest tests at the end.
 test: lint
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m tests.lanes
+
+# The developer's loop: lint, types and the unit tests (no broker, no vLLM).
+unit: lint
+	$(BIN)/python -m tests.lanes unit
+
+# One or more lanes by name: `make lanes LANES="broker chaos"`.
+lanes: setup
+	$(BIN)/python -m tests.lanes $(LANES)
 
 bench: setup
 	$(BIN)/python bench/serialize.py

@@ -50,6 +50,20 @@ class TopicFactory(Protocol):
     ) -> str: ...
 
 
+_LANE_MARKERS = {"broker": "broker", "vllm": "vllm", "chaos": "chaos"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test's folder is its lane: tests under `integration/<lane>/` carry that lane's marker,
+    so `-m` selections and the folders never disagree."""
+    for item in items:
+        parts = item.path.parts
+        if "integration" in parts:
+            lane = parts[parts.index("integration") + 1]
+            if lane in _LANE_MARKERS:
+                item.add_marker(_LANE_MARKERS[lane])
+
+
 def _in_ci() -> bool:
     return os.environ.get("CI", "").lower() == "true"
 

@@ -50,7 +50,7 @@ from schemas.jobs import (
     MAX_TOKENS,
 )
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 # Modest example counts keep the whole file to a few seconds on a busy 2-core machine.
 PROPERTY_SETTINGS = settings(

@@ -32,7 +32,7 @@ from schemas import (
 )
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.kafka_helpers import wait_for
-from tests.test_loop import DLQ, P0, RESULTS, committed_as, settings
+from tests.unit.test_loop import DLQ, P0, RESULTS, committed_as, settings
 from worker.answering import topics as answer_topics
 from worker.answering.answers import AnswerBuilder
 from worker.answering.records import DLQ_REPLY_HEADER

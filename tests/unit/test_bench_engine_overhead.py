@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from tests.conftest import TopicFactory
 from tests.kafka_helpers import produce
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "engine_overhead.py"
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_overhead.py"
 
 
 def load_bench() -> ModuleType:

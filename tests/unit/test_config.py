@@ -28,12 +28,11 @@ from worker.core.kafka import (
     client_kwargs,
     make_consumer,
     make_producer,
-    read_record_limits,
     record_size_limit,
 )
 from worker.core.limits import producer_batch_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in msgspec.structs.fields(Settings)]
 
 
@@ -275,32 +274,6 @@ def test_producer_batches_fit_the_smallest_topic_limit(
     limits: list[int | None], batch: int
 ) -> None:
     assert producer_batch_bytes(limits) == batch
-
-
-@pytest.mark.broker
-async def test_the_producer_batches_fit_both_answer_topics_limits(
-    kafka_bootstrap_servers, new_topic
-):
-    results = await new_topic(1, configs={"max.message.bytes": str(8 * 2**20)})
-    dead_letters = await new_topic(1, configs={"max.message.bytes": str(3 * 2**20)})
-    settings = settings_from(
-        parse(
-            "--bootstrap-servers",
-            kafka_bootstrap_servers,
-            "--results-topic",
-            results,
-            "--dead-letter-topic",
-            dead_letters,
-        ),
-        {},
-    )
-
-    producer = make_producer(settings, await read_record_limits(settings))
-
-    try:
-        assert producer._message_accumulator._batch_size == 3 * 2**20 - 65_536
-    finally:
-        await producer.stop()
 
 
 async def test_the_consumer_gives_the_group_more_than_a_revoke_takes():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 INNER_CONFTEST = 'pytest_plugins = ["tests.leak_guard"]\n'
 

@@ -3,25 +3,22 @@ to the group, named in the offset maps, and checked by the next owner."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaConnectionError
 from aiokafka.protocol.admin import DescribeGroupsResponse_v1
 
 from tests.fakes import FakeConsumer
-from tests.kafka_helpers import wait_for
 from worker.core.config import Settings, settings_from
 from worker.core.incarnation import (
     incarnation_assignor,
     incarnations_of_members,
     new_incarnation,
 )
-from worker.core.kafka import make_consumer
 from worker.core.metrics import Metrics
-from worker.delivery.commits import Committer, GroupOffsetsReader
+from worker.delivery.commits import Committer
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
 
 TP, TP1 = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
@@ -155,34 +152,6 @@ async def test_every_commit_names_the_incarnation_of_its_process() -> None:
     partition.finish(1)
     planned = committer.tracker.plan()
     assert decode_offset_map(0, planned[TP].commit[1]).writer == own
-
-
-@pytest.mark.broker
-async def test_a_joined_worker_is_found_alive_by_its_incarnation_on_the_broker(
-    kafka_bootstrap_servers: str, new_topic: Any
-) -> None:
-    topic = await new_topic(2)
-    settings = _settings(
-        bootstrap_servers=kafka_bootstrap_servers,
-        jobs_topic=topic,
-        group_id=f"g-{uuid.uuid4().hex}",
-    )
-    incarnation = new_incarnation()
-    consumer: AIOKafkaConsumer = make_consumer(settings, incarnation=incarnation)
-    reader = GroupOffsetsReader(settings)
-    consumer.subscribe([topic])
-    await consumer.start()
-    try:
-        await wait_for(lambda: _joined(consumer), 60, "the consumer to join")
-        assert incarnation in await reader.live_incarnations()
-    finally:
-        await consumer.stop()
-        await reader.close()
-
-
-async def _joined(consumer: AIOKafkaConsumer) -> bool:
-    await consumer.getmany(timeout_ms=200)
-    return bool(consumer.assignment())
 
 
 async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_rejoins() -> None:

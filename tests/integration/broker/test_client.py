@@ -326,7 +326,7 @@ async def _two(c: RolloutClient) -> bool:
 async def test_submit_wait_prints_every_result_through_the_client(
     kafka_bootstrap_servers, new_topic, start_steered, tmp_path
 ):
-    from tests.test_control import cli  # noqa: PLC0415 - the non-blocking CLI runner
+    from tests.integration.broker.test_control import cli  # noqa: PLC0415 - the non-blocking CLI runner
 
     bs = kafka_bootstrap_servers
     fleet = await make_fleet(new_topic)

@@ -8,7 +8,7 @@ import yaml
 from worker.core.config import DEFAULT_MAX_RESULT_BYTES, Settings, env_name
 from worker.core.kafka import RECORD_OVERHEAD_BYTES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 RECORD_LIMIT = DEFAULT_MAX_RESULT_BYTES + RECORD_OVERHEAD_BYTES

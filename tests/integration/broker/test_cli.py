@@ -21,7 +21,7 @@ from schemas import (
     encode,
 )
 from tests.kafka_helpers import collect, produce
-from tests.test_schemas import completed_with
+from tests.unit.test_schemas import completed_with
 from worker.answering.payload_store import FilePayloadStore
 
 pytestmark = pytest.mark.broker

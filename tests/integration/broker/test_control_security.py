@@ -30,8 +30,8 @@ from schemas import (
     sign_command,
 )
 from tests.fleet_helpers import Results, Status, completed, send
+from tests.integration.broker.test_control import SLOW, checkpoint, fence, job
 from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
-from tests.test_control import SLOW, checkpoint, fence, job
 from tests.workers import Fleet, make_fleet
 from worker.client.fleet import Fleet as FleetClient
 from worker.client.rollout import RolloutClient

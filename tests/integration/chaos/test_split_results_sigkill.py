@@ -1,0 +1,78 @@
+"""A worker killed between the parts of a split result: the job comes out once, whole."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from schemas import (
+    Completed,
+    Failed,
+    Job,
+    Part,
+    SamplingSpec,
+    decode_result,
+)
+from tests.kafka_helpers import assembled, collect, job_record, produce
+from tests.workers import Topics
+from worker.core.config import MiB
+from worker.engines.mock import MockEngineSettings
+
+pytestmark = [pytest.mark.broker, pytest.mark.chaos]
+
+ONE_MIB = {"max.message.bytes": str(1 * MiB)}
+QWEN3_30B = MockEngineSettings(num_layers=48, top_k=8, num_experts=128)
+
+
+def group_job(job_id: str, n: int, tokens: int) -> Job:
+    return Job(
+        job_id=job_id,
+        prompt_token_ids=[11, 12, 13, 14, 15],
+        sampling=SamplingSpec(n=n, max_tokens=tokens, seed=3),
+        return_routed_experts=True,
+        routed_experts_prompt_start=5,
+        metadata={"step": "4"},
+    )
+
+
+def part_of(result: Completed | Failed) -> Part:
+    assert isinstance(result, Completed) and isinstance(result.part, Part), result
+    return result.part
+
+
+@pytest.mark.chaos
+async def test_sigkill_between_the_parts_of_a_split_result_yields_the_job_once(
+    kafka_bootstrap_servers, new_topic, spawn
+):
+    bs = kafka_bootstrap_servers
+    topics = Topics(
+        jobs=await new_topic(1),
+        results=await new_topic(1, configs=ONE_MIB),
+        dlq=await new_topic(1),
+    )
+    await produce(bs, topics.jobs, [job_record(group_job("grpo", 16, 1536))])
+    shape = {"mock_per_token_latency_ms": 0, "mock_num_layers": 48, "mock_top_k": 8}
+    # The worker kills itself once the first part is acknowledged and the others are not.
+    first = spawn(topics, env={"VKW_FAILPOINTS": "kill-between-parts"}, **shape)
+    assert await first.wait(60) == -signal.SIGKILL, first.text()
+    cut_short = [decode_result(r.value) for r in await collect(bs, topics.results, 1)]
+    first_attempt = part_of(cut_short[0])
+    assert first_attempt.index == 0 and first_attempt.count > 1
+
+    second = spawn(topics, **shape)
+    got, records = await assembled(bs, topics.results, 1, timeout_s=90)
+    by_attempt: dict[str, set[int]] = {}
+    for record in records:
+        label = part_of(decode_result(record.value))
+        by_attempt.setdefault(label.attempt, set()).add(label.index)
+    # Two attempts: the first cut short, the second whole; the job came out once, from it.
+    assert len(by_attempt) == 2
+    assert len(by_attempt[first_attempt.attempt]) < first_attempt.count
+    (whole_attempt,) = set(by_attempt) - {first_attempt.attempt}
+    assert len(by_attempt[whole_attempt]) == first_attempt.count
+    result = got["grpo"]
+    assert isinstance(result, Completed)
+    assert [c.index for c in result.completions] == list(range(16))
+    second.signal(signal.SIGTERM)
+    assert await second.wait(30) == 0, second.text()
