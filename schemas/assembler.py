@@ -44,14 +44,27 @@ class ResultAssembler:
     attempts (a first run cut short by a crash) are dropped. Whatever arrives for a job after
     its result was returned is a duplicate and returns None. The `remember` most recent
     finished job ids are kept for that; older ones are forgotten.
+
+    Anyone who can write to the results topic can send parts under attempt names of their
+    choosing, so at most `max_attempts` attempts are held per job: a new one beyond that pushes
+    out the attempt that began first (a legitimate job has one attempt per crash of the worker
+    running it, far fewer). With a part's `count` capped by the wire type, what is held per job
+    stays bounded whatever arrives.
     """
 
     def __init__(
-        self, *, remember: int = 1_000_000, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        remember: int = 1_000_000,
+        max_attempts: int = 8,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if remember < 1:
             raise ValueError(f"remember must be >= 1, got {remember}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         self._remember = remember
+        self._max_attempts = max_attempts
         self._clock = clock
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, dict[str, _Attempt]] = {}
@@ -73,6 +86,9 @@ class ResultAssembler:
         attempts = self._pending.setdefault(job_id, {})
         attempt = attempts.get(part.attempt)
         if attempt is None:
+            if len(attempts) >= self._max_attempts:
+                # Dicts keep insertion order: the first key is the attempt that began first.
+                del attempts[next(iter(attempts))]
             attempt = attempts[part.attempt] = _Attempt(part.count, self._clock())
         elif attempt.count != part.count:
             raise SchemaError(

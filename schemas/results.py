@@ -8,6 +8,7 @@ from typing import Annotated
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from schemas.jobs import MAX_N
 from schemas.routed_experts import RoutedExperts
 
 __all__ = [
@@ -96,7 +97,8 @@ class Part(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     index: Annotated[int, Meta(ge=0)]
-    count: Annotated[int, Meta(ge=1)]
+    # A result is split by completion, so it has at most as many parts as a job has completions.
+    count: Annotated[int, Meta(ge=1, le=MAX_N)]
     attempt: Annotated[str, Meta(min_length=1, max_length=64)]
 
     def __post_init__(self) -> None:

@@ -161,3 +161,27 @@ def test_a_part_round_trips_and_bad_parts_are_schema_errors():
             decode_result(encode(raw))
     # A whole result has no `part` on the wire at all, as before results could split.
     assert b'"part"' not in encode(whole("j", "a", 1))
+
+
+def test_parts_under_many_invented_attempts_hold_a_bounded_number_and_the_real_one_completes():
+    assembler = ResultAssembler(max_attempts=4)
+    # Someone who can write to the results topic sends first parts under 1,000 attempt names.
+    for n in range(1000):
+        (first, _) = parts("job", f"forged-{n}", [1, 1])
+        assert assembler.add(first) is None
+    assert len(assembler.incomplete()) == 4
+    # The worker's own attempt still assembles, and only it comes out.
+    real = parts("job", "real", [1, 1])
+    assert assembler.add(real[0]) is None
+    assert len(assembler.incomplete()) == 4
+    assembled = assembler.add(real[1])
+    assert assembled == whole("job", "real", 2)
+    assert assembler.pending_jobs == 0
+
+
+def test_a_part_claiming_more_parts_than_a_job_can_have_completions_is_refused():
+    (record,) = parts("job", "a", [1])
+    wire = msgspec.json.decode(encode(record))
+    wire["part"]["count"] = 129
+    with pytest.raises(SchemaError, match="count"):
+        decode_result(msgspec.json.encode(wire))

@@ -66,13 +66,15 @@ class RolloutError(Exception):
 
 
 class _Pending:
-    __slots__ = ("deadline", "future", "job", "retries")
+    __slots__ = ("deadline", "future", "job", "retries", "wire_id")
 
     def __init__(self, job: Job, future: asyncio.Future[Result], deadline: float) -> None:
         self.job = job
         self.future = future
         self.deadline = deadline
         self.retries = 0
+        # The id the job travels under now: its own, or its latest resubmission's.
+        self.wire_id = job.job_id
 
 
 class RolloutClient:
@@ -215,6 +217,10 @@ class RolloutClient:
             raise RolloutError(f"job {job.job_id} is already in flight on this client")
         pending = _Pending(job, future, deadline)
         self._pending[job.job_id] = pending
+        # A caller that stops waiting (a cancelled `generate`, `wait_for` around the future)
+        # cancels the future: the job is then forgotten, so `in_flight` drops and its id may be
+        # submitted again.
+        future.add_done_callback(lambda _: self._forget_if_cancelled(pending))
         self._submitted += 1
         self._track(asyncio.create_task(self._send(job.job_id, pending)))
         return future
@@ -301,6 +307,13 @@ class RolloutClient:
                     RolloutError(f"job {job.job_id} could not be produced: {exc!r}")
                 )
 
+    def _forget_if_cancelled(self, pending: _Pending) -> None:
+        if not pending.future.cancelled():
+            return
+        if self._pending.get(pending.wire_id) is pending:
+            del self._pending[pending.wire_id]
+            self._assembler.discard(pending.wire_id)
+
     def _track(self, task: asyncio.Task[None]) -> None:
         """Keep a send task referenced until it ends (the loop holds tasks only weakly)."""
         self._sends.add(task)
@@ -375,6 +388,7 @@ class RolloutClient:
             logger.info(
                 "job %s failed (%s): resubmitting as %s", original, whole.error.code, wire_id
             )
+            pending.wire_id = wire_id
             self._pending[wire_id] = pending
             self._track(asyncio.create_task(self._send(wire_id, pending)))
             return

@@ -447,3 +447,34 @@ async def test_the_clients_connection_options_reach_the_fleet_it_steers(monkeypa
         assert connection["sasl_plain_username"] == "trainer"
         assert (connection["control_topic"], connection["status_topic"]) == ("ctl", "st")
     assert len(seen) == 2
+
+
+async def test_a_caller_that_stops_waiting_leaves_nothing_pending_and_may_submit_again(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    answered = asyncio.Event()
+
+    def answer(j: Job, n: int) -> list[Result]:
+        # The first sending of each job goes unanswered; the second is answered.
+        if n < 2:
+            return []
+        answered.set()
+        return [done(j, text=j.job_id)]
+
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer) as responder,
+        client(bs, jobs_topic, results_topic) as c,
+    ):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(c.submit(job("a")), 0.5)
+        generating = asyncio.create_task(c.generate([job("b")]))
+        await wait_for(lambda: len(responder.seen) == 2, 30, "both jobs to reach the fleet")
+        generating.cancel()
+        await asyncio.gather(generating, return_exceptions=True)
+        assert c.in_flight == 0
+        # The same ids go again, and this time they are answered.
+        again = await asyncio.wait_for(c.generate([job("a"), job("b")]), 30)
+        assert [r.job_id for r in again] == ["a", "b"] and answered.is_set()
+        assert c.in_flight == 0
