@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 from typing import Annotated, Final
@@ -132,11 +133,14 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
     def from_array(
         cls, array: npt.ArrayLike, start: int = 0, *, num_experts: int | None = None
     ) -> RoutedExperts:
-        """Encode an integer `[rows, layers, top_k]` array in the narrowest dtype that holds it;
-        `num_experts` is the model's expert count when the writer knows it.
+        """Encode an integer `[rows, layers, top_k]` array; `num_experts` is the model's expert
+        count when the writer knows it.
 
-        Narrowing shrinks vLLM-era int32 arrays 4x (uint8 for models with <= 256 experts) and
-        never loses a value: negatives (older vLLM's -1 sentinels) keep a signed dtype.
+        With `num_experts`, the dtype is the model's, as vLLM returns it and Dynamo serializes it
+        (uint8 up to 256 experts, uint16 above): the same for every completion of one model,
+        since trainers require one dtype per micro-batch (prime-rl's `_materialize_bin`).
+        Without it, or for arrays of older vLLM releases whose -1 sentinels need a signed type,
+        the narrowest dtype that holds every value. Neither ever loses a value.
         """
         arr = np.asarray(array)
         if arr.ndim != 3:
@@ -149,7 +153,7 @@ class RoutedExperts(msgspec.Struct, frozen=True, kw_only=True):
             raise RoutedExpertsError(f"start must be >= 0, got {start}")
         if num_experts is not None and num_experts < 1:
             raise RoutedExpertsError(f"num_experts must be >= 1, got {num_experts}")
-        data, narrow = _pack(arr)
+        data, narrow = _pack(arr) if num_experts is None else _pack_for_model(arr, num_experts)
         return cls(
             data=data,
             shape=list(arr.shape),
@@ -220,6 +224,31 @@ def _pack(arr: npt.NDArray[np.integer]) -> tuple[bytes, np.dtype[np.integer]]:
     if narrow == arr.dtype:
         return np.ascontiguousarray(arr).tobytes(), narrow
     return _pack_chunks(arr, narrow, check=False), narrow
+
+
+def model_dtype(num_experts: int) -> np.dtype[np.unsignedinteger]:
+    """The dtype vLLM returns a model's expert ids in: uint8 up to 256 experts, else uint16
+    (uint32 beyond 65,536, which no model has)."""
+    for dtype in (np.dtype(np.uint8), np.dtype(np.uint16)):
+        if num_experts - 1 <= _MAX[dtype]:
+            return dtype
+    return np.dtype(np.uint32)
+
+
+def _pack_for_model(
+    arr: npt.NDArray[np.integer], num_experts: int
+) -> tuple[bytes, np.dtype[np.integer]]:
+    """The array's bytes in the model's dtype when every value fits it, else `_pack`'s."""
+    dtype = model_dtype(num_experts)
+    if arr.dtype == dtype or arr.size == 0:
+        return np.ascontiguousarray(arr, dtype=dtype).tobytes(), dtype
+    if arr.dtype.itemsize > dtype.itemsize:
+        # Read as unsigned, negatives lie above every narrower limit: one comparison checks.
+        with contextlib.suppress(_DoesNotFit):
+            return _pack_chunks(arr, dtype, check=True), dtype
+    elif _narrowest_dtype(arr).kind == "u":  # narrower or as wide: no negatives, so it fits
+        return np.ascontiguousarray(arr, dtype=dtype).tobytes(), dtype
+    return _pack(arr)
 
 
 class _DoesNotFit(Exception):

@@ -3,12 +3,14 @@ record, through payload references, and into the copy a trainer's client inlines
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import numpy as np
+import pytest
 
 from schemas import Completed, Completion, Job, RoutedExperts
 from worker.client.rollout import _resolved
@@ -42,8 +44,8 @@ def test_vllm_completions_carry_the_models_expert_count_and_none_when_not_moe() 
     routed = completion.routed_experts
     assert routed is not None
     assert routed.num_experts == 384
-    # The ids seen stay below 256, so the wire dtype narrows; the expert count says otherwise.
-    assert routed.dtype == "uint8"
+    # The ids seen stay below 256, yet the wire dtype is the model's: uint16 above 256 experts.
+    assert routed.dtype == "uint16"
     unknown = _completion(job, vllm_child(rows=4), 0, None).routed_experts
     assert unknown is not None and unknown.num_experts is msgspec.UNSET
     assert b"num_experts" not in msgspec.json.encode(unknown)
@@ -66,3 +68,50 @@ def test_an_inlined_payload_reference_keeps_the_expert_count(tmp_path: Path) -> 
     assert routed is not None and not routed.is_reference
     assert routed.num_experts == 512
     np.testing.assert_array_equal(routed.to_array(), inline.to_array())
+
+
+def dynamo_serialized(array: np.ndarray, start: int) -> dict[str, object]:
+    """NVIDIA Dynamo 1.6.1's `_serialize_routed_experts`
+    (components/src/dynamo/vllm/decoder_output.py): vLLM's array passed through in its own
+    dtype, base64 of the raw C-order bytes, with the shape and the prompt start."""
+    contiguous = np.ascontiguousarray(array)
+    return {
+        "data": base64.b64encode(contiguous.tobytes()).decode(),
+        "shape": list(contiguous.shape),
+        "dtype": str(contiguous.dtype),
+        "start": start,
+    }
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "vllm_dtype"),
+    [(8, np.uint8), (64, np.uint8), (256, np.uint8), (384, np.uint16)],
+)
+def test_every_completion_of_one_model_has_the_models_dtype_byte_identical_to_dynamo(
+    num_experts: int, vllm_dtype: type[np.unsignedinteger]
+) -> None:
+    rng = np.random.default_rng(num_experts)
+    # What vLLM returns for this model: ids in its dtype, one completion with small ids only.
+    small = rng.integers(0, min(num_experts, 8), size=(5, 3, 2)).astype(vllm_dtype)
+    full = rng.integers(0, num_experts, size=(7, 3, 2)).astype(vllm_dtype)
+    full[0, 0, 0] = num_experts - 1
+    encoded = [RoutedExperts.from_array(a, start=2, num_experts=num_experts) for a in (small, full)]
+    # prime-rl's trainer asserts one dtype per micro-batch (`batch.py:_materialize_bin`).
+    assert {e.dtype for e in encoded} == {np.dtype(vllm_dtype).name}
+    for array, record in zip((small, full), encoded, strict=True):
+        wire = msgspec.json.decode(msgspec.json.encode(record))
+        wire.pop("num_experts")
+        assert wire == dynamo_serialized(array, 2)
+        # A wider array of the same ids (vLLM-era int32) travels as the model's dtype too.
+        wide = RoutedExperts.from_array(array.astype(np.int32), start=2, num_experts=num_experts)
+        assert wide.dtype == record.dtype and wide.data == record.data
+
+
+def test_older_vllm_sentinels_keep_a_signed_dtype_even_with_the_expert_count() -> None:
+    rows = np.array([[[3, 1]], [[-1, -1]]], dtype=np.int32)  # -1: a prefix-cached row
+    routed = RoutedExperts.from_array(rows, num_experts=8)
+    assert routed.dtype == "int8"
+    np.testing.assert_array_equal(routed.to_array(), rows)
+    wide = RoutedExperts.from_array(rows.astype(np.int16), num_experts=384)
+    assert wide.dtype == "int8"
+    np.testing.assert_array_equal(wide.to_array(), rows)
