@@ -436,10 +436,14 @@ def exported_series() -> dict[str, str]:
 
 
 def dashboard_expressions() -> list[str]:
+    def panels(within: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # A collapsed row keeps its panels inside it.
+        return [p for panel in within for p in (panel, *panels(panel.get("panels", [])))]
+
     dashboard = json.loads(DASHBOARD.read_text())
     return [
         target["expr"]
-        for panel in dashboard["panels"]
+        for panel in panels(dashboard["panels"])
         for target in panel.get("targets", [])
         if "expr" in target
     ]
