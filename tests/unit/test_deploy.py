@@ -297,6 +297,25 @@ def test_the_scaled_object_scales_the_statefulset_on_the_workers_lag() -> None:
     assert scaled["minReplicaCount"] >= 1
 
 
+def test_the_scaled_objects_behavior_is_a_valid_hpa_behavior() -> None:
+    """KEDA hands `advanced.horizontalPodAutoscalerConfig.behavior` to the HPA it creates as it
+    is: validate it inside one."""
+    behavior = the("ScaledObject")["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "vllm-kafka-worker"},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "w"},
+            "maxReplicas": 8,
+            "behavior": behavior,
+        },
+    }
+
+    kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 600
+
+
 def max_num_seqs(container: dict[str, Any]) -> int:
     engine_args = container["args"][container["args"].index("--") + 1 :]
     return int(engine_args[engine_args.index("--max-num-seqs") + 1])
