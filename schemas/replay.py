@@ -6,9 +6,9 @@ response's only, the last token's missing row dropped or filled (zeros, a copy o
 before, `arange(top_k)`), a turn boundary's row copied, a dtype fixed or chosen from the
 model's expert count, padding of zeros or `arange(top_k)`. Getting one of these wrong is
 silent: the trainer replays a filler as a route, or miscounts the rows it has. So every choice
-is explicit here (`ReplayLayout`), the recipes (`RECIPES`) give each framework's as its
-current source does it, and inputs a layout cannot take are refused with `ReplayError`, which
-says what to send instead.
+is explicit here (`ReplayLayout`), the recipes (`RECIPES`) give each framework's, each naming
+the release (or source) it was checked against (`ReplayLayout.checked_against`), and inputs a
+layout cannot take are refused with `ReplayError`, which says what to send instead.
 
 Multi-turn: pass the earlier turns (`earlier`, or `ReplaySample.earlier`); each turn's routing
 must start where the one before it ends (turn k's `routed_experts_prompt_start` =
@@ -87,7 +87,8 @@ class ReplayLayout(msgspec.Struct, frozen=True, kw_only=True):
       route with distinct ids in every layer, slime's formula).
     - `turn_boundary`: the row at each earlier turn's end (position len(prompt + output) - 1
       of that turn, which the next turn's prefill routes): the next turn's row, as a fresh full
-      run gives it (`captured`), or a copy of the row before (`repeat`), as verifiers builds it.
+      run gives it (`captured`), or a copy of the row before (`repeat`), the placeholder that
+      verifiers' source of 2026-08 kept there (0.4.0 replaces it with the captured row).
     - `dtype`: the wire dtype (`wire`), a numpy name, or the narrowest dtype of a list that
       holds the ids and fills: `narrowest_unsigned` (uint8, uint16, ...), `narrowest_signed`
       (int8, int16, ...), `canonical` (uint8, int16, int32). A narrowest choice holds every id
@@ -102,6 +103,9 @@ class ReplayLayout(msgspec.Struct, frozen=True, kw_only=True):
     - `pad_to`: pad the whole array on `pad_side` with `pad_fill` rows to this many.
     - `pad_fill`: what a padding row holds, one of `last_row`'s fills: zeros, -1, `arange`
       or `arange_flat` (slime pads for tensor and context parallelism with the latter).
+    - `checked_against`: for a recipe, the framework release (or dated source, where there is
+      no usable release) whose code builds what this layout builds. Informational: it changes
+      no array.
     """
 
     before_start: RowFill = "error"
@@ -115,6 +119,7 @@ class ReplayLayout(msgspec.Struct, frozen=True, kw_only=True):
     pad_to: int | None = None
     pad_side: Literal["left", "right"] = "right"
     pad_fill: PadFill = "zeros"
+    checked_against: str = ""
 
     def __post_init__(self) -> None:
         for name in ("prompt_pad_to", "pad_to"):
@@ -125,33 +130,52 @@ class ReplayLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ReplayError("prompt_pad_to pads the prompt's rows, which prompt_rows=False drops")
 
 
-# Each recipe's rule as read in the framework's current source (file and function in the
-# comment); the tests cite the same places.
+# Each recipe's rule as its framework's code has it, and the release it was checked against:
+# verifiers, verl and SkyRL by calling their released functions on these arrays (the
+# `frameworks` test lane), slime and NeMo-RL (no usable release) as read in their source. The
+# file and function are in each comment; the tests cite the same places.
 
-#: prime-rl / verifiers: one row per position, all decoder layers. verifiers appends a copy of
-#: the row before for the last token (`verifiers/v1/graph.py:_attribute_routed_experts`) and
-#: keeps that copy at a turn boundary; the trainer asserts `shape[0] == len(input_ids)`, needs
-#: one dtype per micro-batch and zero-pads (`src/prime_rl/trainer/batch.py`); the server sends
-#: uint8, or uint16 past 255 (`src/prime_rl/inference/vllm/routed_experts.py`), here by the
-#: model's expert count. A start past position 0 leaves that branch without routing: refused.
+#: prime-rl / verifiers 0.4.0: one row per position, all decoder layers. verifiers slices each
+#: message's rows from `off = path_len - start` and appends a copy of the row before for the
+#: last token (`verifiers/v1/graph.py:_attribute_routed_experts`); the next turn asks for
+#: `routed_experts_prompt_start = path_len - 1` (`verifiers/v1/clients/train.py`) and puts that
+#: turn's first captured row in place of the copy (`_replace_placeholder_routing_row`), so a
+#: turn boundary holds the real route. The trainer asserts `shape[0] == len(input_ids)`, needs
+#: one dtype per micro-batch and zero-pads (`src/prime_rl/trainer/batch.py`, source 2026-08);
+#: the server sends uint8, or uint16 past 255 (`src/prime_rl/inference/vllm/routed_experts.py`),
+#: here by the model's expert count. A start past position 0 leaves that branch without
+#: routing: refused.
 PRIME_RL: Final = ReplayLayout(
-    last_row="repeat", turn_boundary="repeat", dtype="narrowest_unsigned"
+    last_row="repeat",
+    dtype="narrowest_unsigned",
+    checked_against="verifiers 0.4.0 (prime-rl's client side); prime-rl trainer source 2026-08",
 )
 #: slime: `len(tokens) - 1` rows, int32, all layers, turns merged `existing[:start] + new`
 #: (`slime/utils/types.py:Sample._apply_meta_info`, `slime/utils/misc.py:
 #: decode_int32_meta_array`). Its trainer asserts `shape[0] == tokens - 1` and appends the
 #: dummy row itself (`slime/backends/megatron_utils/cp_utils.py`): the last row is dropped.
-SLIME: Final = ReplayLayout(dtype="int32")
-#: verl: rows from position 0 copied into an int16 zero tensor of prompt + response rows
-#: (`verl/experimental/agent_loop/agent_loop.py`); it replays every row but each sequence's
-#: last (`verl/utils/megatron/router_replay_utils.py:build_r3_replay_mask`), so a row before
-#: `start` would be replayed as expert 0: refused. Batches: `prompt_pad_to` and `pad_to`.
-VERL: Final = ReplayLayout(last_row="zeros", dtype="int16")
-#: SkyRL: only the captured rows, from position 0, unpadded, in the canonical dtype
-#: (`skyrl/.../utils/routed_experts.py`); its batcher left-pads and fills padding and the
-#: uncaptured last row with `arange(top_k)` and counts captured rows by the entry's length
-#: (`replay_utils.py:make_router_padding_mask`).
-SKYRL: Final = ReplayLayout(dtype="canonical")
+SLIME: Final = ReplayLayout(
+    dtype="int32", checked_against="slime source 2026-08 (no release on PyPI)"
+)
+#: verl 0.9.1: rows from position 0 copied into an int16 zero tensor spanning the left-padded
+#: prompt and right-padded response (`verl/experimental/agent_loop/agent_loop.py:
+#: _agent_loop_postprocess`); the trainer unpads them with the attention mask
+#: (`verl/workers/utils/padding.py:left_right_2_no_padding`), takes T or T - 1 rows
+#: (`verl/utils/megatron/router_replay_utils.py:align_r3_router_replay_data`) and replays every
+#: row but each sequence's last (`build_r3_replay_mask`), so a row before `start` would be
+#: replayed as expert 0: refused. Batches: `prompt_pad_to` and `pad_to`.
+VERL: Final = ReplayLayout(last_row="zeros", dtype="int16", checked_against="verl 0.9.1")
+#: SkyRL 0.4.0: an entry holds only the captured rows, T - 1 of them from position 0: each
+#: turn asks for `routed_experts_prompt_start` = the rows held so far and appends its rows, the
+#: row count checked exactly (`skyrl/backends/skyrl_train/utils/routed_experts.py:
+#: RoutedExpertTrace`). Entries are uint8, int16 or int32 (`ROUTED_EXPERT_DTYPES`: uint16 is
+#: refused, by `_collate_rollout_expert_indices` and by `generate_wire.py:
+#: decode_packed_routed_experts`), here by the model's expert count. The trainer packs a batch
+#: as `[sum(T), layers, top_k]` with `cu_seqlens`, each entry followed by `arange(top_k)` rows
+#: to its sequence's end (`skyrl/train/dataset/preprocess.py:
+#: convert_prompts_responses_to_batch_tensors`), and counts captured rows by the entry's length
+#: (`make_router_padding_mask`): entries stay unpadded.
+SKYRL: Final = ReplayLayout(dtype="canonical", checked_against="skyrl 0.4.0")
 #: NeMo-RL: `[S, layers, top_k]` from `arange(top_k)` everywhere, the returned rows copied in,
 #: -1 only where vLLM returned no row (`nemo_rl/models/generation/vllm/utils.py`); the dtype
 #: from the model's expert count, int8 up to 128, int16 up to 32768
@@ -162,6 +186,7 @@ NEMO_RL: Final = ReplayLayout(
     dtype="narrowest_signed",
     dtype_from="num_experts",
     pad_fill="arange",
+    checked_against="NeMo-RL source 2026-08 (no release on PyPI)",
 )
 
 RECIPES: Final = {

@@ -50,7 +50,7 @@ class TopicFactory(Protocol):
     ) -> str: ...
 
 
-_LANE_MARKERS = {"broker": "broker", "vllm": "vllm", "chaos": "chaos"}
+_LANE_MARKERS = {"broker": "broker", "vllm": "vllm", "chaos": "chaos", "frameworks": "frameworks"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

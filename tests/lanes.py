@@ -1,9 +1,10 @@
 """Run the test lanes one after another and say where the time went.
 
 `make test` (and so CI) runs every lane; `make unit` runs the first alone. Each lane is one pytest
-run over one folder, so a lane's failure names its kind (unit, broker, vLLM, chaos) at once. After
-the lanes, a table gives each lane's wall time, its counts and its slowest tests, read from the
-JUnit report pytest writes for it; the last line is the total, in the form CI reads.
+run over one folder, so a lane's failure names its kind (unit, RL frameworks' released code,
+broker, vLLM, chaos) at once. After the lanes, a table gives each lane's wall time, its counts
+and its slowest tests, read from the JUnit report pytest writes for it; the last line is the
+total, in the form CI reads.
 
     python -m tests.lanes [LANE ...] [-- PYTEST_ARGS ...]
 """
@@ -26,6 +27,7 @@ REPO: Final = Path(__file__).resolve().parents[1]
 #: lanes start brokers, engines and worker processes whose timing a second pytest would disturb.
 LANES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "unit": ("tests/unit", ("-n", "4")),
+    "frameworks": ("tests/integration/frameworks", ()),
     "broker": ("tests/integration/broker", ()),
     "vllm": ("tests/integration/vllm", ()),
     "chaos": ("tests/integration/chaos", ()),
@@ -92,11 +94,11 @@ def summary(lanes: list[LaneResult]) -> str:
     lines = [
         "",
         "=== lanes",
-        f"{'lane':<8} {'wall s':>7} {'passed':>7} {'failed':>7} {'skipped':>8}",
+        f"{'lane':<10} {'wall s':>7} {'passed':>7} {'failed':>7} {'skipped':>8}",
     ]
     for lane in lanes:
         lines.append(
-            f"{lane.name:<8} {lane.wall_s:>7.0f} {lane.passed:>7} "
+            f"{lane.name:<10} {lane.wall_s:>7.0f} {lane.passed:>7} "
             f"{lane.failed + lane.errors:>7} {lane.skipped:>8}"
             + ("" if lane.exit_code == 0 else f"   (pytest exit {lane.exit_code})")
         )

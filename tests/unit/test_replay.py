@@ -3,8 +3,10 @@ dtype, multi-turn stitching, and bad input.
 
 Each framework's rule is written here a second time, as a small function that does what that
 framework's code does with what vLLM returned for each turn (NOTES §5 names the file and the
-function; the citation is on each). The recipes must build exactly that, or refuse the input
-where the framework cannot take it.
+function; the citation is on each), in the release the recipe names (`checked_against`). The
+recipes must build exactly that, or refuse the input where the framework cannot take it. The
+`frameworks` lane (tests/integration/frameworks/) runs the same arrays through the released
+code of verifiers, verl and SkyRL itself.
 """
 
 from __future__ import annotations
@@ -152,16 +154,20 @@ START = "send routed_experts_prompt_start=0 for this job"
 
 
 def prime_rl_builds(turns: list[Turn], num_experts: int) -> Rows | Refused:
-    # verifiers/v1/graph.py:_attribute_routed_experts: rows per message from
+    # verifiers 0.4.0, verifiers/v1/graph.py:_attribute_routed_experts: rows per message from
     # `off = path_len - start`; a start past the node's start reports no routing; the engine
-    # omitted the last row, so a copy of the row before is appended (and stays at a turn
-    # boundary: the next turn's first captured row is not used there).
+    # omitted the last row, so a copy of the row before is appended as a placeholder, which
+    # the next turn replaces with its first captured row, `arr[off - 1]`
+    # (`_replace_placeholder_routing_row`).
     path = np.zeros((0, LAYERS, TOP_K), dtype=np.int64)
     for turn in turns:
         start, rows = returned(turn)
-        if start > len(path):
+        off = len(path) - start
+        if off < 0:
             return Refused(START)
-        path = np.concatenate([path, rows[len(path) - start :]])
+        if len(path) and 1 <= off <= len(rows):
+            path = np.concatenate([path[:-1], rows[off - 1 : off]])
+        path = np.concatenate([path, rows[off:]])
         path = np.concatenate([path, path[-1:]])
     # src/prime_rl/trainer/batch.py: asserts shape[0] == len(input_ids), one dtype per
     # micro-batch; src/prime_rl/inference/vllm/routed_experts.py: uint8, uint16 past 255,
@@ -212,26 +218,36 @@ def verl_replayed_rows(array: Rows) -> Rows:
     return array[: array.shape[0] - 1]
 
 
-def skyrl_builds(r: Rollout, num_experts: int) -> Rows | Refused:
-    # skyrl/.../utils/routed_experts.py: rows from 0 as returned, truncated to prompt +
-    # response, each turn's full array overwriting the last; the canonical dtype (uint8 below
-    # 2^8, int16 below 2^15, int32 below 2^31), here for every id the model can produce.
-    if r.first_start:
-        return Refused(START)
+def skyrl_builds(turns: list[Turn], num_experts: int) -> Rows | Refused:
+    # SkyRL 0.4.0, skyrl/backends/skyrl_train/utils/routed_experts.py:RoutedExpertTrace: each
+    # turn asks for routed_experts_prompt_start = the rows held so far (0 on the first turn),
+    # the rows it returns must number exactly prompt - start + generated - 1, and they are
+    # appended; `finalize` gives the T - 1 captured rows. Entries are uint8, int16 or int32
+    # (ROUTED_EXPERT_DTYPES), here for every id the model can produce.
+    held: list[Rows] = []
+    for turn in turns:
+        start, rows = returned(turn)
+        if start != sum(len(h) for h in held):
+            return Refused(START)
+        assert len(rows) == sequence_len(turn) - start - 1
+        held.append(rows)
     high = num_experts - 1
     dtype = np.uint8 if high < 2**8 else np.int16 if high < 2**15 else np.int32
-    return r.full_run()[: r.total].astype(dtype)
+    return np.concatenate(held).astype(dtype)
 
 
-def skyrl_batch(entries: list[Rows], totals: list[int], width: int) -> Rows:
-    # replay_utils.py: the batcher left-pads, fills padding and uncaptured rows with
-    # arange(top_k), and make_router_padding_mask counts an entry's captured rows by its length.
-    out = np.empty((len(entries), width, LAYERS, TOP_K), dtype=entries[0].dtype)
+def skyrl_batch(entries: list[Rows], totals: list[int]) -> tuple[Rows, list[int]]:
+    # SkyRL 0.4.0, skyrl/train/dataset/preprocess.py:convert_prompts_responses_to_batch_tensors:
+    # one [sum(T), layers, top_k] tensor and its cu_seqlens, each sequence's segment its entry
+    # then arange(top_k) rows to the sequence's end; make_router_padding_mask counts an entry's
+    # captured rows by its length.
+    out = np.empty((sum(totals), LAYERS, TOP_K), dtype=max(e.dtype for e in entries))
     out[:] = np.arange(TOP_K)
-    for i, (entry, total) in enumerate(zip(entries, totals, strict=True)):
-        first = width - total
-        out[i, first : first + len(entry)] = entry
-    return out
+    cu_seqlens = [0]
+    for entry, total in zip(entries, totals, strict=True):
+        out[cu_seqlens[-1] : cu_seqlens[-1] + len(entry)] = entry
+        cu_seqlens.append(cu_seqlens[-1] + total)
+    return out, cu_seqlens
 
 
 def nemo_rl_builds(turns: list[Turn], num_experts: int, pad_to: int | None = None) -> Rows:
@@ -269,9 +285,11 @@ def assert_same(out: Rows, expected: Rows | Refused) -> None:
 # --- prime-rl ----------------------------------------------------------------------------------
 
 
-def test_prime_rl_copies_the_row_before_at_the_end_and_at_each_turn_boundary():
-    # verifiers/v1/graph.py:_attribute_routed_experts (rows, copies, turn boundaries) and
-    # src/prime_rl/trainer/batch.py (shape[0] == len(input_ids), one dtype per micro-batch).
+def test_prime_rl_copies_the_row_before_at_the_end_and_keeps_real_routes_at_turn_boundaries():
+    # verifiers 0.4.0, verifiers/v1/graph.py:_attribute_routed_experts (rows, the last row's
+    # copy) and _replace_placeholder_routing_row (a turn boundary gets the next turn's first
+    # captured row); src/prime_rl/trainer/batch.py (shape[0] == len(input_ids), one dtype per
+    # micro-batch).
     single = rollout(5, [(0, 4)])
     out = replay_array(single.turns[0].completion, 5, PRIME_RL)
     assert out.shape == (9, LAYERS, TOP_K) and out.dtype == np.uint8
@@ -282,9 +300,10 @@ def test_prime_rl_copies_the_row_before_at_the_end_and_at_each_turn_boundary():
     two = rollout(4, [(0, 3), (2, 3)])  # turn 1 ends at position 6, turn 2 at 11
     out = replay_arrays([two.sample()], PRIME_RL)[0]
     assert out.shape == (12, LAYERS, TOP_K)
-    np.testing.assert_array_equal(out[6], out[5])  # the boundary keeps verifiers' copy ...
-    assert (out[6] != two.full_run()[6]).any()  # ... not the next turn's first captured row
-    np.testing.assert_array_equal(out[7:11], two.full_run()[7:11])
+    # The boundary holds turn 2's first captured row, the real route, not a copy of row 5.
+    np.testing.assert_array_equal(out[:11], two.full_run())
+    assert (out[6] != out[5]).any()
+    np.testing.assert_array_equal(out[11], out[10])
     assert_same(out, prime_rl_builds(two.turns, 8))
 
 
@@ -392,34 +411,33 @@ def test_verl_batch_layout_left_pads_the_prompt_and_right_pads_the_response():
 
 
 def test_skyrl_gets_only_the_captured_rows_unpadded_in_the_canonical_dtype():
-    # skyrl/.../utils/routed_experts.py (rows from 0, canonical dtype, no negatives) and
-    # replay_utils.py:make_router_padding_mask (captured rows = the entry's length).
+    # SkyRL 0.4.0: skyrl/backends/skyrl_train/utils/routed_experts.py:RoutedExpertTrace (turns
+    # appended from start = rows held, T - 1 rows; uint8, int16 or int32) and
+    # skyrl/train/dataset/preprocess.py:make_router_padding_mask (captured rows = the entry's
+    # length).
     two = rollout(4, [(0, 3), (2, 3)])
     out = replay_arrays([two.sample()], SKYRL)[0]
-    assert_same(out, skyrl_builds(two, 8))
+    assert_same(out, skyrl_builds(two.turns, 8))
     assert out.shape[0] == two.total - 1 and (out >= 0).all()
     big = completion(4, 3, 0, ids_below=8, num_experts=300)
-    assert replay_array(big, 4, SKYRL).dtype == np.int16  # ids seen < 256, the model's not
+    assert big.routed_experts is not None and big.routed_experts.dtype == "uint16"
+    # The wire's uint16 becomes int16 (SkyRL refuses uint16), by the model's expert count.
+    assert replay_array(big, 4, SKYRL).dtype == np.int16
     late = rollout(5, [(0, 3)], first_start=1)
     with pytest.raises(ReplayError, match="routing starts at position 1"):
         replay_array(late.turns[0].completion, 5, SKYRL)
 
 
-def test_skyrl_batcher_fills_padding_and_the_uncaptured_row_with_arange():
-    # replay_utils.py: left padding and uncaptured rows are arange(top_k); the layout options
-    # reproduce the batch the batcher builds from SKYRL's entries.
-    rollouts = [rollout(3, [(0, 2)]), rollout(5, [(0, 4)])]
+def test_skyrl_packs_a_batch_with_arange_after_each_entry():
+    # SkyRL 0.4.0, preprocess.py:convert_prompts_responses_to_batch_tensors: the segments of
+    # one [sum(T), layers, top_k] tensor are the recipe's arrays with an arange(top_k) last row.
+    rollouts = [rollout(3, [(0, 2)]), rollout(5, [(0, 4)]), rollout(2, [(0, 2), (1, 3)])]
     samples = [r.sample() for r in rollouts]
     entries = replay_arrays(samples, SKYRL)
-    width = 12
-    batch = skyrl_batch(entries, [r.total for r in rollouts], width)
-    padded = replay_arrays(
-        samples,
-        msgspec.structs.replace(
-            SKYRL, last_row="arange", pad_to=width, pad_side="left", pad_fill="arange"
-        ),
-    )
-    assert_same(np.stack(padded), batch)
+    packed, cu_seqlens = skyrl_batch(entries, [r.total for r in rollouts])
+    segments = replay_arrays(samples, msgspec.structs.replace(SKYRL, last_row="arange"))
+    assert_same(np.concatenate(segments), packed)
+    assert cu_seqlens == np.cumsum([0, *(len(s) for s in segments)]).tolist()
 
 
 # --- NeMo-RL -----------------------------------------------------------------------------------
@@ -486,7 +504,7 @@ def framework_builds(recipe: str, r: Rollout, experts: int) -> Rows | Refused:
     if recipe == "verl":
         return verl_builds(r)
     if recipe == "skyrl":
-        return skyrl_builds(r, experts)
+        return skyrl_builds(r.turns, experts)
     assert recipe == "nemo-rl"
     return nemo_rl_builds(r.turns, experts)
 
@@ -619,6 +637,18 @@ def test_rows_sit_at_absolute_positions_and_fills_cover_the_rest(shape):
         )
         assert named.shape[1] == 2
         np.testing.assert_array_equal(named[start : total - 1], full[start:, [1, 3]])
+
+
+def test_a_repeated_turn_boundary_copies_the_row_before_in_order():
+    # `turn_boundary="repeat"`: the placeholder verifiers' source of 2026-08 kept at a turn
+    # boundary (no recipe uses it since verifiers 0.4.0). Boundaries at positions 6 and 7: the
+    # second copies the first's copy.
+    r = rollout(4, [(0, 3), (0, 1), (2, 2)])
+    out = replay_arrays([r.sample()], ReplayLayout(turn_boundary="repeat"))[0]
+    full = r.full_run()
+    np.testing.assert_array_equal(out[6], full[5])
+    np.testing.assert_array_equal(out[7], full[5])
+    np.testing.assert_array_equal(np.delete(out, [6, 7], axis=0), np.delete(full, [6, 7], axis=0))
 
 
 def test_arange_flat_counts_over_the_layers_the_array_keeps():
