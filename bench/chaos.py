@@ -15,24 +15,21 @@ answers them failed. Printed: jobs lost (neither answered nor dead-lettered), de
 (and whether only the crash-token jobs), healthy jobs answered failed, duplicates against the
 jobs in flight at the kills, the deaths the crash-token jobs caused, and the committed offsets
 at the end against the partitions' ends. The tests run a 10-kill variant
-(tests/test_chaos.py). Figures only; the exit code says whether the run held its promises.
+(tests/integration/chaos/test_chaos.py). Figures only; the exit code says whether the run held its promises.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-REPO: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the harness lives with the tests
-
-from tests.chaos_helpers import Chaos, ChaosPlan  # noqa: E402
-from tests.workers import Topics, WorkerProcess  # noqa: E402
-from worker.dev.broker import env_or_local_broker, new_topics  # noqa: E402
+from worker.dev.broker import env_or_local_broker, new_topics
+from worker.dev.harness.chaos import Chaos, ChaosPlan
+from worker.dev.harness.processes import WorkerProcess
+from worker.dev.harness.topics import Topics
 
 
 async def chaos(bootstrap: str, plan: ChaosPlan, logs: Path) -> bool:

@@ -12,7 +12,7 @@ broker: jobs lost, jobs answered twice and duplicates against the jobs in flight
 healthy jobs dead-lettered or failed, the breaker's log lines (a scale event taken for a death),
 and for each event the answers per second before it, its longest stall (the gap between two
 answers) and how long after the event answers were steady again. The tests run a short plan on both brokers
-(tests/test_elastic.py). Figures only; the exit code says whether the run held its promises.
+(tests/integration/chaos/test_elastic.py). Figures only; the exit code says whether the run held its promises.
 """
 
 from __future__ import annotations
@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-REPO: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the harness lives with the tests
-
-from tests.elastic_helpers import Elastic, ElasticPlan  # noqa: E402
-from tests.workers import Topics, WorkerProcess  # noqa: E402
-from worker.dev.broker import LocalBroker, TansuBroker, new_topics  # noqa: E402
+from worker.dev.broker import LocalBroker, TansuBroker, new_topics
+from worker.dev.harness.elastic import Elastic, ElasticPlan
+from worker.dev.harness.processes import WorkerProcess
+from worker.dev.harness.topics import Topics
 
 
 async def elastic(name: str, bootstrap: str, plan: ElasticPlan, logs: Path) -> bool:
