@@ -24,27 +24,16 @@ import argparse
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from worker.dev.broker import env_or_local_broker, new_topics
+from worker.dev.broker import env_or_local_broker
 from worker.dev.harness.chaos import Chaos, ChaosPlan
-from worker.dev.harness.processes import WorkerProcess
-from worker.dev.harness.topics import Topics
+from worker.dev.harness.runs import spawner
+from worker.dev.harness.topics import new_run_topics
 
 
 async def chaos(bootstrap: str, plan: ChaosPlan, logs: Path) -> bool:
-    jobs, results, dlq = (
-        (await new_topics(bootstrap, 1, prefix="chaos", partitions=plan.partitions))[0],
-        *(await new_topics(bootstrap, 2, prefix="chaos")),
-    )
-    topics = Topics(jobs=jobs, results=results, dlq=dlq)
-    started = 0
-
-    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
-        nonlocal started
-        started += 1
-        return WorkerProcess(bootstrap, topics, logs / f"worker-{started}.log", **flags)
-
+    topics = await new_run_topics(bootstrap, "chaos", plan.partitions)
+    spawn = spawner(bootstrap, logs, "worker")
     figures = await Chaos(bootstrap, topics, spawn, plan).run()
     print(figures.line())
     print(

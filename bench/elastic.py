@@ -22,28 +22,16 @@ import asyncio
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from worker.dev.broker import LocalBroker, TansuBroker, new_topics
+from worker.dev.broker import LocalBroker, TansuBroker
 from worker.dev.harness.elastic import Elastic, ElasticPlan
-from worker.dev.harness.processes import WorkerProcess
-from worker.dev.harness.topics import Topics
+from worker.dev.harness.runs import spawner
+from worker.dev.harness.topics import new_run_topics
 
 
 async def elastic(name: str, bootstrap: str, plan: ElasticPlan, logs: Path) -> bool:
-    jobs, results, dlq = (
-        (await new_topics(bootstrap, 1, prefix="elastic", partitions=plan.partitions))[0],
-        *(await new_topics(bootstrap, 2, prefix="elastic")),
-    )
-    topics = Topics(jobs=jobs, results=results, dlq=dlq)
-    started = 0
-
-    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
-        nonlocal started
-        started += 1
-        bootstrap_for = flags.pop("bootstrap", bootstrap)
-        return WorkerProcess(bootstrap_for, topics, logs / f"{name}-worker-{started}.log", **flags)
-
+    topics = await new_run_topics(bootstrap, "elastic", plan.partitions)
+    spawn = spawner(bootstrap, logs, f"{name}-worker")
     figures = await Elastic(bootstrap, topics, spawn, plan).run()
     print(f"[{name}]")
     print("\n".join(figures.lines()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from schemas import Job, SamplingSpec
@@ -27,6 +28,20 @@ class Spawn(Protocol):
 
 
 PlanT = TypeVar("PlanT")
+
+
+def spawner(bootstrap: str, logs: Path, name: str = "worker") -> Spawn:
+    """A `Spawn` for a run outside the tests: worker n logs to `logs/name-n.log`, on
+    `bootstrap` unless its flags name another (`bootstrap=`)."""
+    started = 0
+
+    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
+        nonlocal started
+        started += 1
+        on = flags.pop("bootstrap", bootstrap)
+        return WorkerProcess(on, topics, logs / f"{name}-{started}.log", **flags)
+
+    return spawn
 
 
 class ProcessRun(Generic[PlanT]):

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from worker.dev.broker import new_topics
+
 
 class TopicFactory(Protocol):
     """Creates a uniquely named topic and returns its name (the tests' `new_topic` fixture)."""
@@ -46,6 +48,14 @@ async def make_topics(
         ),
         dlq=await new_topic(1, bootstrap_servers=bootstrap_servers),
     )
+
+
+async def new_run_topics(bootstrap: str, prefix: str, jobs_partitions: int) -> Topics:
+    """Fresh jobs (`jobs_partitions`), results and dead-letter topics named `prefix-...`, for a
+    run outside the tests (no fixture deletes them)."""
+    jobs = (await new_topics(bootstrap, 1, prefix=prefix, partitions=jobs_partitions))[0]
+    results, dlq = await new_topics(bootstrap, 2, prefix=prefix)
+    return Topics(jobs=jobs, results=results, dlq=dlq)
 
 
 @dataclass
