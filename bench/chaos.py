@@ -15,39 +15,25 @@ answers them failed. Printed: jobs lost (neither answered nor dead-lettered), de
 (and whether only the crash-token jobs), healthy jobs answered failed, duplicates against the
 jobs in flight at the kills, the deaths the crash-token jobs caused, and the committed offsets
 at the end against the partitions' ends. The tests run a 10-kill variant
-(tests/test_chaos.py). Figures only; the exit code says whether the run held its promises.
+(tests/integration/chaos/test_chaos.py). Figures only; the exit code says whether the run held its promises.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the harness lives with the tests
-
-from tests.chaos_helpers import Chaos, ChaosPlan  # noqa: E402
-from tests.workers import Topics, WorkerProcess  # noqa: E402
-from worker.dev.broker import env_or_local_broker, new_topics  # noqa: E402
+from worker.dev.broker import env_or_local_broker
+from worker.dev.harness.chaos import Chaos, ChaosPlan
+from worker.dev.harness.runs import spawner
+from worker.dev.harness.topics import new_run_topics
 
 
 async def chaos(bootstrap: str, plan: ChaosPlan, logs: Path) -> bool:
-    jobs, results, dlq = (
-        (await new_topics(bootstrap, 1, prefix="chaos", partitions=plan.partitions))[0],
-        *(await new_topics(bootstrap, 2, prefix="chaos")),
-    )
-    topics = Topics(jobs=jobs, results=results, dlq=dlq)
-    started = 0
-
-    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
-        nonlocal started
-        started += 1
-        return WorkerProcess(bootstrap, topics, logs / f"worker-{started}.log", **flags)
-
+    topics = await new_run_topics(bootstrap, "chaos", plan.partitions)
+    spawn = spawner(bootstrap, logs, "worker")
     figures = await Chaos(bootstrap, topics, spawn, plan).run()
     print(figures.line())
     print(

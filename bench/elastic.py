@@ -12,7 +12,7 @@ broker: jobs lost, jobs answered twice and duplicates against the jobs in flight
 healthy jobs dead-lettered or failed, the breaker's log lines (a scale event taken for a death),
 and for each event the answers per second before it, its longest stall (the gap between two
 answers) and how long after the event answers were steady again. The tests run a short plan on both brokers
-(tests/test_elastic.py). Figures only; the exit code says whether the run held its promises.
+(tests/integration/chaos/test_elastic.py). Figures only; the exit code says whether the run held its promises.
 """
 
 from __future__ import annotations
@@ -20,33 +20,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # the harness lives with the tests
-
-from tests.elastic_helpers import Elastic, ElasticPlan  # noqa: E402
-from tests.workers import Topics, WorkerProcess  # noqa: E402
-from worker.dev.broker import LocalBroker, TansuBroker, new_topics  # noqa: E402
+from worker.dev.broker import LocalBroker, TansuBroker
+from worker.dev.harness.elastic import Elastic, ElasticPlan
+from worker.dev.harness.runs import spawner
+from worker.dev.harness.topics import new_run_topics
 
 
 async def elastic(name: str, bootstrap: str, plan: ElasticPlan, logs: Path) -> bool:
-    jobs, results, dlq = (
-        (await new_topics(bootstrap, 1, prefix="elastic", partitions=plan.partitions))[0],
-        *(await new_topics(bootstrap, 2, prefix="elastic")),
-    )
-    topics = Topics(jobs=jobs, results=results, dlq=dlq)
-    started = 0
-
-    def spawn(topics: Topics, **flags: Any) -> WorkerProcess:
-        nonlocal started
-        started += 1
-        bootstrap_for = flags.pop("bootstrap", bootstrap)
-        return WorkerProcess(bootstrap_for, topics, logs / f"{name}-worker-{started}.log", **flags)
-
+    topics = await new_run_topics(bootstrap, "elastic", plan.partitions)
+    spawn = spawner(bootstrap, logs, f"{name}-worker")
     figures = await Elastic(bootstrap, topics, spawn, plan).run()
     print(f"[{name}]")
     print("\n".join(figures.lines()))

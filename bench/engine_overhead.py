@@ -79,9 +79,7 @@ import asyncio
 import contextlib
 import math
 import os
-import signal
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
@@ -101,6 +99,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
 from worker.dev.broker import env_or_local_broker, free_port, new_topics
+from worker.dev.harness.processes import WorkerProcess
+from worker.dev.harness.topics import Topics
 from worker.dev.held_fetches import hold_empty_fetches
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 from worker.loop.worker import max_in_flight_for
@@ -451,27 +451,15 @@ class RawPath:
         return Round(seconds, tokens, cpu1 - cpu0, engine, steady, beside, steps)
 
 
-class WorkerProcess:
-    """`python -m worker serve` on its own topics, and this process's producer and reader."""
+class WorkerPath:
+    """`python -m worker serve` on its own topics (a harness `WorkerProcess`), and this
+    process's producer and reader."""
 
-    def __init__(
-        self,
-        proc: asyncio.subprocess.Process,
-        bootstrap: str,
-        topics: dict[str, str],
-        log_path: Path,
-        *,
-        metrics_url: str,
-        held_fetches: bool = False,
-    ) -> None:
-        self._proc = proc
-        self._metrics_url = metrics_url
-        self._held_fetches = held_fetches
-        self._ps = psutil.Process(proc.pid)
-        self.pid = proc.pid
+    def __init__(self, process: WorkerProcess, bootstrap: str, topics: Topics, status: str) -> None:
+        self.process = process
         self._bootstrap = bootstrap
         self._topics = topics
-        self._log_path = log_path
+        self._status = status
         #: Set once the engines are up: what shares the machine (Round.beside_cpu_s), and
         #: whether this process goes to the background during the worker's rounds.
         self.beside: Sequence[psutil.Process] = ()
@@ -486,53 +474,40 @@ class WorkerProcess:
         max_in_flight: int | None,
         log_path: Path,
         fetch_hold_s: float | None,
-    ) -> WorkerProcess:
+    ) -> WorkerPath:
         """Start the worker on fresh topics (its empty fetches held `fetch_hold_s` when not
         None, and woken when a round's jobs are produced); `serving` waits for its engine."""
-        names = ("jobs", "results", "dead-letter", "control", "status")
-        topics = dict(zip(names, await new_topics(bootstrap, len(names)), strict=True))
-        metrics_port = free_port()
-        flags = {
-            "engine": "vllm",
-            "bootstrap-servers": bootstrap,
-            **{f"{name}-topic": topic for name, topic in topics.items()},
-            "group-id": f"bench-{uuid.uuid4().hex[:8]}",
-            "worker-id": "bench-overhead",
-            # Its /metrics carries its engine's vllm:* metrics: the steps each round ran.
-            "metrics-host": "127.0.0.1",
-            "metrics-port": str(metrics_port),
-        }
-        if max_in_flight is not None:
-            flags["max-in-flight"] = str(max_in_flight)
-        argv = [sys.executable, "-m", "worker", "serve"]
-        if fetch_hold_s is not None:
-            argv[2:3] = ["worker.dev.held_fetches", str(fetch_hold_s)]
-        for name, value in flags.items():
-            argv += [f"--{name}", value]
-        with log_path.open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                *argv, "--", *engine_args, stdout=log, stderr=log
-            )
-        return cls(
-            proc,
+        jobs, results, dlq, control, status = await new_topics(bootstrap, 5)
+        topics = Topics(jobs=jobs, results=results, dlq=dlq, group=f"bench-{uuid.uuid4().hex[:8]}")
+        process = WorkerProcess(
             bootstrap,
             topics,
             log_path,
-            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
-            held_fetches=fetch_hold_s is not None,
+            # As it is run: vLLM, and every other setting at its default or from the environment.
+            base_flags={"engine": "vllm", "group-instance-id": None},
+            engine_args=engine_args,
+            fetch_hold_s=fetch_hold_s,
+            inherit_settings=True,
+            control_topic=control,
+            status_topic=status,
+            worker_id="bench-overhead",
+            # Its /metrics carries its engine's vllm:* metrics: the steps each round ran.
+            metrics_host="127.0.0.1",
+            metrics_port=free_port(),
+            max_in_flight=max_in_flight,
         )
+        return cls(process, bootstrap, topics, status)
 
     def _check_alive(self) -> None:
-        if self._proc.returncode is not None:
-            tail = self._log_path.read_text(errors="replace").splitlines()[-30:]
-            raise RuntimeError("the worker process exited; its log ends:\n" + "\n".join(tail))
+        if not self.process.alive():
+            raise RuntimeError("the worker process exited; its log ends:\n" + self.process.tail())
 
     async def serving(self) -> None:
         """Wait for the worker's first heartbeat (its engine is up)."""
         reader = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
         await reader.start()
         try:
-            tp = TopicPartition(self._topics["status"], 0)
+            tp = TopicPartition(self._status, 0)
             reader.assign([tp])
             await reader.seek_to_beginning(tp)
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -571,7 +546,7 @@ class WorkerProcess:
             await producer.stop()
 
     async def _delete_records(self, reader: AIOKafkaConsumer) -> None:
-        topics = [self._topics["jobs"], self._topics["results"]]
+        topics = [self._topics.jobs, self._topics.results]
         refused = await delete_all_records(self._bootstrap, reader, topics)
         if refused is not None and not self._told_records_kept:
             print(f"the rounds' records stay in the topics: {refused}")
@@ -585,18 +560,18 @@ class WorkerProcess:
         records: list[tuple[bytes, bytes]],
         max_tokens: int,
     ) -> Round:
-        tp = TopicPartition(self._topics["results"], 0)
+        tp = TopicPartition(self._topics.results, 0)
         reader.assign([tp])
         await reader.seek_to_end(tp)
         await reader.position(tp)  # resolved now, before any of this round's results exist
         steps0 = await self._engine_steps()
-        engine0, beside0 = children_cpu_s(self._ps), total_cpu_s(self.beside)
-        cpu0, t0 = own_cpu_s(self._ps), time.perf_counter()
-        deliveries = [await producer.send(self._topics["jobs"], v, key=k) for v, k in records]
+        worker = self.process.ps
+        engine0, beside0 = children_cpu_s(worker), total_cpu_s(self.beside)
+        cpu0, t0 = own_cpu_s(worker), time.perf_counter()
+        deliveries = [await producer.send(self._topics.jobs, v, key=k) for v, k in records]
         await asyncio.gather(*deliveries)
-        if self._held_fetches:
-            # The jobs are in the log: a Kafka broker would answer held fetches now.
-            self._proc.send_signal(signal.SIGUSR1)
+        # The jobs are in the log: a Kafka broker would answer held fetches now.
+        self.process.wake_held_fetches()
         tokens, pending = 0, {j.job_id for j in jobs}
         # When each answer went into the worker's outbox: its record's timestamp.
         finished: list[float] = []
@@ -614,8 +589,8 @@ class WorkerProcess:
                         tokens += sum(len(c.token_ids) for c in result.completions)
                     else:
                         failures.append(f"{result.job_id}: {result.error}")
-        seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(self._ps)
-        engine = cpu_delta(engine0, children_cpu_s(self._ps))
+        seconds, cpu1 = time.perf_counter() - t0, own_cpu_s(worker)
+        engine = cpu_delta(engine0, children_cpu_s(worker))
         beside = total_cpu_s(self.beside) - beside0
         # Read after the CPU: the scrape is the worker's work, not the round's.
         steps = await self._engine_steps() - steps0
@@ -625,22 +600,17 @@ class WorkerProcess:
         return Round(seconds, tokens, cpu1 - cpu0, engine, steady, beside, steps)
 
     async def _engine_steps(self) -> int:
+        url = await self.process.metrics_url()
+
         def scrape() -> str:
-            with urllib.request.urlopen(self._metrics_url, timeout=10) as reply:  # noqa: S310
+            with urllib.request.urlopen(url, timeout=10) as reply:  # noqa: S310
                 return str(reply.read().decode())
 
         return engine_steps(await asyncio.to_thread(scrape))
 
     async def stop(self) -> None:
-        if self._proc.returncode is not None:
-            return
-        self._proc.terminate()
-        try:
-            await asyncio.wait_for(self._proc.wait(), 90)
-        except TimeoutError:
-            for process in [*self._ps.children(recursive=True), self._ps]:
-                process.kill()
-            await self._proc.wait()
+        """SIGTERM; what has not exited 90 s later is killed, its engine processes with it."""
+        await self.process.stop(90)
 
 
 async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log: Path) -> None:
@@ -661,14 +631,14 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             f"(woken when jobs are produced), this process's reader "
             f"{READER_FETCH_HOLD_S * 1000:.0f} ms"
         )
-    worker = await WorkerProcess.launch(
+    worker = await WorkerPath.launch(
         bootstrap,
         engine_args,
         args.max_in_flight,
         log,
         fetch_hold_s=WORKER_FETCH_HOLD_S if hold else None,
     )
-    worker_pid = worker.pid
+    worker_pid = worker.process.pid
     engine: VllmEngine | None = None
     try:
         engine = build_vllm_engine(engine_args)  # both engines build at once
@@ -679,7 +649,7 @@ async def measure(args: argparse.Namespace, bootstrap: str, model_dir: Path, log
             f"engines up: raw (this process) after {raw_start_s:.0f} s, worker (pid {worker_pid}) "
             f"after {time.perf_counter() - t0:.0f} s"
         )
-        me, worker_ps = psutil.Process(), psutil.Process(worker_pid)
+        me, worker_ps = psutil.Process(), worker.process.ps
         if not args.no_pin:
             print(keep_off_the_engines([me, worker_ps], bootstrap))
         broker = local_listener(bootstrap)

@@ -10,7 +10,7 @@ import uuid
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
@@ -26,6 +26,7 @@ from worker.dev.broker import (
     TansuBroker,
     wait_until_ready_blocking,
 )
+from worker.dev.harness.topics import TopicFactory
 
 # pytester runs the leak guard's own tests in a pytest of their own.
 pytest_plugins = ["tests.leak_guard", "pytester"]
@@ -36,18 +37,6 @@ _READY_TIMEOUT_S = 30.0
 # testcontainers' default (30 s) is tight for a cold JVM broker on a busy CI runner.
 _CONTAINER_START_TIMEOUT_S = 120
 _TOPIC_ADMIN_TIMEOUT_S = 10.0
-
-
-class TopicFactory(Protocol):
-    """The `new_topic` fixture: creates a uuid-named topic and returns its name."""
-
-    async def __call__(
-        self,
-        partitions: int = 1,
-        *,
-        configs: Mapping[str, str] | None = None,
-        bootstrap_servers: str | None = None,
-    ) -> str: ...
 
 
 _LANE_MARKERS = {"broker": "broker", "vllm": "vllm", "chaos": "chaos", "frameworks": "frameworks"}

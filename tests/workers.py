@@ -1,4 +1,5 @@
-"""Workers for tests on a real broker: in-process (`start_worker`) and as a real process (`spawn`).
+"""Fixtures for workers on a real broker: in-process (`start_worker`, `start_steered`) and as a
+real process (`spawn`, a `worker.dev.harness.processes.WorkerProcess`).
 
 The fixtures are registered in `conftest.py`, so any test module can ask for them.
 """
@@ -6,15 +7,8 @@ The fixtures are registered in `conftest.py`, so any test module can ask for the
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +16,14 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import committed, wait_for
 from worker.build import Service, build_worker
 from worker.core.config import Settings, settings_from
+from worker.dev.harness.processes import WorkerProcess
+from worker.dev.harness.topics import Fleet, Topics
+from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import ControllableEngine
 from worker.loop.worker import Worker
-
-#: The in-flight cap of spawned workers: what one crash may repeat at most.
-MAX_IN_FLIGHT = 32
-_REPO = Path(__file__).resolve().parent.parent
-
-
-@dataclass
-class Topics:
-    jobs: str
-    results: str
-    dlq: str
-    group: str = field(default_factory=lambda: f"group-{uuid.uuid4().hex[:8]}")
-    #: The static member id of spawned workers: a restart with it takes the partitions back.
-    instance: str = field(default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}")
 
 
 @dataclass
@@ -66,23 +48,6 @@ class Running:
     async def stop(self) -> int:
         self.service.request_stop()
         return await asyncio.wait_for(self.task, 60)
-
-
-async def make_topics(
-    new_topic: Any,
-    *,
-    jobs_partitions: int = 1,
-    results_partitions: int = 1,
-    results_configs: dict[str, str] | None = None,
-    bootstrap_servers: str | None = None,
-) -> Topics:
-    """Fresh jobs, results and dead-letter topics (on the shared broker unless told otherwise)."""
-    on = {"bootstrap_servers": bootstrap_servers}
-    return Topics(
-        jobs=await new_topic(jobs_partitions, **on),
-        results=await new_topic(results_partitions, configs=results_configs, **on),
-        dlq=await new_topic(1, **on),
-    )
 
 
 def worker_settings(bootstrap: str, topics: Topics, **overrides: Any) -> Settings:
@@ -132,24 +97,6 @@ async def start_worker(kafka_bootstrap_servers: str) -> AsyncIterator[Callable[.
 
     yield start
     await _stop_all(running, 60)
-
-
-@dataclass
-class Fleet:
-    """Topics for workers steered by a control plane: jobs, results, dead letters, control,
-    status (one partition each)."""
-
-    topics: Topics
-    control: str
-    status: str
-
-
-async def make_fleet(new_topic: Any, jobs_partitions: int = 1) -> Fleet:
-    return Fleet(
-        topics=await make_topics(new_topic, jobs_partitions=jobs_partitions),
-        control=await new_topic(1),
-        status=await new_topic(1),
-    )
 
 
 @dataclass
@@ -216,90 +163,6 @@ async def _stop_all(running: Sequence[Running], timeout_s: float) -> None:
         if not handle.task.done():
             handle.service.request_stop()
             await asyncio.wait_for(handle.task, timeout_s)
-
-
-async def committed_is(bs: str, topics: Topics, expected: dict[int, int]) -> bool:
-    return await committed(bs, topics.group, topics.jobs) == expected
-
-
-class WorkerProcess:
-    """`python -m worker serve --engine mock ...` in a subprocess, stderr to a file."""
-
-    def __init__(
-        self,
-        bootstrap: str,
-        topics: Topics,
-        log: Path,
-        env: dict[str, str] | None = None,
-        **flags: Any,
-    ) -> None:
-        args = {
-            "bootstrap-servers": bootstrap,
-            "jobs-topic": topics.jobs,
-            "results-topic": topics.results,
-            "dead-letter-topic": topics.dlq,
-            "group-id": topics.group,
-            "group-instance-id": topics.instance,
-            "engine": "mock",
-            "max-in-flight": MAX_IN_FLIGHT,
-            "commit-interval-ms": 0,
-            "poll-timeout-ms": 50,
-            "session-timeout-ms": 6000,
-            "heartbeat-interval-ms": 500,
-            "shutdown-grace-s": 10,
-            "mock-per-token-latency-ms": 50,
-            "mock-num-layers": 4,
-        }
-        args.update({k.replace("_", "-"): v for k, v in flags.items()})
-        argv = [sys.executable, "-m", "worker", "serve"]
-        for name, value in args.items():
-            if value is None:  # None leaves a setting at its default (e.g. no instance id)
-                continue
-            if isinstance(value, bool):
-                argv.append(f"--{name}" if value else f"--no-{name}")
-            else:
-                argv += [f"--{name}", str(value)]
-        clean = {k: v for k, v in os.environ.items() if not k.startswith("VKW_")}
-        env = {**clean, **(env or {})}
-        self.log = log
-        self._log_file = log.open("ab")
-        self.proc = subprocess.Popen(
-            argv, cwd=_REPO, env=env, stdout=self._log_file, stderr=subprocess.STDOUT
-        )
-
-    def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    async def wait(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while (rc := self.proc.poll()) is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"worker still running after {timeout_s}s; log {self.log}")
-            await asyncio.sleep(0.02)
-        self._log_file.close()
-        return rc
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop_now(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log_file.close()
-
-
-async def stop_all(workers: Iterable[WorkerProcess], timeout_s: float) -> None:
-    """SIGTERM every worker still running, give each `timeout_s` to drain and exit, then kill
-    whatever is left."""
-    workers = list(workers)
-    for worker in workers:
-        if worker.proc.poll() is None:
-            worker.signal(signal.SIGTERM)
-    for worker in workers:
-        with contextlib.suppress(AssertionError):
-            await worker.wait(timeout_s)
-        worker.stop_now()
 
 
 @pytest.fixture

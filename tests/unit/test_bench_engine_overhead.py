@@ -18,8 +18,8 @@ import psutil
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from tests.conftest import TopicFactory
-from tests.kafka_helpers import produce
+from worker.dev.harness.clients import produce
+from worker.dev.harness.topics import TopicFactory
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "engine_overhead.py"
 

@@ -17,12 +17,12 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import Completed, Failed, Job, decode_job, decode_result
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import wait_for
 from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, run, worker_on
 from worker.core.errors import BrokerError, EngineDeadError
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker
+from worker.dev.harness.waiting import wait_for
 from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.worker import Worker
 

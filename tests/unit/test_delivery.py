@@ -8,7 +8,6 @@ from aiokafka import ConsumerRecord, TopicPartition
 
 from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import MemoryProducer, ScriptedEngine
-from tests.kafka_helpers import wait_for
 from worker.answering.answers import AnswerBuilder
 from worker.core.config import settings_from
 from worker.core.errors import FatalError
@@ -16,6 +15,7 @@ from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
+from worker.dev.harness.waiting import wait_for
 
 TP = TopicPartition("jobs", 0)
 RESULTS, DLQ = "results", "dlq"

@@ -31,7 +31,6 @@ from schemas import (
     peek_reply_to,
 )
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
-from tests.kafka_helpers import wait_for
 from tests.unit.test_loop import DLQ, P0, RESULTS, committed_as, settings
 from worker.answering import topics as answer_topics
 from worker.answering.answers import AnswerBuilder
@@ -42,6 +41,7 @@ from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.commits import CommittedReader
 from worker.delivery.offset_map import encode_offset_map
+from worker.dev.harness.waiting import wait_for
 from worker.loop.version_holds import VersionHolds
 from worker.loop.worker import Worker
 

@@ -13,12 +13,12 @@ from aiokafka import TopicPartition
 
 from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
-from tests.kafka_helpers import wait_for
 from worker.core.config import Settings, settings_from
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.commits import CommittedReader, Committer
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
+from worker.dev.harness.waiting import wait_for
 from worker.loop.worker import Worker
 
 JOBS, RESULTS, DLQ = "jobs", "results", "dlq"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from schemas import Job, SamplingSpec
-from tests.kafka_helpers import wait_for
 from worker.core.errors import EngineDeadError, InvalidJobError
+from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
 
 SETTINGS = MockEngineSettings(num_layers=6, top_k=4, num_experts=40, max_model_len=256)

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from schemas import Abort, Job, SamplingSpec, VersionSpan
-from tests.kafka_helpers import wait_for
 from worker.core.errors import JobAbortedError, JobExpiredError, WeightUpdateError
+from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
 from worker.engines.steerable import SteerableEngine

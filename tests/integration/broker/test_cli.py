@@ -20,9 +20,9 @@ from schemas import (
     decode_job,
     encode,
 )
-from tests.kafka_helpers import collect, produce
 from tests.unit.test_schemas import completed_with
 from worker.answering.payload_store import FilePayloadStore
+from worker.dev.harness.clients import collect, produce
 
 pytestmark = pytest.mark.broker
 

@@ -29,10 +29,10 @@ from schemas import (
     decode_job,
     encode,
 )
-from tests.fleet_helpers import Results
-from tests.kafka_helpers import wait_for
-from tests.workers import make_fleet
 from worker.client.rollout import RETRY_SEPARATOR, RolloutClient, RolloutError
+from worker.dev.harness.fleet import Results
+from worker.dev.harness.topics import make_fleet
+from worker.dev.harness.waiting import wait_for
 
 pytestmark = pytest.mark.broker
 

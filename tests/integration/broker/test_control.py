@@ -28,9 +28,10 @@ from schemas import (
     VersionSpan,
     decode_status,
 )
-from tests.fleet_helpers import Results, Status, completed, send
-from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
-from tests.workers import Fleet, make_fleet, make_topics
+from worker.dev.harness.clients import job_record, produce
+from worker.dev.harness.fleet import Results, Status, completed, send
+from worker.dev.harness.topics import Fleet, make_fleet, make_topics
+from worker.dev.harness.waiting import wait_for, wait_generating
 from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker

@@ -29,15 +29,16 @@ from schemas import (
     encode,
     sign_command,
 )
-from tests.fleet_helpers import Results, Status, completed, send
 from tests.integration.broker.test_control import SLOW, checkpoint, fence, job
-from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
-from tests.workers import Fleet, make_fleet
 from worker.client.fleet import Fleet as FleetClient
 from worker.client.rollout import RolloutClient
 from worker.core.config import settings_from
 from worker.core.errors import ConfigError
 from worker.core.kafka import create_topics
+from worker.dev.harness.clients import job_record, produce
+from worker.dev.harness.fleet import Results, Status, completed, send
+from worker.dev.harness.topics import Fleet, make_fleet
+from worker.dev.harness.waiting import wait_for, wait_generating
 from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from tests.kafka_helpers import wait_for
 from worker.core.config import Settings, settings_from
 from worker.core.incarnation import (
     new_incarnation,
 )
 from worker.core.kafka import make_consumer
 from worker.delivery.commits import GroupOffsetsReader
+from worker.dev.harness.waiting import wait_for
 
 TP, TP1 = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
 

@@ -20,9 +20,10 @@ from schemas import (
     decode_result,
 )
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import assembled, collect, job_record, produce, wait_for
-from tests.workers import committed_is, make_topics
 from worker.core.config import MiB
+from worker.dev.harness.clients import assembled, collect, committed_is, job_record, produce
+from worker.dev.harness.topics import make_topics
+from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker

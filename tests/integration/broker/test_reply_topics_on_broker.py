@@ -9,9 +9,9 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from schemas import Completed, Job, SamplingSpec
-from tests.kafka_helpers import job_record, produce, results
-from tests.workers import make_topics
 from worker.core.kafka import broker_has_topic
+from worker.dev.harness.clients import job_record, produce, results
+from worker.dev.harness.topics import make_topics
 
 
 def job(job_id: str, reply_to: str | None = None) -> Job:

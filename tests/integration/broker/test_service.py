@@ -22,18 +22,19 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, encode
 from tests.fakes import ScriptedEngine
-from tests.kafka_helpers import (
+from worker.answering.records import DLQ_HEADERS
+from worker.core.metrics import MetricsServer
+from worker.dev.harness.clients import (
     collect,
     committed,
+    committed_is,
     committed_total_is,
     job_record,
     produce,
     results,
-    wait_for,
 )
-from tests.workers import Topics, committed_is, make_topics
-from worker.answering.records import DLQ_HEADERS
-from worker.core.metrics import MetricsServer
+from worker.dev.harness.topics import Topics, make_topics
+from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngineSettings
 
 pytestmark = pytest.mark.broker

@@ -20,32 +20,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import ConsumerRecord
 
 from schemas import Completed, Failed, Job, SamplingSpec, decode_job, decode_result, encode
-from tests.chaos_helpers import (
-    Chaos,
-    ChaosPlan,
-    History,
-    InBackground,
-    MiB,
-    RssSampler,
-    Scraper,
-    metrics_port,
-    mib,
-    produce_spread,
-)
-from tests.kafka_helpers import (
+from worker.answering.records import DLQ_HEADERS
+from worker.dev.harness.answers import History
+from worker.dev.harness.chaos import Chaos, ChaosPlan
+from worker.dev.harness.clients import (
     Record,
     collect,
     committed,
     committed_total_is,
     job_record,
     produce,
-    wait_for,
+    produce_spread,
 )
-from tests.workers import MAX_IN_FLIGHT, Topics
-from worker.answering.records import DLQ_HEADERS
+from worker.dev.harness.fleet import Topic
+from worker.dev.harness.metrics import Scraper
+from worker.dev.harness.processes import MAX_IN_FLIGHT
+from worker.dev.harness.rss import MiB, RssSampler, mib
+from worker.dev.harness.topics import Topics
+from worker.dev.harness.waiting import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.broker]
 
@@ -55,49 +50,30 @@ async def topics(new_topic: Any) -> Topics:
     return Topics(jobs=await new_topic(1), results=await new_topic(1), dlq=await new_topic(1))
 
 
-class Watcher(InBackground):
-    """Reads the results topic from the beginning in the background, keeping every record."""
+class Watcher(Topic):
+    """Reads the results topic from the beginning in the background, keeping every result."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self.records: list[Completed | Failed] = []
+        super().__init__(bootstrap, topic)
+        self.results: list[Completed | Failed] = []
         #: When each job_id's first result arrived (monotonic seconds).
         self.arrived: dict[str, float] = {}
-        self._bootstrap = bootstrap
-        self._topic = topic
 
-    async def __aenter__(self) -> Watcher:
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=self._bootstrap,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-        )
-        await consumer.start()
-        tp = TopicPartition(self._topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        self._run_in_background(self._run(consumer))
-        return self
-
-    async def _run(self, consumer: AIOKafkaConsumer) -> None:
-        try:
-            while True:
-                for batch in (await consumer.getmany(timeout_ms=100)).values():
-                    now = time.monotonic()
-                    for record in batch:
-                        result = decode_result(record.value)
-                        self.records.append(result)
-                        self.arrived.setdefault(result.job_id or "", now)
-        finally:
-            await consumer.stop()
+    def _take(self, batch: list[ConsumerRecord[bytes, bytes]]) -> None:
+        now = time.monotonic()
+        for record in batch:
+            result = decode_result(record.value)
+            self.results.append(result)
+            self.arrived.setdefault(result.job_id or "", now)
 
     @property
     def answered(self) -> set[str]:
-        return {r.job_id for r in self.records if isinstance(r, Completed)}
+        return {r.job_id for r in self.results if isinstance(r, Completed)}
 
     @property
     def latest(self) -> dict[str, Completed | Failed]:
         """The latest result of every job_id seen."""
-        return {r.job_id: r for r in self.records if r.job_id is not None}
+        return {r.job_id: r for r in self.results if r.job_id is not None}
 
     def span(self, job_ids: set[str]) -> float:
         """Seconds from the first to the last first-answer of `job_ids`."""
@@ -106,7 +82,7 @@ class Watcher(InBackground):
 
     @property
     def duplicates(self) -> int:
-        counts = Counter(r.job_id for r in self.records)
+        counts = Counter(r.job_id for r in self.results)
         return sum(n - 1 for n in counts.values())
 
 
@@ -147,14 +123,14 @@ async def _crash_and_restart(
         worker.signal(signal.SIGTERM)
         assert await worker.wait(15) == 0
         seconds = time.monotonic() - t0
-        history = History(produced=job_ids, answers=[r.job_id or "" for r in watch.records])
+        history = History(produced=job_ids, answers=[r.job_id or "" for r in watch.results])
         history.kills = kills
         duplicates = history.check()
         print(
             f"\ncrash x{kills}: jobs={jobs} answered={len(watch.answered & job_ids)} "
-            f"duplicates={duplicates} records={len(watch.records)} seconds={seconds:.1f}"
+            f"duplicates={duplicates} records={len(watch.results)} seconds={seconds:.1f}"
         )
-        assert all(isinstance(r, Completed) for r in watch.records)
+        assert all(isinstance(r, Completed) for r in watch.results)
         assert duplicates <= kills * MAX_IN_FLIGHT
 
 
@@ -203,7 +179,7 @@ async def test_sigterm_drains_in_flight_jobs_within_grace(kafka_bootstrap_server
             f"lost={len(job_ids - watch.answered)} duplicates={watch.duplicates}"
         )
         assert watch.duplicates == 0
-        assert len(watch.records) == jobs
+        assert len(watch.results) == jobs
 
 
 async def test_sigterm_with_short_grace_leaves_the_rest_to_the_next_worker(
@@ -256,7 +232,7 @@ async def _private_topics(new_topic: Any, bootstrap: str, jobs_partitions: int =
 
 def _figures(name: str, jobs: int, watch: Watcher, job_ids: set[str], t0: float, **extra: Any):
     """Print the run's figures from its history; return how many jobs were lost."""
-    history = History(produced=job_ids, answers=[r.job_id for r in watch.records if r.job_id])
+    history = History(produced=job_ids, answers=[r.job_id for r in watch.results if r.job_id])
     answered = len(set(history.answers) & job_ids)
     more = "".join(f" {k}={v}" for k, v in extra.items())
     print(
@@ -301,7 +277,7 @@ async def test_broker_restart_mid_run_worker_recovers_by_itself(
             restart_s=f"{restart_s:.2f}",
         )
         assert lost == 0
-        assert all(isinstance(r, Completed) for r in watch.records)
+        assert all(isinstance(r, Completed) for r in watch.results)
         # The restart forgets the group generation: at most what was answered but not yet
         # committed around it comes again.
         assert watch.duplicates <= 2 * MAX_IN_FLIGHT
@@ -545,8 +521,8 @@ async def test_poison_records_are_all_answered_and_the_worker_stays_up(
         worker = spawn(
             topics, mock_max_model_len=_MAX_MODEL_LEN, metrics_port=0, metrics_host="127.0.0.1"
         )
-        await metrics_port(worker.log)  # serving
-        async with RssSampler(worker.proc.pid, lambda: len(watch.records)) as rss:
+        await worker.metrics_port()  # serving
+        async with RssSampler(worker.proc.pid, lambda: len(watch.results)) as rss:
             await wait_for(lambda: len(rss.samples) >= 3, 30, "three RSS samples before the load")
             baseline = rss.peak
             await produce(bs, topics.jobs, plan.records)
@@ -615,7 +591,7 @@ async def test_scale_out_shares_the_work_and_a_survivor_takes_over(tansu_broker,
 
     async with watching(bs, topics.results) as watch, contextlib.AsyncExitStack() as stack:
         one = spawn(topics, **flags)
-        m_one = await stack.enter_async_context(Scraper(await metrics_port(one.log)))
+        m_one = await stack.enter_async_context(Scraper(await one.metrics_port()))
 
         async def holds(scraper: Scraper, n: int) -> bool:
             return await _assigned(scraper) == n
@@ -627,7 +603,7 @@ async def test_scale_out_shares_the_work_and_a_survivor_takes_over(tansu_broker,
         solo_s = time.monotonic() - p0
 
         two = spawn(topics, **flags)
-        m_two = await stack.enter_async_context(Scraper(await metrics_port(two.log)))
+        m_two = await stack.enter_async_context(Scraper(await two.metrics_port()))
         await wait_for(
             lambda: _both_hold_two(m_one, m_two), 60, "both workers to hold 2 partitions"
         )
@@ -640,7 +616,7 @@ async def test_scale_out_shares_the_work_and_a_survivor_takes_over(tansu_broker,
         # a time ratio is a benchmark's figure; what the test holds is who did the work.
         speedup = watch.span(first) / watch.span(second)
         pair_workers = Counter(
-            r.worker for r in watch.records if isinstance(r, Completed) and r.job_id in second
+            r.worker for r in watch.results if isinstance(r, Completed) and r.job_id in second
         )
 
         third = await batch("kill", around_kill)
@@ -672,7 +648,7 @@ async def test_scale_out_shares_the_work_and_a_survivor_takes_over(tansu_broker,
             takeover_s=f"{takeover_s:.1f}",
         )
     assert lost == 0
-    assert all(isinstance(r, Completed) for r in watch.records)
+    assert all(isinstance(r, Completed) for r in watch.results)
     assert watch.duplicates <= 2 * cap  # the dead worker's answered-but-uncommitted jobs
     # Two members holding two of the four partitions each, with the batch spread evenly over the
     # partitions: each answered half of it, so two workers serve at twice the in-flight cap.
@@ -714,8 +690,8 @@ async def test_backlog_drains_under_the_cap_with_flat_memory(
         )
         d0 = time.monotonic()
         async with (
-            Scraper(await metrics_port(worker.log)) as scraper,
-            RssSampler(worker.proc.pid, lambda: len(watch.records)) as rss,
+            Scraper(await worker.metrics_port()) as scraper,
+            RssSampler(worker.proc.pid, lambda: len(watch.results)) as rss,
         ):
 
             async def drained() -> bool:
@@ -819,7 +795,7 @@ async def _kill_behind_a_slow_job(
         await wait_for(lambda: _committed_is(bootstrap, topics, len(jobs)), 20, "commit of all")
         worker.signal(signal.SIGTERM)
         assert await worker.wait(15) == 0
-        history.answers = [r.job_id or "" for r in watch.records]
+        history.answers = [r.job_id or "" for r in watch.results]
         duplicates = history.check()
         redone = {j for j, n in Counter(history.answers).items() if n > 1}
         return len(answered_at_kill), duplicates, len(redone & answered_at_kill)
@@ -874,10 +850,10 @@ async def test_a_job_that_kills_the_worker_is_answered_failed_after_three_deaths
         worker.signal(signal.SIGTERM)
         assert await worker.wait(15) == 0
     history.kills = deaths
-    history.answers = [r.job_id or "" for r in watch.records]
+    history.answers = [r.job_id or "" for r in watch.results]
     history.dead_lettered = {(r.key or b"").decode() for r in dead_letters}
     duplicates = history.check()
-    print(f"\ncrash loop: deaths={deaths} duplicates={duplicates} records={len(watch.records)}")
+    print(f"\ncrash loop: deaths={deaths} duplicates={duplicates} records={len(watch.results)}")
     assert deaths == 3
     answer = watch.latest[killer.job_id]
     assert isinstance(answer, Failed) and not answer.error.retryable

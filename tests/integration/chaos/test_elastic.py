@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.elastic_helpers import Elastic, ElasticPlan
-from tests.workers import make_topics
+from worker.dev.harness.elastic import Elastic, ElasticPlan
+from worker.dev.harness.topics import make_topics
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos, pytest.mark.timeout(600)]
 

@@ -14,9 +14,9 @@ from schemas import (
     SamplingSpec,
     decode_result,
 )
-from tests.kafka_helpers import assembled, collect, job_record, produce
-from tests.workers import Topics
 from worker.core.config import MiB
+from worker.dev.harness.clients import assembled, collect, job_record, produce
+from worker.dev.harness.topics import Topics
 from worker.engines.mock import MockEngineSettings
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]

@@ -28,7 +28,6 @@ import pytest
 import pytest_asyncio
 
 from schemas import Completed, Failed, Job, SamplingSpec, WeightReload, decode_result, encode
-from tests.kafka_helpers import assembled, collect, job_record, produce, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
 from worker.build import build_worker
 from worker.core.config import settings_from
@@ -39,6 +38,8 @@ from worker.core.errors import (
     InvalidJobError,
     WeightUpdateError,
 )
+from worker.dev.harness.clients import assembled, collect, job_record, produce
+from worker.dev.harness.waiting import wait_generating
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_engine import (

@@ -32,10 +32,11 @@ from schemas import (
     UpdateWeights,
     VersionSpan,
 )
-from tests.fleet_helpers import Results, Status, completed, send
-from tests.kafka_helpers import job_record, produce, wait_for, wait_generating
 from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
-from tests.workers import Fleet, make_fleet
+from worker.dev.harness.clients import job_record, produce
+from worker.dev.harness.fleet import Results, Status, completed, send
+from worker.dev.harness.topics import Fleet, make_fleet
+from worker.dev.harness.waiting import wait_for, wait_generating
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 

@@ -1,4 +1,5 @@
-"""Small clients for tests: produce records, collect records, read committed offsets."""
+"""Small Kafka clients for tests and benchmarks: produce records, collect them, read committed
+offsets."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from schemas import Completed, Failed, Job, ResultAssembler, decode_result, encode
+from worker.dev.harness.topics import Topics
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
@@ -22,12 +24,31 @@ def job_record(job: Job, key: bytes | None = b"") -> Record:
 async def produce(
     bootstrap: str, topic: str, records: Iterable[Record], partition: int | None = None
 ) -> None:
+    await _send(bootstrap, topic, records, lambda _: partition)
+
+
+async def produce_spread(
+    bootstrap: str, topic: str, records: Iterable[Record], partitions: int
+) -> None:
+    """Produce record i to partition i % partitions: an exactly even load, whatever the keys."""
+    await _send(bootstrap, topic, records, lambda i: i % partitions)
+
+
+async def _send(
+    bootstrap: str,
+    topic: str,
+    records: Iterable[Record],
+    partition_of: Callable[[int], int | None],
+) -> None:
+    """Send every record (record i to `partition_of(i)`) and wait until each is acknowledged."""
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=32 * 1024 * 1024)
     await producer.start()
     try:
         futures = [
-            await producer.send(topic, value=value, key=key, headers=headers, partition=partition)
-            for key, value, headers in records
+            await producer.send(
+                topic, value=value, key=key, headers=headers, partition=partition_of(i)
+            )
+            for i, (key, value, headers) in enumerate(records)
         ]
         await asyncio.gather(*futures)
     finally:
@@ -120,46 +141,14 @@ async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | N
         await consumer.stop()
 
 
+async def committed_is(bootstrap: str, topics: Topics, expected: dict[int, int]) -> bool:
+    """Whether the group's committed positions on the jobs topic are `expected`."""
+    return await committed(bootstrap, topics.group, topics.jobs) == expected
+
+
 async def committed_total_is(bootstrap: str, group: str, topic: str, total: int) -> bool:
     """Whether the committed positions, summed over the topic's partitions, reach `total`."""
     return sum(o or 0 for o in (await committed(bootstrap, group, topic)).values()) == total
-
-
-async def wait_for(
-    predicate: Any, timeout_s: float = 20.0, what: str | Callable[[], str] = "condition"
-) -> None:
-    """Until `predicate()` (plain or async) is true; `what` (or what it returns, read at the
-    failure) says in the error what did not happen."""
-    deadline = time.monotonic() + timeout_s
-    while not await _maybe_await(predicate()):
-        if time.monotonic() > deadline:
-            said = what() if callable(what) else what
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {said}")
-        await asyncio.sleep(0.05)
-
-
-async def wait_generating(engine: Any, count: int = 1, timeout_s: float = 60.0) -> None:
-    """Until `count` requests are running in `engine` and each has generated a token.
-
-    Tests that act on running jobs (an update, a pause, an abort) wait for this instead of a
-    fixed sleep: on a busy machine jobs can sit in the queue for longer than any such sleep.
-    """
-
-    def generating() -> bool:
-        running = engine.generated_tokens
-        return len(running) >= count and all(n > 0 for n in running.values())
-
-    await wait_for(
-        generating,
-        timeout_s,
-        lambda: (
-            f"{count} requests generating in the engine (tokens so far: {engine.generated_tokens})"
-        ),
-    )
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if asyncio.iscoroutine(value) else value
 
 
 async def _partitions(consumer: AIOKafkaConsumer, topic: str) -> Sequence[TopicPartition]:

@@ -1,8 +1,8 @@
 """Scaling out and in under load, with real worker processes on a real broker: what a user does
 when the fleet grows ("run one more worker in the group") and shrinks (a SIGTERM).
 
-Run by the elastic tests (`tests/test_elastic.py`, a short plan on each broker) and by
-`bench/elastic.py` (the full plan, figures only).
+Run by the elastic tests (`tests/integration/chaos/test_elastic.py`, a short plan on each
+broker) and by `bench/elastic.py` (the full plan, figures only).
 """
 
 from __future__ import annotations
@@ -11,18 +11,17 @@ import contextlib
 import re
 import signal
 import time
-import uuid
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
-from schemas import Job, SamplingSpec
-from tests.chaos_helpers import AnswersSeen, Scraper, metrics_port, produce_spread
-from tests.kafka_helpers import committed, job_record, wait_for
-from tests.workers import stop_all
+from worker.dev.harness.clients import job_record, produce_spread
+from worker.dev.harness.runs import (
+    ProcessRun,
+    hello_jobs,
+    partition_ends,
+    until_all_answered,
+    until_answered,
+)
 
 #: Log lines of the crash-loop breaker: a record blamed for a death, a suspect run alone.
 BLAME_LINES = re.compile(r"died with \d+ records in flight|worker deaths: running it alone")
@@ -101,68 +100,30 @@ class ElasticFigures:
         return out
 
 
-class Elastic:
+class Elastic(ProcessRun[ElasticPlan]):
     """Runs an `ElasticPlan` on a broker: `spawn(topics, **flags)` starts `python -m worker
-    serve` (a `tests.workers.WorkerProcess`)."""
-
-    def __init__(
-        self,
-        bootstrap: str,
-        topics: Any,
-        spawn: Callable[..., Any],
-        plan: ElasticPlan,
-        log: Callable[[str], None] = print,
-    ) -> None:
-        self._bootstrap = bootstrap
-        self._topics = topics
-        self._spawn = spawn
-        self.plan = plan
-        self._log = log
-        self._workers: dict[str, Any] = {}
-        self._ports: dict[str, int] = {}
+    serve` (a `WorkerProcess`)."""
 
     async def _start(self, name: str) -> None:
         plan = self.plan
-        worker = self._spawn(
-            self._topics,
-            group_instance_id=f"{self._topics.instance}-{name}",
+        worker = self._start_worker(
+            name,
             max_in_flight=plan.max_in_flight,
             mock_per_token_latency_ms=plan.per_token_ms,
-            metrics_port=0,
-            metrics_host="127.0.0.1",
             revoke_grace_s=plan.revoke_grace_s,
             # Scaled in, not restarted: the group hands A's partitions over at once.
             leave_group_on_stop=True,
             **plan.flags,
         )
-        self._workers[name] = worker
-        self._ports[name] = await metrics_port(worker.log, timeout_s=60)
-
-    async def _in_flight(self) -> int:
-        total = 0
-        for name, worker in self._workers.items():
-            if worker.proc.poll() is not None:
-                continue
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError, OSError):
-                async with Scraper(self._ports[name]) as scraper:
-                    total += int(await scraper.value("vkw_jobs_uncommitted") or 0)
-        return total
+        await worker.metrics_port(timeout_s=60)
 
     async def run(self) -> ElasticFigures:
         plan, bs, topics = self.plan, self._bootstrap, self._topics
-        prefix = uuid.uuid4().hex[:6]
-        jobs = [
-            Job(
-                job_id=f"{prefix}-{i}",
-                prompt="hello",
-                sampling=SamplingSpec(max_tokens=plan.tokens),
-            )
-            for i in range(plan.jobs)
-        ]
+        jobs = hello_jobs(plan.jobs, lambda _: plan.tokens)
         job_ids = {j.job_id for j in jobs}
-        ends = {p: len(range(p, plan.jobs, plan.partitions)) for p in range(plan.partitions)}
+        ends = partition_ends(plan.jobs, plan.partitions)
         events: list[ScaleEvent] = []
-        async with AnswersSeen(bs, topics.results, topics.dlq) as seen:
+        async with self._answers_seen() as seen:
             await self._start("a")
             t0 = time.monotonic()
             await produce_spread(bs, topics.jobs, [job_record(j) for j in jobs], plan.partitions)
@@ -172,49 +133,36 @@ class Elastic:
                     ("C joins", plan.join_c_at),
                     ("A leaves", plan.leave_a_at),
                 ):
-                    await wait_for(
-                        lambda t=threshold: len(seen.answered()) >= t,
-                        plan.timeout_s,
-                        f"{threshold} jobs answered",
-                    )
+                    await until_answered(seen, threshold, plan.timeout_s)
                     event = ScaleEvent(
                         name, len(seen.answered()), time.monotonic() - t0, await self._in_flight()
                     )
                     events.append(event)
                     self._log(f"  {name} at {event.at_answered} answered")
                     if name == "A leaves":
-                        self._workers["a"].signal(signal.SIGTERM)
+                        self.workers["a"].signal(signal.SIGTERM)
                     else:
                         await self._start(name[0].lower())
                 with contextlib.suppress(AssertionError):  # lost jobs are counted below
-                    await wait_for(
-                        lambda: seen.answered() >= job_ids,
-                        plan.timeout_s,
-                        lambda: f"every job answered ({len(job_ids - seen.answered())} to go)",
-                    )
-
-                async def at_end() -> bool:
-                    return await committed(bs, topics.group, topics.jobs) == ends
-
+                    await until_all_answered(seen, job_ids, plan.timeout_s)
                 try:
-                    await wait_for(at_end, 60, "every partition committed to its end")
+                    await self._committed_to_ends(ends)
                     committed_at_end = True
                 except AssertionError:
                     committed_at_end = False
             finally:
-                await self._stop_all()
+                await self._stop_all(60)
             seconds = time.monotonic() - t0
-            answers = [job_id for job_id, _ in seen.answers]
-            counts = Counter(answers)
+            history = seen.history(job_ids)
             times = [t - t0 for t in seen.times]
-            failed = {job_id for job_id, is_failed in seen.answers if is_failed}
+            failed = seen.failed()
         _follow(events, times)
-        blamed = sum(len(BLAME_LINES.findall(worker.text())) for worker in self._workers.values())
+        blamed = sum(len(BLAME_LINES.findall(worker.text())) for worker in self.started)
         return ElasticFigures(
             jobs=plan.jobs,
-            lost=len(job_ids - set(answers) - seen.dead_lettered),
-            answered_twice=sum(1 for n in counts.values() if n > 1),
-            duplicates=sum(n - 1 for n in counts.values()),
+            lost=len(history.lost),
+            answered_twice=history.answered_twice,
+            duplicates=history.duplicates,
             dead_lettered=len(seen.dead_lettered),
             failed=len(failed),
             blamed=blamed,
@@ -222,9 +170,6 @@ class Elastic:
             committed_at_end=committed_at_end,
             seconds=seconds,
         )
-
-    async def _stop_all(self) -> None:
-        await stop_all(self._workers.values(), 60)
 
 
 def _follow(events: list[ScaleEvent], times: list[float]) -> None:

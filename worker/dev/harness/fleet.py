@@ -1,11 +1,10 @@
-"""Readers of a fleet's topics for tests: commands in, acknowledgements, heartbeats, results out."""
+"""Readers of a steered fleet's topics: commands in, acknowledgements, heartbeats, results out."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Self
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from schemas import (
     Command,
@@ -18,8 +17,10 @@ from schemas import (
     decode_status,
     encode,
 )
-from tests.kafka_helpers import produce, wait_for
-from tests.workers import Fleet
+from worker.dev.harness.background import InBackground
+from worker.dev.harness.clients import produce
+from worker.dev.harness.topics import Fleet
+from worker.dev.harness.waiting import wait_for
 
 
 async def send(bs: str, fleet: Fleet, *commands: Command | bytes) -> None:
@@ -30,13 +31,13 @@ async def send(bs: str, fleet: Fleet, *commands: Command | bytes) -> None:
     )
 
 
-class Topic:
-    """Reads a topic from the beginning in the background, keeping (timestamp, value)."""
+class Topic(InBackground):
+    """Reads a topic's first partition from the beginning in the background, keeping
+    (timestamp, value) unless a subclass's `_take` keeps something else."""
 
     def __init__(self, bs: str, topic: str) -> None:
         self.records: list[tuple[int, bytes]] = []
         self._bs, self._topic = bs, topic
-        self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
         consumer = AIOKafkaConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
@@ -44,21 +45,19 @@ class Topic:
         tp = TopicPartition(self._topic, 0)
         consumer.assign([tp])
         await consumer.seek_to_beginning(tp)
-        self._task = asyncio.create_task(self._run(consumer))
+        self._run_in_background(self._run(consumer))
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self, consumer: AIOKafkaConsumer) -> None:
         try:
             while True:
                 for batch in (await consumer.getmany(timeout_ms=100)).values():
-                    self.records += [(r.timestamp, r.value) for r in batch]
+                    self._take(batch)
         finally:
             await consumer.stop()
+
+    def _take(self, batch: list[ConsumerRecord[bytes, bytes]]) -> None:
+        self.records += [(r.timestamp, r.value) for r in batch]
 
 
 class Status(Topic):
