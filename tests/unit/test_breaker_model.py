@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from schemas import Failed, Job, decode_job, decode_result
 from tests.fakes import ScriptedEngine
+from tests.hypothesis_profiles import examples
 from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, worker_on
 from worker.delivery.offset_map import encode_offset_map
 from worker.delivery.offsets import Commit
@@ -326,9 +327,8 @@ class BreakerMachine(RuleBasedStateMachine):
 
 
 BreakerMachine.TestCase.settings = settings(
-    max_examples=12,
+    max_examples=examples(0.12),
     stateful_step_count=20,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_breaker_model = BreakerMachine.TestCase
