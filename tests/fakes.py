@@ -248,8 +248,8 @@ class FakeConsumer:
         #: Calls of getmany, and of pause: the consume loop's turns, seen from the consumer
         #: (at the in-flight cap, or with every partition held, a turn pauses instead of
         #: polling). A test that checks nothing happens waits for turns, not for a time.
-        self.polls = 0
-        self.pauses = 0
+        self.getmany_calls = 0
+        self.pause_calls = 0
 
     def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
         records = self.records.setdefault(tp, [])
@@ -285,7 +285,7 @@ class FakeConsumer:
         return set(self._assigned)
 
     def pause(self, *tps: TopicPartition) -> None:
-        self.pauses += 1
+        self.pause_calls += 1
         self._paused.update(tps)
 
     def resume(self, *tps: TopicPartition) -> None:
@@ -306,7 +306,7 @@ class FakeConsumer:
     async def getmany(
         self, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
-        self.polls += 1
+        self.getmany_calls += 1
         if self._next_assignment is not None:
             new, self._next_assignment = self._next_assignment, None
             # Incremental, as in Kafka's cooperative protocol: only lost partitions are revoked,

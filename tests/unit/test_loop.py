@@ -98,16 +98,17 @@ def consumer_with_jobs(count: int, **metadata: str) -> FakeConsumer:
 
 async def turns_pass(consumer: FakeConsumer, turns: int = 5) -> None:
     """Until the loop has turned `turns` more times: polled, or paused everything at the cap."""
-    target = consumer.polls + consumer.pauses + turns
+    target = consumer.getmany_calls + consumer.pause_calls + turns
     await wait_for(
-        lambda: consumer.polls + consumer.pauses >= target, what=f"{turns} turns of the loop"
+        lambda: consumer.getmany_calls + consumer.pause_calls >= target,
+        what=f"{turns} turns of the loop",
     )
 
 
 async def polls_pass(consumer: FakeConsumer, polls: int = 5) -> None:
     """Until the loop has fetched `polls` more times."""
-    target = consumer.polls + polls
-    await wait_for(lambda: consumer.polls >= target, what=f"{polls} more polls")
+    target = consumer.getmany_calls + polls
+    await wait_for(lambda: consumer.getmany_calls >= target, what=f"{polls} more polls")
 
 
 def job(job_id: str, **metadata: str) -> bytes:
