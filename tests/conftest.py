@@ -16,6 +16,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from tests import hypothesis_profiles
+
 # Fixtures any module may ask for: a worker in-process, and one as a real process.
 from tests.workers import spawn, start_steered, start_worker  # noqa: F401
 from worker.core.kafka import ensure_topics
@@ -37,6 +39,13 @@ _READY_TIMEOUT_S = 30.0
 # testcontainers' default (30 s) is tight for a cold JVM broker on a busy CI runner.
 _CONTAINER_START_TIMEOUT_S = 120
 _TOPIC_ADMIN_TIMEOUT_S = 10.0
+
+
+_HYPOTHESIS_PROFILE = hypothesis_profiles.load()
+
+
+def pytest_report_header() -> str:
+    return f"hypothesis profile: {_HYPOTHESIS_PROFILE} (HYPOTHESIS_PROFILE=ci|dev)"
 
 
 _LANE_MARKERS = {"broker": "broker", "vllm": "vllm", "chaos": "chaos", "frameworks": "frameworks"}

@@ -1,8 +1,10 @@
-"""Fakes for unit tests: a scripted engine, an in-memory producer and consumer."""
+"""Fakes for unit tests: a scripted engine, an in-memory producer and consumer, and an event
+loop on a simulated clock."""
 
 from __future__ import annotations
 
 import asyncio
+import selectors
 import time
 from collections.abc import Callable
 from typing import Any
@@ -243,6 +245,11 @@ class FakeConsumer:
         #: An empty fetch waits at most this long (a real consumer waits its whole timeout:
         #: None), so tests with long poll timeouts stay quick.
         self.empty_wait_cap_ms: int | None = 10
+        #: Calls of getmany, and of pause: the consume loop's turns, seen from the consumer
+        #: (at the in-flight cap, or with every partition held, a turn pauses instead of
+        #: polling). A test that checks nothing happens waits for turns, not for a time.
+        self.getmany_calls = 0
+        self.pause_calls = 0
 
     def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
         records = self.records.setdefault(tp, [])
@@ -278,6 +285,7 @@ class FakeConsumer:
         return set(self._assigned)
 
     def pause(self, *tps: TopicPartition) -> None:
+        self.pause_calls += 1
         self._paused.update(tps)
 
     def resume(self, *tps: TopicPartition) -> None:
@@ -298,6 +306,7 @@ class FakeConsumer:
     async def getmany(
         self, timeout_ms: int = 0, max_records: int | None = None
     ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        self.getmany_calls += 1
         if self._next_assignment is not None:
             new, self._next_assignment = self._next_assignment, None
             # Incremental, as in Kafka's cooperative protocol: only lost partitions are revoked,
@@ -332,3 +341,74 @@ class FakeConsumer:
             raise OffsetMetadataTooLargeError()
         self.commits.append({tp: position for tp, (position, _) in offsets.items()})
         self.metadata.append({tp: meta for tp, (_, meta) in offsets.items()})
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when every task waits, and then jumps straight to
+    the next timer instead of sleeping until it.
+
+    Sleeps, timeouts, poll waits and commit intervals take no real time, and how many loop
+    turns fit in a simulated second does not depend on how fast or busy the machine is: a test
+    that advances it by steps runs the same schedule everywhere. While the loop runs,
+    `time.monotonic()` reads the same clock, so deadlines and intervals the code measures
+    itself agree with its waits (a clock captured before, such as a default argument bound at
+    import, stays real). For code that does no real I/O and runs nothing in threads: their
+    wake-ups would arrive after the clock had jumped past their timeouts.
+
+    A task that never waits for time (a callback chain that re-arms itself at once) stops the
+    clock, and every timeout would then wait for ever, where a real loop would only burn CPU:
+    after `STILL_TURNS_LIMIT` turns in a row without a wait, the loop raises
+    `ClockStandsStillError` instead.
+    """
+
+    STILL_TURNS_LIMIT = 200_000
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        super().__init__(_JumpingSelector(self))
+
+    def time(self) -> float:
+        return self._now
+
+    def run_forever(self) -> None:
+        real_monotonic = time.monotonic
+        time.monotonic = self.time
+        try:
+            super().run_forever()
+        finally:
+            time.monotonic = real_monotonic
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+
+class ClockStandsStillError(RuntimeError):
+    """A `VirtualClockLoop` turned `STILL_TURNS_LIMIT` times without any task waiting."""
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """The loop's selector: where it would block for `timeout`, it moves the clock instead."""
+
+    def __init__(self, clock: VirtualClockLoop) -> None:
+        super().__init__()
+        self._clock = clock
+        self._still_turns = 0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if timeout == 0:
+            self._still_turns += 1
+            if self._still_turns > self._clock.STILL_TURNS_LIMIT:
+                raise ClockStandsStillError(
+                    f"{self._still_turns} loop turns without a wait: a task re-arms itself at "
+                    f"once, and the simulated clock stands still at {self._clock.time():.3f} s"
+                )
+            return ready
+        self._still_turns = 0
+        if ready:
+            return ready
+        if timeout is None:
+            # No timer is pending: only a wake-up from outside the loop can end this wait.
+            return super().select(None)
+        self._clock.advance(timeout)
+        return []

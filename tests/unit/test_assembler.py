@@ -19,6 +19,7 @@ from schemas import (
     decode_result,
     encode,
 )
+from tests.hypothesis_profiles import examples
 
 
 def completion(index: int, attempt: str) -> Completion:
@@ -57,7 +58,7 @@ def whole(job_id: str, attempt: str, n: int) -> Completed:
 groupings = st.lists(st.integers(1, 3), min_size=1, max_size=6)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(0.8), suppress_health_check=[HealthCheck.too_slow])
 @given(
     first=groupings,
     second=groupings,

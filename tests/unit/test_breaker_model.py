@@ -15,6 +15,8 @@ simplest one: the records produced and which of them hold the crash token. After
 At the end every gate opens and the workers must answer everything and commit every partition
 to its end within a bounded time: nothing stalls.
 
+The workers run on a simulated clock (`VirtualClockLoop`): each step is the same span of
+their polls, waits and commits on any machine, and costs only the CPU time of what runs in it.
 The budget (examples x steps) keeps it to a few seconds of CI time.
 """
 
@@ -30,7 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from schemas import Failed, Job, decode_job, decode_result
-from tests.fakes import ScriptedEngine
+from tests.fakes import ScriptedEngine, VirtualClockLoop
+from tests.hypothesis_profiles import examples
 from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, worker_on
 from worker.delivery.offset_map import encode_offset_map
 from worker.delivery.offsets import Commit
@@ -80,7 +83,9 @@ class Model:
 class BreakerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.loop = asyncio.new_event_loop()
+        # Simulated time: a step is STEP_S of the workers' polls, waits and commits whatever
+        # the machine's speed or load, and takes only the CPU time of what runs in it.
+        self.loop = VirtualClockLoop()
         self.model = Model()
         self.committed: dict[TopicPartition, Commit] = {}
         self.owners: list[Owner] = []
@@ -118,7 +123,12 @@ class BreakerMachine(RuleBasedStateMachine):
                 engine.release(started.job_id)
 
         engine.on_start = on_start
-        settings_ = process_settings(offset_map_max_bytes=self.cap, max_in_flight=8)
+        # A commit interval above zero: at zero, while the breaker is engaged, each commit's
+        # end wakes the loop, whose tick starts the next one at once, and the loop never waits
+        # for time (on a simulated clock, time would then stand still).
+        settings_ = process_settings(
+            offset_map_max_bytes=self.cap, max_in_flight=8, commit_interval_ms=5
+        )
         worker = worker_on(process, engine, settings_, self._read_committed)
         owner = Owner(process, engine, worker, self.loop.create_task(worker.run()), partitions)
         self.owners.append(owner)
@@ -309,7 +319,7 @@ class BreakerMachine(RuleBasedStateMachine):
             for job_id in everyone:
                 owner.engine.release(job_id)
         ends = {tp: len(records) for tp, records in self.model.records.items()}
-        for _ in range(300):  # 300 steps: a few seconds
+        for _ in range(300):  # 300 steps: 9 simulated seconds
             self.nothing_committed_past_is_unanswered()
             positions = {tp: self.committed.get(tp, (0, ""))[0] for tp in PARTITIONS}
             if (
@@ -326,9 +336,8 @@ class BreakerMachine(RuleBasedStateMachine):
 
 
 BreakerMachine.TestCase.settings = settings(
-    max_examples=12,
+    max_examples=examples(0.12),
     stateful_step_count=20,
-    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_breaker_model = BreakerMachine.TestCase

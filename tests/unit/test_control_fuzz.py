@@ -41,6 +41,7 @@ from schemas import (
     sign_command,
     signature_problem,
 )
+from tests.hypothesis_profiles import examples
 from worker.client import fleet as fleet_module
 from worker.control.plane import ControlPlane
 from worker.core.config import settings_from
@@ -51,15 +52,13 @@ from worker.engines.steerable import SteerableEngine
 
 # Each test stays well under 30 s on a busy 2-core machine.
 FUZZ = settings(
-    max_examples=60,
-    deadline=None,
+    max_examples=examples(0.6),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # Generated, not shrunk: an example of these runs a control plane for up to FEED_TIMEOUT_S, and
 # shrinking one that fails that way ran for many minutes. The failure prints the records fed.
 STREAMS = settings(
-    max_examples=25,
-    deadline=None,
+    max_examples=examples(0.25),
     phases=[Phase.explicit, Phase.reuse, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

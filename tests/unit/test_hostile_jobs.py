@@ -31,6 +31,7 @@ from schemas import (
     peek_reply_to,
 )
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
+from tests.hypothesis_profiles import examples
 from tests.unit.test_loop import DLQ, P0, RESULTS, committed_as, settings
 from worker.answering import topics as answer_topics
 from worker.answering.answers import AnswerBuilder
@@ -352,7 +353,7 @@ def test_fuzzed_job_records_are_each_answered_and_decoding_stays_within_the_reco
     )
     holds = VersionHolds(lambda: 3, max_hold_s=600)
 
-    @settings_(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings_(max_examples=examples(2.5), suppress_health_check=[HealthCheck.too_slow])
     @given(_job_values())
     def check(value: bytes) -> None:
         record = _record(value)

@@ -32,6 +32,7 @@ from schemas import (
     encode,
 )
 from schemas.payloads import payload_root, read_payload
+from tests.hypothesis_profiles import examples
 from worker.cli.main import _ResultsReport
 from worker.cli.replay_out import ReplayWriter
 from worker.client.rollout import RolloutClient, RolloutError
@@ -339,8 +340,7 @@ def test_fuzzed_results_fail_at_most_their_own_job_and_every_good_one_is_answere
         count = 0
 
         @settings(
-            max_examples=150,
-            deadline=None,
+            max_examples=examples(1.5),
             suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
         )
         @given(st.lists(_hostile_values(store), min_size=1, max_size=4))
@@ -384,7 +384,7 @@ def test_fuzzed_references_raise_only_schema_errors(store: Path) -> None:
     os.mkfifo(store / "pipe.bin")
     root = payload_root(store)
 
-    @settings(max_examples=300, deadline=None)
+    @settings(max_examples=examples(3))
     @given(_references())
     def check(fields: dict[str, Any]) -> None:
         fields["uri"] = fields["uri"].replace("STORE", store.as_uri())
@@ -409,9 +409,7 @@ def test_the_results_command_reads_a_hostile_stream_and_counts_every_good_record
     report = _ResultsReport(quiet=True, raw=False, sink=None, replay=writer)
     goods = 0
 
-    @settings(
-        max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-    )
+    @settings(max_examples=examples(2), suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(_hostile_values(store))
     def check(value: bytes) -> None:
         nonlocal goods

@@ -96,6 +96,21 @@ def consumer_with_jobs(count: int, **metadata: str) -> FakeConsumer:
     return consumer
 
 
+async def turns_pass(consumer: FakeConsumer, turns: int = 5) -> None:
+    """Until the loop has turned `turns` more times: polled, or paused everything at the cap."""
+    target = consumer.getmany_calls + consumer.pause_calls + turns
+    await wait_for(
+        lambda: consumer.getmany_calls + consumer.pause_calls >= target,
+        what=f"{turns} turns of the loop",
+    )
+
+
+async def polls_pass(consumer: FakeConsumer, polls: int = 5) -> None:
+    """Until the loop has fetched `polls` more times."""
+    target = consumer.getmany_calls + polls
+    await wait_for(lambda: consumer.getmany_calls >= target, what=f"{polls} more polls")
+
+
 def job(job_id: str, **metadata: str) -> bytes:
     return encode(
         Job(job_id=job_id, prompt="hi", sampling=SamplingSpec(max_tokens=2), metadata=metadata)
@@ -114,7 +129,7 @@ async def test_partitions_assigned_at_the_cap_stay_paused_and_lose_no_record(sta
     await wait_for(lambda: len(engine.started) == 2, what="the cap to fill")
     consumer.assign({P0, P1})  # a rebalance while full: aiokafka starts P1 unpaused
     await wait_for(lambda: P1 in consumer.assignment(), what="the new assignment")
-    await asyncio.sleep(0.2)  # several polls at the cap
+    await turns_pass(consumer)  # several turns at the cap
     assert engine.started == ["a", "b"], "a partition assigned at the cap must stay paused"
     assert {P0, P1} <= consumer.paused()
     engine.release("g")
@@ -238,9 +253,9 @@ async def test_a_map_near_its_cap_holds_the_partition_until_the_gap_closes(start
     engine = ScriptedEngine(max_concurrency=100)
     loop = await start_loop(consumer, engine, offset_map_max_bytes=40, max_in_flight=16)
     await wait_for(lambda: P0 in loop.worker._committer.held(), what="the partition held")
-    await asyncio.sleep(0.2)  # polls go on; no record of the held partition is taken
+    await turns_pass(consumer)  # turns go on; no record of the held partition is taken
     started = len(engine.started)
-    await asyncio.sleep(0.2)
+    await turns_pass(consumer)
     assert len(engine.started) == started < 60
     assert all(len(m) <= 40 for commit in consumer.metadata for m in commit.values())
     engine.release("front")
@@ -471,7 +486,7 @@ async def test_records_of_a_partition_revoked_while_their_commit_was_awaited_do_
 
     committer.write_ahead = write_ahead_during_a_rebalance
     await wait_for(revoked.is_set, 10, "the revoke during the write-ahead")
-    await asyncio.sleep(0.5)
+    await polls_pass(consumer)
     assert engine.peak_running == 0
     assert not loop.producer.sent
 
@@ -494,6 +509,6 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
 
     committer.commit_now = hand_over_while_a_record_is_fetched
     await loop.worker.on_partitions_revoked({P0})
-    await asyncio.sleep(0.3)
+    await polls_pass(consumer)
     assert "late" not in loop.answered()
     assert engine.peak_running <= 1

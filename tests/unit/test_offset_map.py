@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.hypothesis_profiles import examples
 from worker.delivery.offset_map import (
     PREFIX,
     OffsetMapError,
@@ -137,7 +138,7 @@ def test_a_map_that_cannot_fit_leaves_out_the_answered_runs_first_and_keeps_the_
     assert dict(kept) == {o: n for o, n in many.items() if o <= max(kept)}
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(5))
 @given(st.text(max_size=60) | st.binary(max_size=40).map(_raw), st.integers(0, 2**40))
 def test_any_metadata_decodes_or_is_refused_as_not_a_map(metadata: str, position: int) -> None:
     # Fuzzed: whatever the metadata, the reader gets a map or an OffsetMapError, never another
@@ -152,7 +153,7 @@ def test_any_metadata_decodes_or_is_refused_as_not_a_map(metadata: str, position
     assert all(position <= o < position + 5000 for o in offsets)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(3))
 @given(
     st.sets(st.integers(0, 300), max_size=40),
     st.sets(st.integers(0, 300), max_size=10),

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from schemas import Abort, Job, SamplingSpec, VersionSpan
+from tests.fakes import VirtualClockLoop
 from worker.core.errors import JobAbortedError, JobExpiredError, WeightUpdateError
 from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
@@ -161,18 +162,27 @@ async def test_a_bad_checkpoint_is_refused_and_the_old_weights_keep_serving(tmp_
         assert out.weight_version == 0
 
 
-async def test_pause_keep_freezes_running_jobs_until_resume():
-    policy, inner = engine()
-    running = await started(policy, job(), inner)
-    await policy.pause("keep")
-    await asyncio.sleep(0.3)  # longer than the whole job would take
-    assert not running.done()
-    waiting = asyncio.create_task(policy.generate(job("later", tokens=5), "later"))
-    await asyncio.sleep(0.05)
-    assert not waiting.done() and policy.paused
-    await policy.resume()
-    assert len((await running).completions[0].token_ids) == 100
-    assert len((await waiting).completions[0].token_ids) == 5
+def test_pause_keep_freezes_running_jobs_until_resume():
+    # On a simulated clock the mock engine's tokens take their nominal time exactly, so the
+    # waits below outlast the jobs they watch on any machine, and take no real time.
+    async def body() -> None:
+        policy, inner = engine()
+        running = await started(policy, job(), inner)
+        await policy.pause("keep")
+        await asyncio.sleep(2 * 100 * LATENCY_MS / 1000)  # twice the whole job's time
+        assert not running.done()
+        waiting = asyncio.create_task(policy.generate(job("later", tokens=5), "later"))
+        await asyncio.sleep(2 * 5 * LATENCY_MS / 1000)
+        assert not waiting.done() and policy.paused
+        await policy.resume()
+        assert len((await running).completions[0].token_ids) == 100
+        assert len((await waiting).completions[0].token_ids) == 5
+
+    loop = VirtualClockLoop()
+    try:
+        loop.run_until_complete(body())
+    finally:
+        loop.close()
 
 
 async def test_pause_abort_and_pause_wait():

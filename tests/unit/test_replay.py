@@ -34,10 +34,11 @@ from schemas import (
     stitch_turns,
 )
 from schemas.replay import NEMO_RL, PRIME_RL, SKYRL, SLIME, VERL
+from tests.hypothesis_profiles import examples
 
 LAYERS, TOP_K = 4, 2
 DENSE = 0  # layer 0 is dense: its slots are all zeros, as vLLM reports them
-PROPERTY = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(0.8), suppress_health_check=[HealthCheck.too_slow])
 Rows = npt.NDArray[np.integer]
 
 

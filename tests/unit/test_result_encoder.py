@@ -17,6 +17,7 @@ from schemas import (
     decode_result,
     encode,
 )
+from tests.hypothesis_profiles import examples
 from worker.answering.encoder import SPLICE_MIN_BYTES, encode_result
 
 # Strings that look like the spliced spot, to be sure only the real one is spliced.
@@ -83,7 +84,7 @@ def test_encode_result_writes_what_schemas_encode_writes(result: Completed | Fai
     assert decode_result(encoded) == result
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(0.4))
 @given(
     rows=st.lists(st.one_of(st.none(), st.integers(0, 2 * BIG_ROWS)), min_size=1, max_size=4),
     texts=st.lists(st.text(max_size=40), min_size=4, max_size=4),

@@ -49,12 +49,13 @@ from schemas.jobs import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS,
 )
+from tests.hypothesis_profiles import examples
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 # Modest example counts keep the whole file to a few seconds on a busy 2-core machine.
 PROPERTY_SETTINGS = settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=examples(0.6), suppress_health_check=[HealthCheck.too_slow]
 )
 
 INPUT_DTYPES = ["uint8", "uint16", "uint32", "int8", "int16", "int32", "int64"]
