@@ -1,0 +1,198 @@
+"""The checker: judges a run's history and the topics' final contents, knowing nothing of the
+worker's implementation (as Jepsen's Kafka checker judges sends and polls).
+
+Invariants (each violation names one):
+
+- `unanswered`: every valid job has an answer (completed, or failed with its code) by the end,
+  which comes `settle_s` after the last fault;
+- `wrongly_dead_lettered`: nothing is dead-lettered or answered as crash-looped unless it kills
+  the process or is invalid input;
+- `stalled`: after the faults, no partition with work stays without a commit advance for longer
+  than `progress_bound_s`;
+- `commit_backwards`: a committed position never moves backwards;
+- `duplicates`: jobs answered twice are bounded by what may have been in flight at each death or
+  unclean hand-over (`max_in_flight` per disruption);
+- `unasked_exit`: no worker exits except when told to stop, and then with status 0;
+- `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
+  `--offset-map-max-bytes`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from schemas import Completed, Failed, SchemaError, decode_result
+from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.history import History
+
+__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check"]
+
+
+class Kind(enum.Enum):
+    """What the trainer meant a record to be."""
+
+    VALID = "valid"
+    LONG = "long"
+    INVALID = "invalid"
+    CRASH = "crash"
+    REPLY_SMALL = "reply_small"
+    REPLY_LOCKED = "reply_locked"
+
+    @property
+    def must_answer(self) -> bool:
+        return self is not Kind.INVALID
+
+    @property
+    def may_dead_letter(self) -> bool:
+        return self in (Kind.INVALID, Kind.CRASH)
+
+
+@dataclass
+class Ledger:
+    """The trainer's own record of what it produced: source (topic-partition, offset) -> kind
+    and job id."""
+
+    records: dict[tuple[str, int], tuple[Kind, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    faults_end: float
+    end: float
+    progress_bound_s: float
+    max_in_flight: int
+    offset_map_max_bytes: int
+    answer_topics: tuple[str, ...]
+    dead_letter_topic: str
+    jobs_topic: str
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    detail: str
+    at: float
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] at {self.at:.3f}s: {self.detail}"
+
+
+_DISRUPTIONS = frozenset(
+    {"kill", "member_removed", "commit_refused", "poll_timeout", "fault_lose_acks", "sigterm", "trainer_resend"}
+)
+
+
+def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) -> list[Violation]:
+    violations: list[Violation] = []
+    answers: Counter[str] = Counter()
+    crash_looped: list[str] = []
+    for topic in bounds.answer_topics:
+        if topic not in cluster.topics:
+            continue
+        seen_attempts: set[tuple[str, str]] = set()
+        for log in cluster.topics[topic].logs:
+            for record in log:
+                try:
+                    result = decode_result(record.value or b"")
+                except SchemaError:
+                    continue
+                if result.job_id is None:
+                    continue
+                part = getattr(result, "part", None)
+                attempt = getattr(part, "attempt", None)
+                if isinstance(result, Completed) and isinstance(attempt, str):
+                    if (result.job_id, attempt) in seen_attempts:
+                        continue
+                    seen_attempts.add((result.job_id, attempt))
+                answers[result.job_id] += 1
+                if isinstance(result, Failed) and result.error.detail.startswith("not run again"):
+                    crash_looped.append(result.job_id)
+    kinds = {job_id: kind for (kind, job_id) in ledger.records.values()}
+    for (_, _), (kind, job_id) in sorted(ledger.records.items()):
+        if kind.must_answer and not answers[job_id]:
+            violations.append(
+                Violation("unanswered", f"job {job_id} ({kind.value}) never answered", bounds.end)
+            )
+    for job_id in crash_looped:
+        kind = kinds.get(job_id)
+        if kind is not None and not kind.may_dead_letter:
+            violations.append(
+                Violation(
+                    "wrongly_dead_lettered",
+                    f"job {job_id} ({kind.value}) answered as crash-looped",
+                    bounds.end,
+                )
+            )
+    dlq = cluster.topics.get(bounds.dead_letter_topic)
+    for log in dlq.logs if dlq is not None else []:
+        for record in log:
+            headers = dict(record.headers)
+            source = (
+                f"{headers.get('vkw.source.topic', b'').decode()}-"
+                f"{headers.get('vkw.source.partition', b'').decode()}",
+                int(headers.get("vkw.source.offset", b"-1")),
+            )
+            entry = ledger.records.get(source)
+            if entry is not None and not entry[0].may_dead_letter:
+                violations.append(
+                    Violation(
+                        "wrongly_dead_lettered",
+                        f"{source[0]}@{source[1]} ({entry[0].value}, job {entry[1]}) "
+                        f"dead-lettered: {headers.get('vkw.error.detail', b'').decode()}",
+                        record.timestamp_ms / 1000,
+                    )
+                )
+    duplicates = sum(count - 1 for count in answers.values() if count > 1)
+    disruptions = sum(1 for e in history.events if e.kind in _DISRUPTIONS)
+    allowed = disruptions * bounds.max_in_flight
+    if duplicates > allowed:
+        violations.append(
+            Violation(
+                "duplicates",
+                f"{duplicates} duplicate answers; {disruptions} disruptions allow {allowed}",
+                bounds.end,
+            )
+        )
+    for event in history.of("commit"):
+        previous = event.fields["previous"]
+        if previous is not None and event.fields["offset"] < previous:
+            violations.append(
+                Violation(
+                    "commit_backwards",
+                    f"{event.fields['tp']} committed {event.fields['offset']} after {previous} "
+                    f"(by {event.fields['client']})",
+                    event.at,
+                )
+            )
+        if event.fields["metadata_bytes"] > bounds.offset_map_max_bytes:
+            violations.append(
+                Violation(
+                    "state_unbounded",
+                    f"{event.fields['tp']}: {event.fields['metadata_bytes']}-byte offset map",
+                    event.at,
+                )
+            )
+    for event in history.of("exit"):
+        if not event.fields["asked"] or event.fields["status"] != 0:
+            violations.append(
+                Violation(
+                    "unasked_exit",
+                    f"{event.fields['worker']} exited with {event.fields['status']} "
+                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop)",
+                    event.at,
+                )
+            )
+    for event in history.of("stall"):
+        if event.at >= bounds.faults_end and event.fields["for_s"] > bounds.progress_bound_s:
+            violations.append(
+                Violation(
+                    "stalled",
+                    f"{event.fields['tp']} without a commit for {event.fields['for_s']:.1f}s "
+                    f"(committed {event.fields['committed']}, end {event.fields['end']})",
+                    event.at,
+                )
+            )
+            break
+    return violations
