@@ -180,7 +180,8 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                 Violation(
                     "unasked_exit",
                     f"{event.fields['worker']} exited with {event.fields['status']} "
-                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop)",
+                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop): "
+                    f"{event.fields.get('fatal')}",
                     event.at,
                 )
             )

@@ -297,8 +297,6 @@ class SimConsumer:
                 await asyncio.sleep(_RETRY_BACKOFF_S)
                 continue
             break
-        if self._rejoin.is_set():
-            return  # another round started meanwhile: join it instead
         self._assigned = set(assignment)
         self._positions = {tp: max(offset, 0) for tp, (offset, _) in committed.items()}
         self._wake.set()

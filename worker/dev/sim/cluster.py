@@ -366,6 +366,8 @@ class Cluster:
             members={m: sorted(_tp(tp) for tp in tps) for m, tps in assignment.items()},
         )
         for member_id, member in group.members.items():
+            # completeAndScheduleNextHeartbeatExpiration: the session starts again.
+            member.last_heartbeat = now
             member.assignment = assignment[member_id]
             if member.joined is not None and not member.joined.done():
                 member.joined.set_result((group.generation, member_id, list(member.assignment)))
@@ -441,6 +443,8 @@ class Cluster:
         for group in self.groups.values():
             if self.flavour is not Flavour.NOIDA:
                 for member in list(group.members.values()):
+                    if member.joined is not None and not member.joined.done():
+                        continue  # awaiting its JoinGroup response: no expiration scheduled
                     if now - member.last_heartbeat > member.session_s:
                         # ClassicGroup: a member not heard from in session.timeout.ms is
                         # removed (GroupMetadataManager.onClassicGroupHeartbeatExpiration).

@@ -127,7 +127,14 @@ class Fleet:
         exc = task.exception()
         status: Any = repr(exc) if exc is not None else task.result()
         worker_id = process.name.split("#")[0]
-        self.history.add("exit", worker=process.name, status=status, asked=worker_id in self.stopping)
+        fatal = getattr(self.services[worker_id].worker, "_fatal", None)
+        self.history.add(
+            "exit",
+            worker=process.name,
+            status=status,
+            asked=worker_id in self.stopping,
+            fatal=None if fatal is None else str(fatal)[:200],
+        )
 
     def kill(self, worker_id: str, *, why: str) -> None:
         """SIGKILL: the process's clients go silent at once and its tasks stop; nothing of its

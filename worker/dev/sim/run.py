@@ -288,6 +288,7 @@ async def _trainer(scenario: Scenario, cluster: Cluster, rng: random.Random, led
     await producer.start()
     count = 0
     deadline = scenario.duration_s
+    sends: set[asyncio.Task[None]] = set()
     kinds = list(scenario.hostile.items())
     while process.now() < deadline:
         await asyncio.sleep(rng.expovariate(scenario.jobs_per_s))
@@ -318,17 +319,23 @@ async def _trainer(scenario: Scenario, cluster: Cluster, rng: random.Random, led
                 value = _job(job_id, rng, 200, reply_to=REPLY_SMALL)
             case Kind.REPLY_LOCKED:
                 value = _job(job_id, rng, tokens, reply_to=REPLY_LOCKED)
-        while True:
-            try:
-                metadata = await (await producer.send(JOBS, value=value, key=job_id.encode()))
-            except KafkaError:
-                # Maybe appended all the same (a lost acknowledgement): a resent job may be
-                # answered twice.
-                cluster.history.add("trainer_resend", job=job_id)
-                await asyncio.sleep(1.0)
-                continue
-            break
+        sends.add(asyncio.create_task(_send_job(producer, cluster, ledger, job_id, kind, value)))
+
+
+async def _send_job(
+    producer: SimProducer, cluster: Cluster, ledger: Ledger, job_id: str, kind: Kind, value: bytes
+) -> None:
+    while True:
+        try:
+            metadata = await (await producer.send(JOBS, value=value, key=job_id.encode()))
+        except KafkaError:
+            # Maybe appended all the same (a lost acknowledgement): a resent job may be
+            # answered twice.
+            cluster.history.add("trainer_resend", job=job_id)
+            await asyncio.sleep(1.0)
+            continue
         ledger.records[(f"{JOBS}-{metadata.partition}", metadata.offset)] = (kind, job_id)
+        return
 
 
 async def _faults(scenario: Scenario, fleet: Fleet, rng: random.Random) -> None:
@@ -372,8 +379,8 @@ async def _faults(scenario: Scenario, fleet: Fleet, rng: random.Random) -> None:
                 cluster.leaderless.add(tp)
                 _later_call(loop, rng.uniform(1.0, 15.0), cluster.leaderless.discard, tp)
             case "slow_acks":
-                cluster.ack_delay_s = rng.uniform(0.5, 8.0)
-                _later_call(loop, rng.uniform(2.0, 15.0), setattr, cluster, "ack_delay_s", 0.0)
+                cluster.ack_delay_s = rng.uniform(0.2, 2.0)
+                _later_call(loop, rng.uniform(2.0, 8.0), setattr, cluster, "ack_delay_s", 0.0)
             case "lost_acks":
                 cluster.lose_acks = True
                 history.add("fault_lose_acks")
