@@ -5,6 +5,7 @@ history, so a failing seed replays exactly (`bench/sim.py --seed N` prints its t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -23,6 +24,7 @@ from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.fleet import Fleet
 from worker.dev.sim.history import History
+from worker.dev.sim.mutants import MUTANTS
 from worker.engines.mock import MockEngineSettings
 
 __all__ = ["FAULTS", "Outcome", "Scenario", "run"]
@@ -79,8 +81,8 @@ class Scenario:
     per_token_ms: float = 5.0
     tokens: tuple[int, int] = (4, 40)
     long_tokens: int = 4_000
-    #: A variant of the worker to run instead of the real one (the checker's own tests).
-    mutant: Callable[[], object] | None = None
+    #: A planted defect (`worker.dev.sim.mutants.MUTANTS`) to run instead of the real worker.
+    mutant: str | None = None
 
 
 @dataclass
@@ -147,7 +149,8 @@ def run(scenario: Scenario) -> Outcome:
     previous_disable = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with virtual_time(clock):
+        planted = MUTANTS[scenario.mutant]() if scenario.mutant else contextlib.nullcontext()
+        with virtual_time(clock), planted:
             outcome = loop.run_until_complete(_simulate(scenario, clock, history))
     finally:
         logging.disable(previous_disable)
