@@ -150,7 +150,9 @@ def test_a_refused_batch_breaks_the_idempotent_sequence_and_acls_refuse() -> Non
         cluster.produce("w", small, [(None, b"x", [])], producer_id=7, now_ms=0)
     assert cluster.produce("w", small, [(None, b"x", [])], producer_id=8, now_ms=0) == 0
     with pytest.raises(TopicAuthorizationFailedError):
-        cluster.produce("w", TopicPartition("locked", 0), [(None, b"x", [])], producer_id=None, now_ms=0)
+        cluster.produce(
+            "w", TopicPartition("locked", 0), [(None, b"x", [])], producer_id=None, now_ms=0
+        )
 
 
 SHORT = {"duration_s": 20.0, "settle_s": 30.0}

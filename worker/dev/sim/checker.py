@@ -80,11 +80,21 @@ class Violation:
 
 
 _DISRUPTIONS = frozenset(
-    {"kill", "member_removed", "commit_refused", "poll_timeout", "fault_lose_acks", "sigterm", "trainer_resend"}
+    {
+        "kill",
+        "member_removed",
+        "commit_refused",
+        "poll_timeout",
+        "fault_lose_acks",
+        "sigterm",
+        "trainer_resend",
+    }
 )
 
 
-def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) -> list[Violation]:
+def check(  # noqa: PLR0912 - one pass per invariant, in the order the docstring lists them
+    history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds
+) -> list[Violation]:
     violations: list[Violation] = []
     answers: Counter[str] = Counter()
     crash_looped: list[str] = []
@@ -116,12 +126,12 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                 Violation("unanswered", f"job {job_id} ({kind.value}) never answered", bounds.end)
             )
     for job_id in crash_looped:
-        kind = kinds.get(job_id)
-        if kind is not None and not kind.may_dead_letter:
+        looped = kinds.get(job_id)
+        if looped is not None and not looped.may_dead_letter:
             violations.append(
                 Violation(
                     "wrongly_dead_lettered",
-                    f"job {job_id} ({kind.value}) answered as crash-looped",
+                    f"job {job_id} ({looped.value}) answered as crash-looped",
                     bounds.end,
                 )
             )

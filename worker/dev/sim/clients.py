@@ -10,6 +10,8 @@ its calls never return, as a SIGKILLed client goes silent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import random
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -26,7 +28,6 @@ from aiokafka.errors import (
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
-    OffsetMetadataTooLargeError,
     RebalanceInProgressError,
     UnknownMemberIdError,
     UnknownTopicOrPartitionError,
@@ -89,7 +90,7 @@ class _CoordinatorView:
 
     def __init__(self, consumer: SimConsumer) -> None:
         self._consumer = consumer
-        self.group_id = consumer.group_id
+        self.group_id = consumer.group_id or ""
 
     @property
     def generation(self) -> int:
@@ -107,7 +108,7 @@ class _CoordinatorView:
         consumer = self._consumer
         await consumer.process.request(
             lambda: consumer.cluster.leave(
-                consumer.group_id, consumer.member_id, consumer.process.now()
+                self.group_id, consumer.member_id, consumer.process.now()
             )
         )
         consumer.left_group()
@@ -185,12 +186,12 @@ class SimConsumer:
             self._unsubscribe()
             self._unsubscribe = None
         if self.group_id is not None and self.instance_id is None and self.member_id:
-            try:
+            with contextlib.suppress(KafkaError):
                 await self.process.request(
-                    lambda: self.cluster.leave(self.group_id or "", self.member_id, self.process.now())
+                    lambda: self.cluster.leave(
+                        self.group_id or "", self.member_id, self.process.now()
+                    )
                 )
-            except KafkaError:
-                pass
         self.left_group()
 
     def left_group(self) -> None:
@@ -211,20 +212,22 @@ class SimConsumer:
                 self.left_group()
                 self._poll_expired = True
                 self._rejoin.set()
-                try:
+                with contextlib.suppress(KafkaError):
                     await self.process.request(
-                        lambda m=member_id: self.cluster.leave(  # type: ignore[misc]
-                            self.group_id or "", m, self.process.now()
+                        functools.partial(
+                            self.cluster.leave, self.group_id or "", member_id, self.process.now()
                         )
                     )
-                except KafkaError:
-                    pass
                 continue
             member_id, generation = self.member_id, self.generation
             try:
                 await self.process.request(
-                    lambda: self.cluster.heartbeat(
-                        self.group_id or "", member_id, generation, self.process.now()
+                    functools.partial(
+                        self.cluster.heartbeat,
+                        self.group_id or "",
+                        member_id,
+                        generation,
+                        self.process.now(),
                     )
                 )
             except RebalanceInProgressError:
@@ -241,7 +244,7 @@ class SimConsumer:
     async def _coordinate(self) -> None:
         while True:
             await self._rejoin.wait()
-            while self._poll_expired:
+            while self._poll_expired:  # noqa: ASYNC110 - aiokafka rejoins at the next poll
                 await asyncio.sleep(self._heartbeat_s)
             self._rejoin.clear()
             await self._join()
@@ -526,7 +529,7 @@ class _ProducerClient:
         cluster = self._producer.process.cluster
 
         def metadata() -> _MetadataResponse:
-            answers = []
+            answers: list[tuple[int, str, bool, list[Any]]] = []
             for name in request.topics:
                 try:
                     cluster.topic(name, create=True)
@@ -600,7 +603,7 @@ class SimProducer:
             # Checked client side on the record (aiokafka's _serialize).
             raise MessageSizeTooLargeError("larger than max_request_size")
         if partition is None:
-            count = len((await self.partitions_for(topic)))
+            count = len(await self.partitions_for(topic))
             if key is not None:
                 partition = zlib.crc32(key) % count
             else:

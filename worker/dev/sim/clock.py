@@ -109,21 +109,20 @@ def virtual_time(clock: VirtualClock) -> Iterator[None]:
     """While inside: `time.monotonic`, `time.time` (and their `_ns` forms) read the virtual
     clock, and `asyncio.to_thread` runs inline. Code that captured the real functions before
     (a default argument) is rebound by `worker.dev.sim.fleet`."""
-    saved = {
-        name: getattr(time, name) for name in ("monotonic", "time", "monotonic_ns", "time_ns")
-    }
+    saved = {name: getattr(time, name) for name in ("monotonic", "time", "monotonic_ns", "time_ns")}
     saved_to_thread = asyncio.to_thread
-    time.monotonic = clock.monotonic  # type: ignore[assignment]
-    time.time = clock.wall  # type: ignore[assignment]
-    time.monotonic_ns = lambda: int(clock.monotonic() * 1e9)  # type: ignore[assignment]
-    time.time_ns = lambda: int(clock.wall() * 1e9)  # type: ignore[assignment]
-    asyncio.to_thread = _inline_to_thread  # type: ignore[assignment]
+    time.monotonic = clock.monotonic
+    time.time = clock.wall
+    time.monotonic_ns = lambda: int(clock.monotonic() * 1e9)
+    time.time_ns = lambda: int(clock.wall() * 1e9)
+    asyncio.to_thread = _inline_to_thread
     try:
         yield
     finally:
         for name, func in saved.items():
             setattr(time, name, func)
-        asyncio.to_thread = saved_to_thread  # type: ignore[assignment]
+        asyncio.to_thread = saved_to_thread
+
 
 #: The real clocks, as code that captured them before the simulation started holds them.
 REAL_MONOTONIC: Final = time.monotonic

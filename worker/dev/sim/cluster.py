@@ -482,9 +482,7 @@ class Cluster:
                 error = IllegalGenerationError()
             elif group.state is GroupState.COMPLETING_REBALANCE:
                 error = RebalanceInProgressError()
-            elif (
-                self.flavour is Flavour.NOIDA and group.state is GroupState.PREPARING_REBALANCE
-            ):
+            elif self.flavour is Flavour.NOIDA and group.state is GroupState.PREPARING_REBALANCE:
                 # noida-db bumps the generation as soon as another member asks to join.
                 error = IllegalGenerationError()
         elif group.state is not GroupState.EMPTY:

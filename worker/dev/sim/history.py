@@ -48,8 +48,9 @@ class History:
         sha = hashlib.sha256()
         for event in self.events:
             sha.update(
-                json.dumps([event.at, event.kind, event.fields], sort_keys=True, default=str)
-                .encode()
+                json.dumps(
+                    [event.at, event.kind, event.fields], sort_keys=True, default=str
+                ).encode()
             )
         return sha.hexdigest()
 

@@ -170,7 +170,7 @@ def _close(loop: VirtualLoop) -> None:
 
 
 async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -> Outcome:
-    rng = random.Random(scenario.seed)
+    rng = random.Random(scenario.seed)  # noqa: S311 - a replayable run, not a secret
     cluster = Cluster(
         history,
         flavour=scenario.flavour,
@@ -272,19 +272,24 @@ async def _progress(cluster: Cluster, settings: Settings, fleet: Fleet) -> None:
             stalled_for = now - seen[1]
             if stalled_for > 0 and int(stalled_for) % 10 == 0:
                 cluster.history.add(
-                    "stall", tp=f"{tp.topic}-{tp.partition}", for_s=stalled_for,
-                    committed=committed, end=end,
+                    "stall",
+                    tp=f"{tp.topic}-{tp.partition}",
+                    for_s=stalled_for,
+                    committed=committed,
+                    end=end,
                 )
 
 
-def _job(job_id: str, rng: random.Random, tokens: int, **fields: object) -> bytes:
+def _job(job_id: str, rng: random.Random, tokens: int, reply_to: str | None = None) -> bytes:
     prompt = [rng.randrange(1, 30_000) for _ in range(rng.randrange(2, 8))]
-    return encode(
-        Job(job_id=job_id, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=tokens), **fields)  # type: ignore[arg-type]
-    )
+    sampling = SamplingSpec(max_tokens=tokens)
+    job = Job(job_id=job_id, prompt_token_ids=prompt, sampling=sampling, reply_to=reply_to)
+    return encode(job)
 
 
-async def _trainer(scenario: Scenario, cluster: Cluster, rng: random.Random, ledger: Ledger) -> None:
+async def _trainer(
+    scenario: Scenario, cluster: Cluster, rng: random.Random, ledger: Ledger
+) -> None:
     """Produces jobs at `jobs_per_s` until the faults end, hostile ones at their shares."""
     process = Process("trainer", cluster, rng)
     producer = SimProducer(process, client_id="trainer")
@@ -315,8 +320,11 @@ async def _trainer(scenario: Scenario, cluster: Cluster, rng: random.Random, led
                 value = rng.choice([b"not json", b'{"job_id": 3}', b"", b'{"job_id": "x"}'])
             case Kind.CRASH:
                 value = encode(
-                    Job(job_id=job_id, prompt_token_ids=[1, CRASH_TOKEN, 2],
-                        sampling=SamplingSpec(max_tokens=tokens))
+                    Job(
+                        job_id=job_id,
+                        prompt_token_ids=[1, CRASH_TOKEN, 2],
+                        sampling=SamplingSpec(max_tokens=tokens),
+                    )
                 )
             case Kind.REPLY_SMALL:
                 value = _job(job_id, rng, 200, reply_to=REPLY_SMALL)
@@ -325,7 +333,7 @@ async def _trainer(scenario: Scenario, cluster: Cluster, rng: random.Random, led
         sends.add(asyncio.create_task(_send_job(producer, cluster, ledger, job_id, kind, value)))
 
 
-async def _send_job(
+async def _send_job(  # noqa: PLR0917
     producer: SimProducer, cluster: Cluster, ledger: Ledger, job_id: str, kind: Kind, value: bytes
 ) -> None:
     while True:
@@ -341,7 +349,9 @@ async def _send_job(
         return
 
 
-async def _faults(scenario: Scenario, fleet: Fleet, rng: random.Random) -> None:
+async def _faults(  # noqa: PLR0912 - one branch per fault kind
+    scenario: Scenario, fleet: Fleet, rng: random.Random
+) -> None:
     """Draws a fault every `fault_every_s` on average until the faults end."""
     cluster = fleet.cluster
     history = fleet.history
@@ -377,8 +387,9 @@ async def _faults(scenario: Scenario, fleet: Fleet, rng: random.Random) -> None:
                 cluster.broker_down = True
                 _later_call(loop, rng.uniform(0.5, 5.0), _broker_back, fleet)
             case "leaderless":
-                tp = TopicPartition(JOBS if rng.random() < 0.5 else RESULTS,
-                                    rng.randrange(scenario.partitions))
+                tp = TopicPartition(
+                    JOBS if rng.random() < 0.5 else RESULTS, rng.randrange(scenario.partitions)
+                )
                 cluster.leaderless.add(tp)
                 _later_call(loop, rng.uniform(1.0, 15.0), cluster.leaderless.discard, tp)
             case "slow_acks":
@@ -402,14 +413,18 @@ def _broker_back(fleet: Fleet) -> None:
     fleet.cluster.coordinator_back(fleet.clock.now)
 
 
-def _later(loop: asyncio.AbstractEventLoop, delay: float, start: Callable[[str], object], worker_id: str) -> None:
+def _later(
+    loop: asyncio.AbstractEventLoop, delay: float, start: Callable[[str], object], worker_id: str
+) -> None:
     def go() -> None:
         loop.create_task(start(worker_id))  # type: ignore[arg-type]
 
     loop.call_later(delay, go)
 
 
-def _later_call(loop: asyncio.AbstractEventLoop, delay: float, func: Callable[..., object], *args: object) -> None:
+def _later_call(
+    loop: asyncio.AbstractEventLoop, delay: float, func: Callable[..., object], *args: object
+) -> None:
     loop.call_later(delay, func, *args)
 
 
