@@ -14,7 +14,10 @@ Invariants (each violation names one):
   unclean hand-over (`max_in_flight` per disruption);
 - `unasked_exit`: no worker exits except when told to stop, and then with status 0;
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
-  `--offset-map-max-bytes`.
+  `--offset-map-max-bytes`;
+- `weights_diverged`: every live worker serves, at the end, the latest weights any worker
+  acknowledged applying (read from the status topic's acknowledgements; a worker's served
+  version is what its status reports).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
-from schemas import Completed, Failed, SchemaError, decode_result
+from schemas import CommandAck, Completed, Failed, SchemaError, decode_result, decode_status
 from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.fleet import KILLS_ENGINE
 from worker.dev.sim.history import History
 
 __all__ = ["Bounds", "Kind", "Ledger", "Violation", "check"]
@@ -67,6 +71,7 @@ class Bounds:
     answer_topics: tuple[str, ...]
     dead_letter_topic: str
     jobs_topic: str
+    status_topic: str
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,7 @@ _DISRUPTIONS = frozenset(
 )
 
 
-def check(  # noqa: PLR0912 - one pass per invariant, in the order the docstring lists them
+def check(  # noqa: PLR0912 - one pass per invariant
     history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds
 ) -> list[Violation]:
     violations: list[Violation] = []
@@ -165,34 +170,16 @@ def check(  # noqa: PLR0912 - one pass per invariant, in the order the docstring
                 bounds.end,
             )
         )
-    for event in history.of("commit"):
-        previous = event.fields["previous"]
-        if previous is not None and event.fields["offset"] < previous:
+    violations += _commits_and_exits(history)
+    applied = _latest_applied(cluster, bounds.status_topic)
+    for event in history.of("serving"):
+        if applied is not None and event.fields["weight_version"] != applied:
             violations.append(
                 Violation(
-                    "commit_backwards",
-                    f"{event.fields['tp']} committed {event.fields['offset']} after {previous} "
-                    f"(by {event.fields['client']})",
-                    event.at,
-                )
-            )
-        if event.fields["metadata_bytes"] > bounds.offset_map_max_bytes:
-            violations.append(
-                Violation(
-                    "state_unbounded",
-                    f"{event.fields['tp']}: {event.fields['metadata_bytes']}-byte offset map",
-                    event.at,
-                )
-            )
-    for event in history.of("exit"):
-        if not event.fields["asked"] or event.fields["status"] != 0:
-            violations.append(
-                Violation(
-                    "unasked_exit",
-                    f"{event.fields['worker']} exited with {event.fields['status']} "
-                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop): "
-                    f"{event.fields.get('fatal')}",
-                    event.at,
+                    "weights_diverged",
+                    f"{event.fields['worker']} serves weights {event.fields['weight_version']}; "
+                    f"the fleet applied {applied}",
+                    bounds.end,
                 )
             )
     for event in history.of("stall"):
@@ -207,3 +194,73 @@ def check(  # noqa: PLR0912 - one pass per invariant, in the order the docstring
             )
             break
     return violations
+
+
+def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
+    """The highest weight version a worker acknowledged applying (`ok` update_weights)."""
+    topic = cluster.topics.get(status_topic)
+    latest: int | None = None
+    for log in topic.logs if topic is not None else []:
+        for record in log:
+            try:
+                message = decode_status(record.value or b"")
+            except SchemaError:
+                continue
+            if (
+                isinstance(message, CommandAck)
+                and message.kind == "update_weights"
+                and message.outcome == "ok"
+            ):
+                latest = max(latest or 0, message.weight_version)
+    return latest
+
+
+def _commits_and_exits(history: History) -> list[Violation]:
+    """`commit_backwards`, `state_unbounded` (from the commits the group took) and
+    `unasked_exit`."""
+    violations: list[Violation] = []
+    for event in history.of("commit"):
+        previous = event.fields["previous"]
+        if previous is not None and event.fields["offset"] < previous:
+            violations.append(
+                Violation(
+                    "commit_backwards",
+                    f"{event.fields['tp']} committed {event.fields['offset']} after {previous} "
+                    f"(by {event.fields['client']})",
+                    event.at,
+                )
+            )
+        if event.fields["metadata_bytes"] > _map_cap(history):
+            violations.append(
+                Violation(
+                    "state_unbounded",
+                    f"{event.fields['tp']}: {event.fields['metadata_bytes']}-byte offset map",
+                    event.at,
+                )
+            )
+    killing = [
+        e.fields["checkpoint"]
+        for e in history.of("weight_update")
+        if KILLS_ENGINE in e.fields["checkpoint"]
+    ]
+    for event in history.of("exit"):
+        fatal = event.fields.get("fatal") or ""
+        if any(name in fatal for name in killing):
+            continue  # the injected fault itself: an update whose load kills the engine
+        if not event.fields["asked"] or event.fields["status"] != 0:
+            violations.append(
+                Violation(
+                    "unasked_exit",
+                    f"{event.fields['worker']} exited with {event.fields['status']} "
+                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop): "
+                    f"{event.fields.get('fatal')}",
+                    event.at,
+                )
+            )
+    return violations
+
+
+def _map_cap(history: History) -> int:
+    """--offset-map-max-bytes, as the scenario event records it."""
+    scenario = next(history.of("scenario"), None)
+    return int(scenario.fields["offset_map_max_bytes"]) if scenario is not None else 1 << 30

@@ -154,6 +154,7 @@ class SimConsumer:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_poll = 0.0
         self._poll_expired = False
+        self._joining = False
         self._unsubscribe: Callable[[], None] | None = None
         self._coordinator = _CoordinatorView(self) if group_id is not None else None
         self._commit_lock = asyncio.Lock()
@@ -219,6 +220,8 @@ class SimConsumer:
                         )
                     )
                 continue
+            if self._joining:
+                continue  # aiokafka stops its heartbeat task while it joins
             member_id, generation = self.member_id, self.generation
             try:
                 await self.process.request(
@@ -232,11 +235,11 @@ class SimConsumer:
                 )
             except RebalanceInProgressError:
                 self._rejoin.set()
-            except (IllegalGenerationError, UnknownMemberIdError) as exc:
-                if isinstance(exc, UnknownMemberIdError):
-                    self.left_group()
-                else:
-                    self.generation = -1
+            except (IllegalGenerationError, UnknownMemberIdError):
+                if self._joining or (self.member_id, self.generation) != (member_id, generation):
+                    continue  # the answer to a beat of a generation left since
+                # aiokafka's reset_generation: join afresh, as a new member.
+                self.left_group()
                 self._rejoin.set()
             except GroupCoordinatorNotAvailableError:
                 pass  # looked up again at the next beat
@@ -257,6 +260,7 @@ class SimConsumer:
             await self._listener.on_partitions_revoked(revoked)
         self._assigned, self._paused = set(), set()
         self._positions = {}
+        self._joining = True
         while True:
             try:
                 joined = await self.process.request(
@@ -273,6 +277,9 @@ class SimConsumer:
                     )
                 )
                 generation, member_id, assignment = await joined
+                # aiokafka resets its rejoin flag as it sends SyncGroup: a rejoin asked for
+                # while the join was under way (a commit refused meanwhile) is dropped.
+                self._rejoin.clear()
                 await self.process.hop()
             except UnknownMemberIdError:
                 self.left_group()
@@ -283,6 +290,7 @@ class SimConsumer:
                 continue
             break
         self.generation, self.member_id = generation, member_id
+        self._joining = False
         self.cluster.history.add(
             "joined",
             client=self.client_id,
@@ -440,8 +448,8 @@ class SimConsumer:
                 return
             first = next(iter(errors.values()))
             if isinstance(first, (UnknownMemberIdError, IllegalGenerationError)):
-                self.left_group() if isinstance(first, UnknownMemberIdError) else None
-                self.generation = -1
+                # aiokafka's reset_generation: member id and generation both forgotten.
+                self.left_group()
                 self._rejoin.set()
             elif isinstance(first, RebalanceInProgressError):
                 self._rejoin.set()
@@ -530,7 +538,7 @@ class _ProducerClient:
 
         def metadata() -> _MetadataResponse:
             answers: list[tuple[int, str, bool, list[Any]]] = []
-            for name in request.topics:
+            for name in request._topics:
                 try:
                     cluster.topic(name, create=True)
                     answers.append((0, name, False, []))

@@ -25,6 +25,7 @@ from worker import build as build_module
 from worker.build import Service, build_worker
 from worker.control import plane as plane_module
 from worker.core.config import Settings
+from worker.core.errors import EngineDeadError
 from worker.core.incarnation import incarnation_assignor
 from worker.core.limits import RecordLimits
 from worker.delivery import commits as commits_module
@@ -34,9 +35,12 @@ from worker.dev.sim.cluster import Cluster
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
 
-__all__ = ["CLIENT_PREFIX", "Fleet", "SimEngine", "rebind_clocks"]
+__all__ = ["CLIENT_PREFIX", "KILLS_ENGINE", "Fleet", "SimEngine", "rebind_clocks"]
 
 logger = logging.getLogger(__name__)
+
+#: A checkpoint directory whose load kills the engine.
+KILLS_ENGINE: Final = "kills-engine"
 
 #: `worker.core.kafka.client_kwargs` names every client of a worker after its worker_id.
 CLIENT_PREFIX: Final = "vllm-kafka-worker-"
@@ -53,9 +57,20 @@ class SimEngine(MockEngine):
     async def generate(self, job: Job, request_id: str) -> EngineOutput:
         crash = self._settings.crash_token_id
         if crash is not None and job.prompt_token_ids and crash in job.prompt_token_ids:
-            self._fleet.kill(self._worker_id, why=f"job {job.job_id} crashes the engine")
+            fleet = self._fleet
+            fleet.kill(self._worker_id, why=f"job {job.job_id} crashes the engine")
+            # The supervisor (Kubernetes, systemd) starts the process again after a back-off.
+            fleet.restart_later(self._worker_id, fleet.rng.uniform(1.0, 5.0))
             await asyncio.get_running_loop().create_future()  # the process is gone
         return await super().generate(job, request_id)
+
+    async def load_weights(self, path: str, version: int) -> None:
+        if path.endswith(KILLS_ENGINE):
+            # The engine process dies while loading (out of memory, a bad kernel): every
+            # later call fails as a dead engine's would.
+            self._dead = True
+            raise EngineDeadError(f"the engine died loading {path}")
+        await super().load_weights(path, version)
 
 
 class Fleet:
@@ -81,6 +96,9 @@ class Fleet:
         #: Exits nobody asked for: (worker id, status).
         self.stopping: set[str] = set()
         self._generation: dict[str, int] = {}
+        #: The run is over: nothing is restarted any more.
+        self.ended = False
+        self._starting: set[asyncio.Task[None]] = set()
 
     def settings_of(self, worker_id: str) -> Settings:
         fields: dict[str, Any] = {"worker_id": worker_id}
@@ -135,6 +153,9 @@ class Fleet:
             asked=worker_id in self.stopping,
             fatal=None if fatal is None else str(fatal)[:200],
         )
+        if worker_id not in self.stopping and not self.ended:
+            # Its supervisor starts it again after a back-off.
+            self.restart_later(worker_id, self.rng.uniform(1.0, 5.0))
 
     def kill(self, worker_id: str, *, why: str) -> None:
         """SIGKILL: the process's clients go silent at once and its tasks stop; nothing of its
@@ -148,6 +169,18 @@ class Fleet:
         task = self.tasks.get(worker_id)
         if task is not None:
             asyncio.get_running_loop().call_soon(task.cancel)
+
+    def restart_later(self, worker_id: str, delay_s: float) -> None:
+        """Start `worker_id` again in `delay_s` unless it is running by then."""
+        loop = asyncio.get_running_loop()
+
+        def start() -> None:
+            if not self.ended:
+                task = loop.create_task(self.start(worker_id))
+                self._starting.add(task)
+                task.add_done_callback(self._starting.discard)
+
+        loop.call_later(delay_s, start)
 
     def terminate(self, worker_id: str, grace_s: float) -> None:
         """SIGTERM, then SIGKILL after `grace_s` if it has not exited (a supervisor's grace)."""

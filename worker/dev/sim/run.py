@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Final
 
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from schemas import Job, SamplingSpec, encode
+from schemas import Job, SamplingSpec, UpdateWeights, encode
 from worker.core.config import Settings
 from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check
 from worker.dev.sim.clients import Process, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
-from worker.dev.sim.fleet import Fleet
+from worker.dev.sim.fleet import KILLS_ENGINE, Fleet
 from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
 from worker.engines.mock import MockEngineSettings
@@ -37,6 +40,9 @@ STATUS: Final = "sim.status"
 REPLY_SMALL: Final = "sim.replies.small"
 REPLY_LOCKED: Final = "sim.replies.locked"
 CRASH_TOKEN: Final = 31_999
+#: Mock checkpoints the control plane's updates name; their contents are fixed, so a run does
+#: not depend on where they live.
+WEIGHTS_ROOT: Final = Path(tempfile.gettempdir()) / "vkw-sim-weights"
 
 #: Every fault the schedule can draw.
 FAULTS: Final = (
@@ -81,6 +87,12 @@ class Scenario:
     per_token_ms: float = 5.0
     tokens: tuple[int, int] = (4, 40)
     long_tokens: int = 4_000
+    #: Mean virtual seconds between weight updates on the control topic (0: none).
+    weight_update_every_s: float = 0.0
+    #: Shares of updates whose checkpoint is another architecture (refused by every worker)
+    #: and whose load kills the engine.
+    bad_update_share: float = 0.0
+    engine_killing_update_share: float = 0.0
     #: A planted defect (`worker.dev.sim.mutants.MUTANTS`) to run instead of the real worker.
     mutant: str | None = None
 
@@ -93,6 +105,8 @@ class Outcome:
     answered: int
     virtual_s: float
     wall_s: float
+    ledger: Ledger
+    cluster: Cluster
 
     @property
     def digest(self) -> str:
@@ -113,6 +127,7 @@ def settings_for(scenario: Scenario) -> Settings:
         control_topic=CONTROL,
         status_topic=STATUS,
         reply_topics=r"sim\.replies\..*",
+        weights_root=(str(WEIGHTS_ROOT),),
         group_id="sim",
         group_instance_id="static" if scenario.static_members else None,
         leave_group_on_stop=True,
@@ -199,7 +214,12 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
     faults_end = scenario.duration_s
     end = faults_end + scenario.settle_s
     with fleet.clients():
-        history.add("scenario", seed=scenario.seed, workers=scenario.workers)
+        history.add(
+            "scenario",
+            seed=scenario.seed,
+            workers=scenario.workers,
+            offset_map_max_bytes=scenario.offset_map_max_bytes,
+        )
         for index in range(scenario.workers):
             await fleet.start(f"w{index}")
         background = [
@@ -207,6 +227,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
             asyncio.create_task(_faults(scenario, fleet, rng), name="faults"),
             asyncio.create_task(_coordinator_timers(cluster), name="coordinator"),
             asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
+            asyncio.create_task(_control(scenario, cluster, rng), name="control"),
         ]
         await asyncio.sleep(faults_end)
         _heal(cluster, fleet)
@@ -231,11 +252,19 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         answer_topics=(RESULTS, REPLY_SMALL, REPLY_LOCKED),
         dead_letter_topic=DLQ,
         jobs_topic=JOBS,
+        status_topic=STATUS,
     )
+    for worker_id in fleet.alive():
+        history.add(
+            "serving",
+            worker=fleet.processes[worker_id].name,
+            weight_version=fleet.services[worker_id].engine.weight_version,
+        )
     history.closed = True
+    fleet.ended = True
     violations = check(history, cluster, ledger, bounds)
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
-    return Outcome(scenario, history, violations, answered, clock.now, 0.0)
+    return Outcome(scenario, history, violations, answered, clock.now, 0.0, ledger, cluster)
 
 
 def _heal(cluster: Cluster, fleet: Fleet) -> None:
@@ -401,6 +430,63 @@ async def _faults(  # noqa: PLR0912 - one branch per fault kind
                 _later_call(loop, rng.uniform(0.1, 1.0), setattr, cluster, "lose_acks", False)
             case _:
                 pass
+
+
+def _checkpoint(name: str) -> str:
+    """A mock checkpoint directory (created once; same contents every run)."""
+    directory = WEIGHTS_ROOT / name
+    directory.mkdir(parents=True, exist_ok=True)
+    layers = 99 if name.startswith("other-architecture") else 2
+    config = {"num_hidden_layers": layers, "num_experts_per_tok": 2, "num_experts": 8}
+    (directory / "config.json").write_text(json.dumps(config, sort_keys=True))
+    return str(directory)
+
+
+async def _control(scenario: Scenario, cluster: Cluster, rng: random.Random) -> None:
+    """The trainer's weight updates, to the whole fleet, each version above the last; some
+    name a checkpoint no worker can load, some one whose load kills the engine."""
+    if not scenario.weight_update_every_s:
+        return
+    process = Process("trainer-control", cluster, rng)
+    producer = SimProducer(process, client_id="trainer")
+    version = 0
+    while True:
+        await asyncio.sleep(rng.expovariate(1 / scenario.weight_update_every_s))
+        if process.now() >= scenario.duration_s:
+            # As an operator would after a bad update: one that loads, above every other.
+            version += 1
+            await _send_update(producer, cluster, version, f"v{version}", "wait")
+            return
+        version += 1
+        draw = rng.random()
+        if draw < scenario.engine_killing_update_share:
+            name = f"v{version}-{KILLS_ENGINE}"
+        elif draw < scenario.engine_killing_update_share + scenario.bad_update_share:
+            name = f"other-architecture-v{version}"
+        else:
+            name = f"v{version}"
+        await _send_update(
+            producer, cluster, version, name, rng.choice(["wait", "keep", "abort", "restart"])
+        )
+
+
+async def _send_update(
+    producer: SimProducer, cluster: Cluster, version: int, name: str, on_inflight: str
+) -> None:
+    command = UpdateWeights(
+        command_id=f"update-{version}",
+        version=version,
+        path=_checkpoint(name),
+        on_inflight=on_inflight,  # type: ignore[arg-type]
+    )
+    cluster.history.add("weight_update", version=version, checkpoint=name)
+    while True:
+        try:
+            await (await producer.send(CONTROL, value=encode(command), key=b"update"))
+        except KafkaError:
+            await asyncio.sleep(1.0)
+            continue
+        return
 
 
 def _coordinator_back(fleet: Fleet) -> None:
