@@ -1,10 +1,12 @@
 """The fleet simulation over many seeds and fleet sizes (`worker.dev.sim`).
 
 Run `python bench/sim.py [--seeds N] [--first-seed S] [--workers 3,16,64] [--partitions 512]
-[--hostile] [--flavour kafka|noida|tansu]`: each seed runs the real worker code, N workers on a
-simulated Kafka cluster and a virtual clock, under a fault schedule drawn from the seed, and
-the checker judges the history. Printed per run: simulated jobs answered per wall-clock second,
-virtual seconds per wall second, the violations and the seed that found each.
+[--hostile invalid,crash,long,reply_small,reply_locked] [--weight-update-every-s S
+[--engine-killing-updates SHARE]] [--flavour kafka|noida|tansu]`: each seed runs the real
+worker code, N workers on a simulated Kafka cluster and a virtual clock, under a fault
+schedule drawn from the seed, and the checker judges the history. Printed per run: simulated
+jobs answered per wall-clock second, virtual seconds per wall second, the violations and the
+seed that found each; at the end, each invariant broken with the seeds that broke it.
 
 `python bench/sim.py --seed N [same options]` replays one seed and prints its trace up to the
 first violation (all of it when none). Exit status 1 when any run broke an invariant.
@@ -24,7 +26,7 @@ from worker.dev.sim.checker import Kind
 from worker.dev.sim.cluster import Flavour
 from worker.dev.sim.run import Outcome, Scenario, run
 
-#: Shares of hostile records with --hostile: every kind the trainer can send.
+#: Share of the records of each hostile kind named by --hostile.
 HOSTILE: Final = {
     Kind.INVALID: 0.02,
     Kind.CRASH: 0.003,
@@ -42,7 +44,10 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         duration_s=args.duration_s,
         settle_s=args.settle_s,
         jobs_per_s=args.jobs_per_s or 4.0 * workers,
-        hostile=dict(HOSTILE) if args.hostile else {},
+        hostile={Kind(k): HOSTILE[Kind(k)] for k in args.hostile.split(",") if k},
+        weight_update_every_s=args.weight_update_every_s,
+        bad_update_share=0.2 if args.weight_update_every_s else 0.0,
+        engine_killing_update_share=args.engine_killing_updates,
         flavour=Flavour(args.flavour),
         static_members=args.static or args.flavour == "noida",
         offset_metadata_max_bytes=args.offset_metadata_max_bytes,
@@ -69,7 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--settle-s", type=float, default=90.0)
     parser.add_argument("--jobs-per-s", type=float, default=0.0, help="default: 4 per worker")
-    parser.add_argument("--hostile", action="store_true", help="send hostile records too")
+    parser.add_argument(
+        "--hostile",
+        default="",
+        help=f"hostile record kinds to send, comma-separated: {', '.join(k.value for k in HOSTILE)}",
+    )
+    parser.add_argument(
+        "--weight-update-every-s", type=float, default=0.0, help="weight updates (0: none)"
+    )
+    parser.add_argument(
+        "--engine-killing-updates", type=float, default=0.0, help="share that kill the engine"
+    )
     parser.add_argument("--flavour", choices=[f.value for f in Flavour], default="kafka")
     parser.add_argument("--static", action="store_true", help="static group members")
     parser.add_argument("--offset-metadata-max-bytes", type=int, default=4096)
@@ -84,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {violation}")
         return 1 if outcome.violations else 0
     failed = 0
+    broken: dict[str, list[int]] = {}
     for workers in sizes:
         for seed in range(args.first_seed, args.first_seed + args.seeds):
             outcome = run(scenario(args, seed, workers))
@@ -91,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             for violation in outcome.violations[:5]:
                 print(f"  seed {seed}: {violation}")
             failed += bool(outcome.violations)
+            for invariant in sorted({v.invariant for v in outcome.violations}):
+                broken.setdefault(invariant, []).append(seed)
     print(f"{failed} of {args.seeds * len(sizes)} runs broke an invariant")
+    for invariant, seeds in sorted(broken.items()):
+        print(f"  {invariant}: seeds {', '.join(map(str, seeds))}")
     return 1 if failed else 0
 
 

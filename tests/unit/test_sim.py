@@ -206,6 +206,13 @@ KNOWN_DEFECTS = {
     "idempotent sequence breaks, the worker exits 1 and every restart dies on the same job": (
         Scenario(seed=14, hostile={Kind.REPLY_SMALL: 0.05}, faults=(), **SHORT)
     ),
+    "a weight update that kills the engine ends the worker with an unclean final commit: every "
+    "job in flight then counts a death (no process was killed)": Scenario(
+        seed=4,
+        weight_update_every_s=8,
+        engine_killing_update_share=0.3,
+        faults=("scale_out", "coordinator_outage"),
+    ),
     "a hand-over refused by a broker that bumps the generation early (noida-db) lands after "
     "rejoining; the new owner, which read the position before, commits it back below": (
         Scenario(seed=18, flavour=Flavour.NOIDA, static_members=True)

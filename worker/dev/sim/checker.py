@@ -15,6 +15,9 @@ Invariants (each violation names one):
 - `unasked_exit`: no worker exits except when told to stop, and then with status 0;
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
   `--offset-map-max-bytes`;
+- `wrongly_blamed`: a record's death count (the crash-loop breaker's, in the offset map the
+  group stores) never exceeds the process kills between its append and that commit: a
+  death that was not a kill (a clean stop, an update that killed the engine) blames nothing;
 - `weights_diverged`: every live worker serves, at the end, the latest weights any worker
   acknowledged applying (read from the status topic's acknowledgements; a worker's served
   version is what its status reports).
@@ -27,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from schemas import CommandAck, Completed, Failed, SchemaError, decode_result, decode_status
+from worker.delivery.offset_map import decode_offset_map
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.fleet import KILLS_ENGINE
 from worker.dev.sim.history import History
@@ -171,6 +175,7 @@ def check(  # noqa: PLR0912 - one pass per invariant
             )
         )
     violations += _commits_and_exits(history)
+    violations += _blame(history, cluster, ledger, bounds)
     applied = _latest_applied(cluster, bounds.status_topic)
     for event in history.of("serving"):
         if applied is not None and event.fields["weight_version"] != applied:
@@ -264,3 +269,49 @@ def _map_cap(history: History) -> int:
     """--offset-map-max-bytes, as the scenario event records it."""
     scenario = next(history.of("scenario"), None)
     return int(scenario.fields["offset_map_max_bytes"]) if scenario is not None else 1 << 30
+
+
+def _blame(
+    history: History,
+    cluster: Cluster,
+    ledger: Ledger,
+    bounds: Bounds,
+) -> list[Violation]:
+    """`wrongly_blamed`: death counts in the committed offset maps against the kills that
+    happened while each record was unanswered."""
+    kills = [e.at for e in history.of("kill")]
+    jobs = cluster.topics[bounds.jobs_topic]
+    worst: dict[tuple[str, int], tuple[int, float]] = {}
+    for event in history.of("commit"):
+        metadata = event.fields.get("metadata") or ""
+        tp = event.fields["tp"]
+        if not metadata or not tp.startswith(f"{bounds.jobs_topic}-"):
+            continue
+        try:
+            offset_map = decode_offset_map(event.fields["offset"], metadata)
+        except Exception:  # noqa: BLE001, S112 - not a map this checker reads: nothing to judge
+            continue
+        for offset, deaths in offset_map.deaths.items():
+            if deaths > worst.get((tp, offset), (0, 0.0))[0]:
+                worst[(tp, offset)] = (deaths, event.at)
+    violations = []
+    for (tp, offset), (deaths, at) in sorted(worst.items()):
+        partition = int(tp.rsplit("-", 1)[1])
+        log = jobs.logs[partition]
+        if offset >= len(log):
+            continue
+        appended = log[offset].timestamp_ms / 1000
+        entry = ledger.records.get((tp, offset))
+        # Kills until the count was committed: a record answered, delivered again after a
+        # rebalance and in flight at a kill then is rightly counted.
+        possible = sum(1 for k in kills if appended <= k <= at)
+        if deaths > possible:
+            violations.append(
+                Violation(
+                    "wrongly_blamed",
+                    f"{tp}@{offset} ({entry[0].value if entry else 'unknown'}) counted {deaths} "
+                    f"deaths; {possible} kills happened between its append and that commit",
+                    at,
+                )
+            )
+    return violations

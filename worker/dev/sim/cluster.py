@@ -511,6 +511,7 @@ class Cluster:
                 offset=offset,
                 previous=None if previous is None else previous[0],
                 metadata_bytes=len(metadata),
+                metadata=metadata,
             )
         if errors:
             self.history.add(

@@ -23,7 +23,7 @@ class Event:
     fields: dict[str, Any]
 
     def line(self) -> str:
-        detail = " ".join(f"{k}={v}" for k, v in self.fields.items())
+        detail = " ".join(f"{k}={_short(v)}" for k, v in self.fields.items())
         return f"{self.at:10.3f} {self.kind:<16} {detail}"
 
 
@@ -59,3 +59,8 @@ class History:
             if until is not None and event.at > until:
                 return
             yield event.line()
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
