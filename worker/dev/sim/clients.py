@@ -167,7 +167,7 @@ class SimConsumer:
 
     async def start(self) -> None:
         await self.process.hop()
-        self._unsubscribe = self.cluster.subscribe_appends(self._wake.set)
+        self._unsubscribe = self.cluster.subscribe_appends(self._appended)
         self._last_poll = self.process.now()
         if self.group_id is not None and self._topics:
             self._rejoin.set()
@@ -194,6 +194,10 @@ class SimConsumer:
                     )
                 )
         self.left_group()
+
+    def _appended(self, tp: TopicPartition) -> None:
+        if tp in self._assigned and tp not in self._paused:
+            self._wake.set()
 
     def left_group(self) -> None:
         self.generation, self.member_id = -1, ""

@@ -165,7 +165,7 @@ class Cluster:
         self._broken_sequences: set[tuple[int, TopicPartition]] = set()
         self._member_ids = itertools.count(1)
         self._producer_ids = itertools.count(1000)
-        self._wakers: list[Callable[[], None]] = []
+        self._wakers: list[Callable[[TopicPartition], None]] = []
 
     # -- topics ---------------------------------------------------------------------------
 
@@ -200,8 +200,8 @@ class Cluster:
         log = self.topic(tp.topic).logs[tp.partition]
         return log[offset : offset + limit]
 
-    def subscribe_appends(self, wake: Callable[[], None]) -> Callable[[], None]:
-        """Call `wake` after every append; returns the function that stops it."""
+    def subscribe_appends(self, wake: Callable[[TopicPartition], None]) -> Callable[[], None]:
+        """Call `wake(partition)` after every append; returns the function that stops it."""
         self._wakers.append(wake)
         return lambda: self._wakers.remove(wake)
 
@@ -246,7 +246,7 @@ class Cluster:
             log.append(StoredRecord(len(log), now_ms, key, value, headers, client_id))
         self.history.add("append", client=client_id, tp=_tp(tp), base=base, count=len(records))
         for wake in list(self._wakers):
-            wake()
+            wake(tp)
         return base
 
     # -- the group coordinator --------------------------------------------------------------

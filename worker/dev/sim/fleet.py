@@ -283,13 +283,12 @@ def rebind_clocks(root: object, clock: VirtualClock) -> None:
             continue
         seen.add(id(obj))
         if isinstance(obj, dict):
-            stack.extend(obj.values())
+            stack.extend(v for v in obj.values() if _may_hold_clock(v))
             continue
         if isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
+            stack.extend(v for v in obj if _may_hold_clock(v))
             continue
-        module = type(obj).__module__
-        if not module.startswith(("worker.", "prometheus_client")):
+        if not type(obj).__module__.startswith("worker."):
             continue
         attrs = getattr(obj, "__dict__", None)
         if attrs is None:
@@ -299,8 +298,15 @@ def rebind_clocks(root: object, clock: VirtualClock) -> None:
                 setattr(obj, name, clock.monotonic)
             elif value is REAL_TIME:
                 setattr(obj, name, clock.wall)
-            else:
+            elif _may_hold_clock(value):
                 stack.append(value)
 
+
+def _may_hold_clock(value: object) -> bool:
+    """Objects of the worker's own modules, and containers (which may hold them); not the
+    scalars, records and third-party objects (a metrics registry, numpy arrays) around them."""
+    if isinstance(value, (dict, list, tuple, set, frozenset)):
+        return bool(value) and not isinstance(next(iter(value)), (int, float, str, bytes))
+    return type(value).__module__.startswith("worker.")
 
 _ = time
