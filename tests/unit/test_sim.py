@@ -5,6 +5,10 @@ when the fix lands, the xfail fails and is flipped)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from aiokafka.errors import (
@@ -163,6 +167,26 @@ def test_one_seed_replays_exactly() -> None:
     assert first.digest == second.digest
     assert len(first.history.events) > 100
     assert first.answered > 50
+
+
+def test_one_seed_replays_exactly_in_another_process() -> None:
+    """String hashing differs between processes; the history must not."""
+    script = (
+        "from worker.dev.sim.run import Scenario, run; "
+        "print(run(Scenario(seed=7, duration_s=15.0, settle_s=15.0)).digest)"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(hash_seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[2],
+        ).stdout.strip()
+        for hash_seed in (1, 2)
+    }
+    assert len(digests) == 1, digests
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 5])
