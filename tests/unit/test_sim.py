@@ -8,7 +8,9 @@ import asyncio
 import os
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from aiokafka.errors import (
@@ -29,9 +31,14 @@ from worker.dev.sim.history import History
 from worker.dev.sim.run import Scenario, run
 
 TP = TopicPartition("t", 0)
+T = TypeVar("T")
 
 
-def _in_loop(body):  # type: ignore[no-untyped-def]
+def _state(cluster: Cluster) -> GroupState:
+    return cluster.groups["g"].state
+
+
+def _in_loop(body: Callable[[VirtualClock], Awaitable[T]]) -> T:
     clock = VirtualClock()
     loop = VirtualLoop(clock)
     try:
@@ -41,13 +48,15 @@ def _in_loop(body):  # type: ignore[no-untyped-def]
         loop.close()
 
 
-def _cluster(clock: VirtualClock, **kwargs) -> Cluster:  # type: ignore[no-untyped-def]
+def _cluster(clock: VirtualClock, **kwargs: Any) -> Cluster:
     cluster = Cluster(History(lambda: clock.now), **kwargs)
     cluster.create_topic("t", 2)
     return cluster
 
 
-def _join(cluster: Cluster, client: str, member_id: str = "", instance: str | None = None):  # type: ignore[no-untyped-def]
+def _join(
+    cluster: Cluster, client: str, member_id: str = "", instance: str | None = None
+) -> asyncio.Future[tuple[int, str, list[TopicPartition]]]:
     return cluster.join(
         "g",
         member_id=member_id,
@@ -75,7 +84,7 @@ def test_commits_are_refused_as_kafka_decides() -> None:
         first = await _join(cluster, "a")
         generation, member, _ = first
         await asyncio.sleep(0.01)
-        assert cluster.groups["g"].state is GroupState.STABLE
+        assert _state(cluster) is GroupState.STABLE
         assert not cluster.commit("g", member, generation, {TP: (1, "")}, client_id="a", now=0)
         # An old generation, an unknown member, metadata over offset.metadata.max.bytes.
         errors = cluster.commit("g", member, generation - 1, {TP: (2, "")}, client_id="a", now=0)
@@ -87,7 +96,7 @@ def test_commits_are_refused_as_kafka_decides() -> None:
         # Kafka takes the current generation's commits while the group prepares a rebalance;
         # noida-db refuses them.
         _join(cluster, "b")
-        assert cluster.groups["g"].state is GroupState.PREPARING_REBALANCE
+        assert _state(cluster) is GroupState.PREPARING_REBALANCE
         assert not cluster.commit("g", member, generation, {TP: (3, "")}, client_id="a", now=0)
         cluster.flavour = Flavour.NOIDA
         errors = cluster.commit("g", member, generation, {TP: (4, "")}, client_id="a", now=0)
@@ -117,7 +126,7 @@ def test_a_static_member_takes_its_place_back_without_a_rebalance() -> None:
         again, new_member, kept = await _join(cluster, "a2", instance="i")
         assert (again, kept) == (generation, assignment)
         assert new_member != member
-        assert cluster.groups["g"].state is GroupState.STABLE
+        assert _state(cluster) is GroupState.STABLE
         errors = cluster.commit("g", member, generation, {TP: (1, "")}, client_id="a", now=0)
         assert isinstance(errors[TP], UnknownMemberIdError)
 
@@ -158,12 +167,13 @@ def test_a_refused_batch_breaks_the_idempotent_sequence_and_acls_refuse() -> Non
         )
 
 
-SHORT = {"duration_s": 20.0, "settle_s": 30.0}
+def _short(seed: int, **fields: Any) -> Scenario:
+    return Scenario(seed=seed, duration_s=20.0, settle_s=30.0, **fields)
 
 
 def test_one_seed_replays_exactly() -> None:
-    first = run(Scenario(seed=4, **SHORT))
-    second = run(Scenario(seed=4, **SHORT))
+    first = run(_short(4))
+    second = run(_short(4))
     assert first.digest == second.digest
     assert len(first.history.events) > 100
     assert first.answered > 50
@@ -198,21 +208,26 @@ def test_fleet_under_faults_breaks_no_invariant(seed: int) -> None:
 
 
 def test_the_checker_flags_a_worker_that_skips_records() -> None:
-    outcome = run(Scenario(seed=12, mutant="skip_record", faults=(), **SHORT))
+    outcome = run(_short(12, mutant="skip_record", faults=()))
     assert {v.invariant for v in outcome.violations} == {"unanswered"}
 
 
 def test_the_checker_flags_a_worker_that_commits_before_the_acknowledgement() -> None:
     """Kills while acknowledgements are slow: the real worker loses nothing, the mutant does."""
-    faults = {
-        "faults": ("kill", "slow_acks"),
-        "fault_every_s": 2.0,
-        "duration_s": 40.0,
-        "settle_s": 40.0,
-        "jobs_per_s": 20.0,
-    }
-    assert run(Scenario(seed=22, **faults)).violations == []  # type: ignore[arg-type]
-    outcome = run(Scenario(seed=22, mutant="commit_before_ack", **faults))  # type: ignore[arg-type]
+
+    def scenario(mutant: str | None) -> Scenario:
+        return Scenario(
+            seed=22,
+            faults=("kill", "slow_acks"),
+            fault_every_s=2.0,
+            duration_s=40.0,
+            settle_s=40.0,
+            jobs_per_s=20.0,
+            mutant=mutant,
+        )
+
+    assert run(scenario(None)).violations == []
+    outcome = run(scenario("commit_before_ack"))
     assert "unanswered" in {v.invariant for v in outcome.violations}
 
 
@@ -228,7 +243,7 @@ KNOWN_DEFECTS = {
     ),
     "a reply_to topic whose max.message.bytes is below the answer: the broker refuses it, the "
     "idempotent sequence breaks, the worker exits 1 and every restart dies on the same job": (
-        Scenario(seed=14, hostile={Kind.REPLY_SMALL: 0.05}, faults=(), **SHORT)
+        _short(14, hostile={Kind.REPLY_SMALL: 0.05}, faults=())
     ),
     "a weight update that kills the engine ends the worker with an unclean final commit: every "
     "job in flight then counts a death (no process was killed)": Scenario(

@@ -309,4 +309,5 @@ def _may_hold_clock(value: object) -> bool:
         return bool(value) and not isinstance(next(iter(value)), (int, float, str, bytes))
     return type(value).__module__.startswith("worker.")
 
+
 _ = time
