@@ -245,6 +245,10 @@ KNOWN_DEFECTS = {
     "idempotent sequence breaks, the worker exits 1 and every restart dies on the same job": (
         _short(14, hostile={Kind.REPLY_SMALL: 0.05}, faults=())
     ),
+    "a reply_to topic the worker may not write to: the broker refuses every answer "
+    "(TopicAuthorizationFailed), the worker exits 1 and every restart dies on the same job": (
+        _short(15, hostile={Kind.REPLY_LOCKED: 0.05}, faults=())
+    ),
     "a weight update that kills the engine ends the worker with an unclean final commit: every "
     "job in flight then counts a death (no process was killed)": Scenario(
         seed=4,
