@@ -1,0 +1,301 @@
+"""The fleet simulation (`worker.dev.sim`): the cluster's rules, determinism, seeds that must
+pass, the checker catching planted defects, and seeds that find known defects (strict xfail:
+when the fix lands, the xfail fails and is flipped)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from aiokafka.errors import (
+    IllegalGenerationError,
+    MessageSizeTooLargeError,
+    OffsetMetadataTooLargeError,
+    OutOfOrderSequenceNumber,
+    RebalanceInProgressError,
+    TopicAuthorizationFailedError,
+    UnknownMemberIdError,
+)
+from aiokafka.structs import TopicPartition
+
+from worker.dev.sim.checker import Kind
+from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
+from worker.dev.sim.cluster import Cluster, Flavour, GroupState
+from worker.dev.sim.history import History
+from worker.dev.sim.run import Scenario, run
+
+TP = TopicPartition("t", 0)
+T = TypeVar("T")
+
+
+def _state(cluster: Cluster) -> GroupState:
+    return cluster.groups["g"].state
+
+
+def _in_loop(body: Callable[[VirtualClock], Awaitable[T]]) -> T:
+    clock = VirtualClock()
+    loop = VirtualLoop(clock)
+    try:
+        with virtual_time(clock):
+            return loop.run_until_complete(body(clock))
+    finally:
+        loop.close()
+
+
+def _cluster(clock: VirtualClock, **kwargs: Any) -> Cluster:
+    cluster = Cluster(History(lambda: clock.now), **kwargs)
+    cluster.create_topic("t", 2)
+    return cluster
+
+
+def _join(
+    cluster: Cluster, client: str, member_id: str = "", instance: str | None = None
+) -> asyncio.Future[tuple[int, str, list[TopicPartition]]]:
+    return cluster.join(
+        "g",
+        member_id=member_id,
+        client_id=client,
+        instance_id=instance,
+        metadata=client.encode(),
+        topics=["t"],
+        session_s=6.0,
+        rebalance_s=10.0,
+        now=0.0,
+    )
+
+
+def test_virtual_clock_jumps_to_the_next_timer() -> None:
+    async def body(clock: VirtualClock) -> float:
+        await asyncio.sleep(3600)
+        return clock.now
+
+    assert _in_loop(body) == 3600
+
+
+def test_commits_are_refused_as_kafka_decides() -> None:
+    async def body(clock: VirtualClock) -> None:
+        cluster = _cluster(clock, offset_metadata_max_bytes=8)
+        first = await _join(cluster, "a")
+        generation, member, _ = first
+        await asyncio.sleep(0.01)
+        assert _state(cluster) is GroupState.STABLE
+        assert not cluster.commit("g", member, generation, {TP: (1, "")}, client_id="a", now=0)
+        # An old generation, an unknown member, metadata over offset.metadata.max.bytes.
+        errors = cluster.commit("g", member, generation - 1, {TP: (2, "")}, client_id="a", now=0)
+        assert isinstance(errors[TP], IllegalGenerationError)
+        errors = cluster.commit("g", "nobody", generation, {TP: (2, "")}, client_id="a", now=0)
+        assert isinstance(errors[TP], UnknownMemberIdError)
+        errors = cluster.commit("g", member, generation, {TP: (2, "x" * 9)}, client_id="a", now=0)
+        assert isinstance(errors[TP], OffsetMetadataTooLargeError)
+        # Kafka takes the current generation's commits while the group prepares a rebalance;
+        # noida-db refuses them.
+        _join(cluster, "b")
+        assert _state(cluster) is GroupState.PREPARING_REBALANCE
+        assert not cluster.commit("g", member, generation, {TP: (3, "")}, client_id="a", now=0)
+        cluster.flavour = Flavour.NOIDA
+        errors = cluster.commit("g", member, generation, {TP: (4, "")}, client_id="a", now=0)
+        assert isinstance(errors[TP], IllegalGenerationError)
+        with pytest.raises(RebalanceInProgressError):
+            cluster.heartbeat("g", member, generation, 0.0)
+
+    _in_loop(body)
+
+
+def test_eviction_after_the_session_timeout_but_not_on_noida() -> None:
+    async def body(clock: VirtualClock) -> None:
+        for flavour, evicted in ((Flavour.KAFKA, True), (Flavour.NOIDA, False)):
+            cluster = _cluster(clock, flavour=flavour)
+            _, member, _ = await _join(cluster, "a")
+            cluster.expire(100.0)
+            assert (member not in cluster.groups["g"].members) is evicted
+
+    _in_loop(body)
+
+
+def test_a_static_member_takes_its_place_back_without_a_rebalance() -> None:
+    async def body(clock: VirtualClock) -> None:
+        cluster = _cluster(clock)
+        generation, member, assignment = await _join(cluster, "a", instance="i")
+        await asyncio.sleep(0.01)
+        again, new_member, kept = await _join(cluster, "a2", instance="i")
+        assert (again, kept) == (generation, assignment)
+        assert new_member != member
+        assert _state(cluster) is GroupState.STABLE
+        errors = cluster.commit("g", member, generation, {TP: (1, "")}, client_id="a", now=0)
+        assert isinstance(errors[TP], UnknownMemberIdError)
+
+    _in_loop(body)
+
+
+def test_describe_returns_member_metadata_only_while_stable_and_never_on_tansu() -> None:
+    async def body(clock: VirtualClock) -> None:
+        cluster = _cluster(clock)
+        await _join(cluster, "a")
+        await asyncio.sleep(0.01)
+        members = cluster.describe("g")["groups"][0]["members"]
+        assert members[0]["member_metadata"] == b"a"
+        _join(cluster, "b")
+        members = cluster.describe("g")["groups"][0]["members"]
+        assert all(m["member_metadata"] == b"" for m in members)
+        cluster.flavour = Flavour.TANSU
+        cluster.groups["g"].state = GroupState.STABLE
+        assert cluster.describe("g")["groups"][0]["members"][0]["member_metadata"] == b""
+
+    _in_loop(body)
+
+
+def test_a_refused_batch_breaks_the_idempotent_sequence_and_acls_refuse() -> None:
+    clock = VirtualClock()
+    cluster = Cluster(History(lambda: clock.now))
+    cluster.create_topic("small", 1, max_message_bytes=200)
+    cluster.create_topic("locked", 1, writers=frozenset({"trainer"}))
+    small = TopicPartition("small", 0)
+    with pytest.raises(MessageSizeTooLargeError):
+        cluster.produce("w", small, [(None, b"x" * 300, [])], producer_id=7, now_ms=0)
+    with pytest.raises(OutOfOrderSequenceNumber):
+        cluster.produce("w", small, [(None, b"x", [])], producer_id=7, now_ms=0)
+    assert cluster.produce("w", small, [(None, b"x", [])], producer_id=8, now_ms=0) == 0
+    with pytest.raises(TopicAuthorizationFailedError):
+        cluster.produce(
+            "w", TopicPartition("locked", 0), [(None, b"x", [])], producer_id=None, now_ms=0
+        )
+
+
+def _short(seed: int, **fields: Any) -> Scenario:
+    return Scenario(seed=seed, duration_s=20.0, settle_s=30.0, **fields)
+
+
+def test_one_seed_replays_exactly() -> None:
+    first = run(_short(4))
+    second = run(_short(4))
+    assert first.digest == second.digest
+    assert len(first.history.events) > 100
+    assert first.answered > 50
+
+
+def test_one_seed_replays_exactly_in_another_process() -> None:
+    """String hashing differs between processes; the history must not."""
+    script = (
+        "from worker.dev.sim.run import Scenario, run; "
+        "print(run(Scenario(seed=7, duration_s=15.0, settle_s=15.0)).digest)"
+    )
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": str(hash_seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[2],
+        ).stdout.strip()
+        for hash_seed in (1, 2)
+    }
+    assert len(digests) == 1, digests
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 5])
+def test_fleet_under_faults_breaks_no_invariant(seed: int) -> None:
+    outcome = run(Scenario(seed=seed))
+    faults = [e for e in outcome.history.of("fault")]
+    assert faults, "the schedule injected nothing"
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations))
+
+
+def test_the_checker_flags_a_worker_that_skips_records() -> None:
+    outcome = run(_short(12, mutant="skip_record", faults=()))
+    assert {v.invariant for v in outcome.violations} == {"unanswered"}
+
+
+def test_the_checker_flags_a_worker_that_commits_before_the_acknowledgement() -> None:
+    """Kills while acknowledgements are slow: the real worker loses nothing, the mutant does."""
+
+    def scenario(mutant: str | None) -> Scenario:
+        return Scenario(
+            seed=22,
+            faults=("kill", "slow_acks"),
+            fault_every_s=2.0,
+            duration_s=40.0,
+            settle_s=40.0,
+            jobs_per_s=20.0,
+            mutant=mutant,
+        )
+
+    assert run(scenario(None)).violations == []
+    outcome = run(scenario("commit_before_ack"))
+    assert "unanswered" in {v.invariant for v in outcome.violations}
+
+
+KNOWN_DEFECTS = {
+    "refused offset maps, then a partition carrying a death count: no job of that worker's "
+    "partitions runs again (the loop spins fetch-and-rewind)": Scenario(
+        seed=44,
+        offset_metadata_max_bytes=45,
+        faults=("kill",),
+        fault_every_s=5,
+        duration_s=40,
+        settle_s=60,
+    ),
+    "a reply_to topic whose max.message.bytes is below the answer: the broker refuses it, the "
+    "idempotent sequence breaks, the worker exits 1 and every restart dies on the same job": (
+        _short(14, hostile={Kind.REPLY_SMALL: 0.05}, faults=())
+    ),
+    "a reply_to topic the worker may not write to: the broker refuses every answer "
+    "(TopicAuthorizationFailed), the worker exits 1 and every restart dies on the same job": (
+        _short(15, hostile={Kind.REPLY_LOCKED: 0.05}, faults=())
+    ),
+    "a weight update that kills the engine ends the worker with an unclean final commit: every "
+    "job in flight then counts a death (no process was killed)": Scenario(
+        seed=4,
+        weight_update_every_s=8,
+        engine_killing_update_share=0.3,
+        faults=("scale_out", "coordinator_outage"),
+    ),
+    "a hand-over refused by a broker that bumps the generation early (noida-db) lands after "
+    "rejoining; the new owner, which read the position before, commits it back below": (
+        Scenario(seed=18, flavour=Flavour.NOIDA, static_members=True)
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param(
+            scenario, id=f"seed{scenario.seed}", marks=pytest.mark.xfail(strict=True, reason=defect)
+        )
+        for defect, scenario in KNOWN_DEFECTS.items()
+    ],
+)
+def test_known_defect(scenario: Scenario) -> None:
+    outcome = run(scenario)
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param(Scenario(seed=17, flavour=Flavour.TANSU), id="tansu"),
+        pytest.param(
+            Scenario(seed=16, hostile={Kind.CRASH: 0.005, Kind.INVALID: 0.02, Kind.LONG: 0.005}),
+            id="hostile-records",
+        ),
+        pytest.param(
+            Scenario(
+                seed=2,
+                weight_update_every_s=10,
+                bad_update_share=0.2,
+                engine_killing_update_share=0.1,
+            ),
+            id="weight-updates",
+        ),
+    ],
+)
+def test_fleet_variants_break_no_invariant(scenario: Scenario) -> None:
+    outcome = run(scenario)
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))

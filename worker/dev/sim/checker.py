@@ -1,0 +1,317 @@
+"""The checker: judges a run's history and the topics' final contents, knowing nothing of the
+worker's implementation (as Jepsen's Kafka checker judges sends and polls).
+
+Invariants (each violation names one):
+
+- `unanswered`: every valid job has an answer (completed, or failed with its code) by the end,
+  which comes `settle_s` after the last fault;
+- `wrongly_dead_lettered`: nothing is dead-lettered or answered as crash-looped unless it kills
+  the process or is invalid input;
+- `stalled`: after the faults, no partition with work stays without a commit advance for longer
+  than `progress_bound_s`;
+- `commit_backwards`: a committed position never moves backwards;
+- `duplicates`: jobs answered twice are bounded by what may have been in flight at each death or
+  unclean hand-over (`max_in_flight` per disruption);
+- `unasked_exit`: no worker exits except when told to stop, and then with status 0;
+- `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
+  `--offset-map-max-bytes`;
+- `wrongly_blamed`: a record's death count (the crash-loop breaker's, in the offset map the
+  group stores) never exceeds the process kills between its append and that commit: a
+  death that was not a kill (a clean stop, an update that killed the engine) blames nothing;
+- `weights_diverged`: every live worker serves, at the end, the latest weights any worker
+  acknowledged applying (read from the status topic's acknowledgements; a worker's served
+  version is what its status reports).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from schemas import CommandAck, Completed, Failed, SchemaError, decode_result, decode_status
+from worker.delivery.offset_map import decode_offset_map
+from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.fleet import KILLS_ENGINE
+from worker.dev.sim.history import History
+
+__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check"]
+
+
+class Kind(enum.Enum):
+    """What the trainer meant a record to be."""
+
+    VALID = "valid"
+    LONG = "long"
+    INVALID = "invalid"
+    CRASH = "crash"
+    REPLY_SMALL = "reply_small"
+    REPLY_LOCKED = "reply_locked"
+
+    @property
+    def must_answer(self) -> bool:
+        return self is not Kind.INVALID
+
+    @property
+    def may_dead_letter(self) -> bool:
+        return self in (Kind.INVALID, Kind.CRASH)
+
+
+@dataclass
+class Ledger:
+    """The trainer's own record of what it produced: source (topic-partition, offset) -> kind
+    and job id."""
+
+    records: dict[tuple[str, int], tuple[Kind, str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    faults_end: float
+    end: float
+    progress_bound_s: float
+    max_in_flight: int
+    offset_map_max_bytes: int
+    answer_topics: tuple[str, ...]
+    dead_letter_topic: str
+    jobs_topic: str
+    status_topic: str
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    detail: str
+    at: float
+
+    def __str__(self) -> str:
+        return f"[{self.invariant}] at {self.at:.3f}s: {self.detail}"
+
+
+_DISRUPTIONS = frozenset(
+    {
+        "kill",
+        "member_removed",
+        "commit_refused",
+        "poll_timeout",
+        "fault_lose_acks",
+        "sigterm",
+        "trainer_resend",
+    }
+)
+
+
+def check(  # noqa: PLR0912 - one pass per invariant
+    history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds
+) -> list[Violation]:
+    violations: list[Violation] = []
+    answers: Counter[str] = Counter()
+    crash_looped: list[str] = []
+    for topic in bounds.answer_topics:
+        if topic not in cluster.topics:
+            continue
+        seen_attempts: set[tuple[str, str]] = set()
+        for log in cluster.topics[topic].logs:
+            for record in log:
+                try:
+                    result = decode_result(record.value or b"")
+                except SchemaError:
+                    continue
+                if result.job_id is None:
+                    continue
+                part = getattr(result, "part", None)
+                attempt = getattr(part, "attempt", None)
+                if isinstance(result, Completed) and isinstance(attempt, str):
+                    if (result.job_id, attempt) in seen_attempts:
+                        continue
+                    seen_attempts.add((result.job_id, attempt))
+                answers[result.job_id] += 1
+                if isinstance(result, Failed) and result.error.detail.startswith("not run again"):
+                    crash_looped.append(result.job_id)
+    kinds = {job_id: kind for (kind, job_id) in ledger.records.values()}
+    for (_, _), (kind, job_id) in sorted(ledger.records.items()):
+        if kind.must_answer and not answers[job_id]:
+            violations.append(
+                Violation("unanswered", f"job {job_id} ({kind.value}) never answered", bounds.end)
+            )
+    for job_id in crash_looped:
+        looped = kinds.get(job_id)
+        if looped is not None and not looped.may_dead_letter:
+            violations.append(
+                Violation(
+                    "wrongly_dead_lettered",
+                    f"job {job_id} ({looped.value}) answered as crash-looped",
+                    bounds.end,
+                )
+            )
+    dlq = cluster.topics.get(bounds.dead_letter_topic)
+    for log in dlq.logs if dlq is not None else []:
+        for record in log:
+            headers = dict(record.headers)
+            source = (
+                f"{headers.get('vkw.source.topic', b'').decode()}-"
+                f"{headers.get('vkw.source.partition', b'').decode()}",
+                int(headers.get("vkw.source.offset", b"-1")),
+            )
+            entry = ledger.records.get(source)
+            if entry is not None and not entry[0].may_dead_letter:
+                violations.append(
+                    Violation(
+                        "wrongly_dead_lettered",
+                        f"{source[0]}@{source[1]} ({entry[0].value}, job {entry[1]}) "
+                        f"dead-lettered: {headers.get('vkw.error.detail', b'').decode()}",
+                        record.timestamp_ms / 1000,
+                    )
+                )
+    duplicates = sum(count - 1 for count in answers.values() if count > 1)
+    disruptions = sum(1 for e in history.events if e.kind in _DISRUPTIONS)
+    allowed = disruptions * bounds.max_in_flight
+    if duplicates > allowed:
+        violations.append(
+            Violation(
+                "duplicates",
+                f"{duplicates} duplicate answers; {disruptions} disruptions allow {allowed}",
+                bounds.end,
+            )
+        )
+    violations += _commits_and_exits(history)
+    violations += _blame(history, cluster, ledger, bounds)
+    applied = _latest_applied(cluster, bounds.status_topic)
+    for event in history.of("serving"):
+        if applied is not None and event.fields["weight_version"] != applied:
+            violations.append(
+                Violation(
+                    "weights_diverged",
+                    f"{event.fields['worker']} serves weights {event.fields['weight_version']}; "
+                    f"the fleet applied {applied}",
+                    bounds.end,
+                )
+            )
+    for event in history.of("stall"):
+        if event.at >= bounds.faults_end and event.fields["for_s"] > bounds.progress_bound_s:
+            violations.append(
+                Violation(
+                    "stalled",
+                    f"{event.fields['tp']} without a commit for {event.fields['for_s']:.1f}s "
+                    f"(committed {event.fields['committed']}, end {event.fields['end']})",
+                    event.at,
+                )
+            )
+            break
+    return violations
+
+
+def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
+    """The highest weight version a worker acknowledged applying (`ok` update_weights)."""
+    topic = cluster.topics.get(status_topic)
+    latest: int | None = None
+    for log in topic.logs if topic is not None else []:
+        for record in log:
+            try:
+                message = decode_status(record.value or b"")
+            except SchemaError:
+                continue
+            if (
+                isinstance(message, CommandAck)
+                and message.kind == "update_weights"
+                and message.outcome == "ok"
+            ):
+                latest = max(latest or 0, message.weight_version)
+    return latest
+
+
+def _commits_and_exits(history: History) -> list[Violation]:
+    """`commit_backwards`, `state_unbounded` (from the commits the group took) and
+    `unasked_exit`."""
+    violations: list[Violation] = []
+    for event in history.of("commit"):
+        previous = event.fields["previous"]
+        if previous is not None and event.fields["offset"] < previous:
+            violations.append(
+                Violation(
+                    "commit_backwards",
+                    f"{event.fields['tp']} committed {event.fields['offset']} after {previous} "
+                    f"(by {event.fields['client']})",
+                    event.at,
+                )
+            )
+        if event.fields["metadata_bytes"] > _map_cap(history):
+            violations.append(
+                Violation(
+                    "state_unbounded",
+                    f"{event.fields['tp']}: {event.fields['metadata_bytes']}-byte offset map",
+                    event.at,
+                )
+            )
+    killing = [
+        e.fields["checkpoint"]
+        for e in history.of("weight_update")
+        if KILLS_ENGINE in e.fields["checkpoint"]
+    ]
+    for event in history.of("exit"):
+        fatal = event.fields.get("fatal") or ""
+        if any(name in fatal for name in killing):
+            continue  # the injected fault itself: an update whose load kills the engine
+        if not event.fields["asked"] or event.fields["status"] != 0:
+            violations.append(
+                Violation(
+                    "unasked_exit",
+                    f"{event.fields['worker']} exited with {event.fields['status']} "
+                    f"({'asked' if event.fields['asked'] else 'not asked'} to stop): "
+                    f"{event.fields.get('fatal')}",
+                    event.at,
+                )
+            )
+    return violations
+
+
+def _map_cap(history: History) -> int:
+    """--offset-map-max-bytes, as the scenario event records it."""
+    scenario = next(history.of("scenario"), None)
+    return int(scenario.fields["offset_map_max_bytes"]) if scenario is not None else 1 << 30
+
+
+def _blame(
+    history: History,
+    cluster: Cluster,
+    ledger: Ledger,
+    bounds: Bounds,
+) -> list[Violation]:
+    """`wrongly_blamed`: death counts in the committed offset maps against the kills that
+    happened while each record was unanswered."""
+    kills = [e.at for e in history.of("kill")]
+    jobs = cluster.topics[bounds.jobs_topic]
+    worst: dict[tuple[str, int], tuple[int, float]] = {}
+    for event in history.of("commit"):
+        metadata = event.fields.get("metadata") or ""
+        tp = event.fields["tp"]
+        if not metadata or not tp.startswith(f"{bounds.jobs_topic}-"):
+            continue
+        try:
+            offset_map = decode_offset_map(event.fields["offset"], metadata)
+        except Exception:  # noqa: BLE001, S112 - not a map this checker reads: nothing to judge
+            continue
+        for offset, deaths in offset_map.deaths.items():
+            if deaths > worst.get((tp, offset), (0, 0.0))[0]:
+                worst[(tp, offset)] = (deaths, event.at)
+    violations = []
+    for (tp, offset), (deaths, at) in sorted(worst.items()):
+        partition = int(tp.rsplit("-", 1)[1])
+        log = jobs.logs[partition]
+        if offset >= len(log):
+            continue
+        appended = log[offset].timestamp_ms / 1000
+        entry = ledger.records.get((tp, offset))
+        # Kills until the count was committed: a record answered, delivered again after a
+        # rebalance and in flight at a kill then is rightly counted.
+        possible = sum(1 for k in kills if appended <= k <= at)
+        if deaths > possible:
+            violations.append(
+                Violation(
+                    "wrongly_blamed",
+                    f"{tp}@{offset} ({entry[0].value if entry else 'unknown'}) counted {deaths} "
+                    f"deaths; {possible} kills happened between its append and that commit",
+                    at,
+                )
+            )
+    return violations

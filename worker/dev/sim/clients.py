@@ -1,0 +1,724 @@
+"""Simulated Kafka clients: the surface of aiokafka's consumer, producer and admin client that
+the worker, its control plane and a trainer call, behaving as aiokafka 0.14 does on top of
+`worker.dev.sim.cluster`.
+
+Every request crosses the simulated network (a latency drawn from the run's one random
+generator) on behalf of a `Process`; a killed process's requests and responses are lost, and
+its calls never return, as a SIGKILLed client goes silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import random
+import zlib
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from aiokafka import ConsumerRecord
+from aiokafka.errors import (
+    CommitFailedError,
+    GroupCoordinatorNotAvailableError,
+    IllegalGenerationError,
+    IllegalOperation,
+    IllegalStateError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+    UnknownTopicOrPartitionError,
+)
+from aiokafka.structs import OffsetAndMetadata, RecordMetadata, TopicPartition
+
+from worker.dev.sim.cluster import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, Cluster
+
+__all__ = ["Process", "SimAdmin", "SimBatch", "SimConsumer", "SimProducer"]
+
+T = TypeVar("T")
+
+# aiokafka's retry_backoff_ms default.
+_RETRY_BACKOFF_S: Final = 0.1
+Headers = list[tuple[str, bytes]]
+
+
+class Process:
+    """One worker process's network endpoint: `kill()` silences every client it made."""
+
+    def __init__(self, name: str, cluster: Cluster, rng: random.Random) -> None:
+        self.name = name
+        self.cluster = cluster
+        self.rng = rng
+        self.alive = True
+        self._silenced: asyncio.Future[None] | None = None
+
+    def kill(self) -> None:
+        self.alive = False
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time() - 1_000.0
+
+    async def silent(self) -> Any:
+        """Never returns: what a dead process's calls do."""
+        if self._silenced is None:
+            self._silenced = asyncio.get_running_loop().create_future()
+        await self._silenced
+
+    async def hop(self) -> None:
+        """One way across the network."""
+        await asyncio.sleep(self.rng.uniform(0.0005, 0.003))
+        if not self.alive:
+            await self.silent()
+
+    async def request(self, call: Callable[[], T]) -> T:
+        """Send `call` to the cluster and bring back its answer (or its error)."""
+        await self.hop()
+        try:
+            answer = call()
+        except KafkaError:
+            await self.hop()
+            raise
+        await self.hop()
+        return answer
+
+
+class _CoordinatorView:
+    """What `worker.core.kafka` reaches for on aiokafka's consumer: `_coordinator`."""
+
+    def __init__(self, consumer: SimConsumer) -> None:
+        self._consumer = consumer
+        self.group_id = consumer.group_id or ""
+
+    @property
+    def generation(self) -> int:
+        return self._consumer.generation
+
+    @property
+    def member_id(self) -> str:
+        return self._consumer.member_id
+
+    async def commit_offsets(self, assignment: Any, offsets: dict[TopicPartition, Any]) -> None:
+        await self._consumer.commit_offsets(offsets)
+
+    async def _send_req(self, request: Any) -> Any:
+        # The only request the worker sends itself: LeaveGroup by member id.
+        consumer = self._consumer
+        await consumer.process.request(
+            lambda: consumer.cluster.leave(
+                self.group_id, consumer.member_id, consumer.process.now()
+            )
+        )
+        consumer.left_group()
+
+
+class SimConsumer:
+    """aiokafka's AIOKafkaConsumer as the worker uses it: a classic group member (subscribe,
+    eager rebalances with the listener's callbacks, heartbeats in the background,
+    `max_poll_interval_ms` enforced client side) or, without a group, assigned partitions."""
+
+    def __init__(
+        self,
+        process: Process,
+        *,
+        client_id: str,
+        group_id: str | None,
+        group_instance_id: str | None = None,
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 3_000,
+        max_poll_interval_ms: int = 300_000,
+        rebalance_timeout_ms: int | None = None,
+        metadata: bytes = b"",
+    ) -> None:
+        self.process = process
+        self.cluster = process.cluster
+        self.client_id = client_id
+        self.group_id = group_id
+        self.instance_id = group_instance_id
+        self._session_s = session_timeout_ms / 1000
+        self._heartbeat_s = heartbeat_interval_ms / 1000
+        self._max_poll_s = max_poll_interval_ms / 1000
+        self._rebalance_s = (rebalance_timeout_ms or session_timeout_ms) / 1000
+        self._metadata = metadata
+        self.generation = -1
+        self.member_id = ""
+        self._topics: list[str] = []
+        self._listener: Any = None
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._positions: dict[TopicPartition, int] = {}
+        self._wake = asyncio.Event()
+        self._rejoin = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_poll = 0.0
+        self._poll_expired = False
+        self._joining = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._coordinator = _CoordinatorView(self) if group_id is not None else None
+        self._commit_lock = asyncio.Lock()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def subscribe(self, topics: list[str], listener: Any = None) -> None:
+        self._topics = list(topics)
+        self._listener = listener
+
+    async def start(self) -> None:
+        await self.process.hop()
+        self._unsubscribe = self.cluster.subscribe_appends(self._appended)
+        self._last_poll = self.process.now()
+        if self.group_id is not None and self._topics:
+            self._rejoin.set()
+            self._tasks = [
+                asyncio.create_task(self._coordinate(), name=f"{self.client_id} coordinator"),
+                asyncio.create_task(self._heartbeat(), name=f"{self.client_id} heartbeat"),
+            ]
+
+    async def stop(self) -> None:
+        """aiokafka's close: a dynamic member leaves the group; a static one does not
+        (KIP-345: it is expected back under its instance id)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self.group_id is not None and self.instance_id is None and self.member_id:
+            with contextlib.suppress(KafkaError):
+                await self.process.request(
+                    lambda: self.cluster.leave(
+                        self.group_id or "", self.member_id, self.process.now()
+                    )
+                )
+        self.left_group()
+
+    def _appended(self, tp: TopicPartition) -> None:
+        if tp in self._assigned and tp not in self._paused:
+            self._wake.set()
+
+    def left_group(self) -> None:
+        self.generation, self.member_id = -1, ""
+
+    # -- group membership ---------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            if not self.member_id or self.generation < 0:
+                continue
+            if self.process.now() - self._last_poll > self._max_poll_s:
+                # aiokafka's heartbeat routine: "consumer poll timeout has expired"; the
+                # member leaves and joins again at the next poll.
+                self.cluster.history.add("poll_timeout", client=self.client_id)
+                member_id = self.member_id
+                self.left_group()
+                self._poll_expired = True
+                self._rejoin.set()
+                with contextlib.suppress(KafkaError):
+                    await self.process.request(
+                        functools.partial(
+                            self.cluster.leave, self.group_id or "", member_id, self.process.now()
+                        )
+                    )
+                continue
+            if self._joining:
+                continue  # aiokafka stops its heartbeat task while it joins
+            member_id, generation = self.member_id, self.generation
+            try:
+                await self.process.request(
+                    functools.partial(
+                        self.cluster.heartbeat,
+                        self.group_id or "",
+                        member_id,
+                        generation,
+                        self.process.now(),
+                    )
+                )
+            except RebalanceInProgressError:
+                self._rejoin.set()
+            except (IllegalGenerationError, UnknownMemberIdError):
+                if self._joining or (self.member_id, self.generation) != (member_id, generation):
+                    continue  # the answer to a beat of a generation left since
+                # aiokafka's reset_generation: join afresh, as a new member.
+                self.left_group()
+                self._rejoin.set()
+            except GroupCoordinatorNotAvailableError:
+                pass  # looked up again at the next beat
+
+    async def _coordinate(self) -> None:
+        while True:
+            await self._rejoin.wait()
+            while self._poll_expired:  # noqa: ASYNC110 - aiokafka rejoins at the next poll
+                await asyncio.sleep(self._heartbeat_s)
+            self._rejoin.clear()
+            await self._join()
+
+    async def _join(self) -> None:
+        # aiokafka's _on_join_prepare: the whole assignment is revoked first (eager protocol),
+        # the callback awaited while the member still heartbeats.
+        revoked = set(self._assigned)
+        if self._listener is not None and revoked:
+            await self._listener.on_partitions_revoked(revoked)
+        self._assigned, self._paused = set(), set()
+        self._positions = {}
+        self._joining = True
+        while True:
+            try:
+                joined = await self.process.request(
+                    lambda: self.cluster.join(
+                        self.group_id or "",
+                        member_id=self.member_id,
+                        client_id=self.client_id,
+                        instance_id=self.instance_id,
+                        metadata=self._metadata,
+                        topics=self._topics,
+                        session_s=self._session_s,
+                        rebalance_s=self._rebalance_s,
+                        now=self.process.now(),
+                    )
+                )
+                generation, member_id, assignment = await joined
+                # aiokafka resets its rejoin flag as it sends SyncGroup: a rejoin asked for
+                # while the join was under way (a commit refused meanwhile) is dropped.
+                self._rejoin.clear()
+                await self.process.hop()
+            except UnknownMemberIdError:
+                self.left_group()
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            except GroupCoordinatorNotAvailableError:
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            break
+        self.generation, self.member_id = generation, member_id
+        self._joining = False
+        self.cluster.history.add(
+            "joined",
+            client=self.client_id,
+            member=member_id,
+            generation=generation,
+            tps=sorted(f"{tp.topic}-{tp.partition}" for tp in assignment),
+        )
+        # The fetcher looks the committed positions up before fetching.
+        while True:
+            try:
+                committed = await self.process.request(
+                    lambda: self.cluster.fetch_committed(self.group_id or "", assignment)
+                )
+            except GroupCoordinatorNotAvailableError:
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            break
+        self._assigned = set(assignment)
+        self._positions = {tp: max(offset, 0) for tp, (offset, _) in committed.items()}
+        self._wake.set()
+        if self._listener is not None:
+            await self._listener.on_partitions_assigned(set(assignment))
+
+    # -- fetching ---------------------------------------------------------------------------
+
+    def assign(self, partitions: Iterable[TopicPartition]) -> None:
+        self._assigned = set(partitions)
+        for tp in self._assigned:
+            self._positions.setdefault(tp, 0)
+        self._wake.set()
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._assigned)
+
+    def pause(self, *partitions: TopicPartition) -> None:
+        self._paused |= set(partitions) & self._assigned
+
+    def resume(self, *partitions: TopicPartition) -> None:
+        self._paused -= set(partitions)
+        self._wake.set()
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        if tp not in self._assigned:
+            raise IllegalStateError(f"No current assignment for partition {tp}")
+        self._positions[tp] = offset
+        self._wake.set()
+
+    async def position(self, tp: TopicPartition) -> int:
+        return self._positions[tp]
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        if tp not in self._assigned:
+            return None
+        return self.cluster.end_offset(tp)
+
+    async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return await self.process.request(
+            lambda: {tp: self.cluster.end_offset(tp) for tp in partitions}
+        )
+
+    async def topics(self) -> set[str]:
+        return await self.process.request(lambda: set(self.cluster.topics))
+
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        found = self.cluster.topics.get(topic)
+        return None if found is None else set(range(len(found.logs)))
+
+    async def getmany(
+        self, *partitions: TopicPartition, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        if not self.process.alive:
+            await self.process.silent()
+        self._last_poll = self.process.now()
+        if self._poll_expired:
+            self._poll_expired = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        while True:
+            self._wake.clear()
+            batch = self._collect(set(partitions), max_records or 1 << 30)
+            if batch:
+                await self.process.hop()
+                # Records of partitions revoked meanwhile are dropped, as aiokafka's fetcher
+                # drops those of partitions no longer assigned.
+                return {tp: rs for tp, rs in batch.items() if tp in self._assigned}
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return {}
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._wake.wait()
+            except TimeoutError:
+                return {}
+
+    def _collect(
+        self, only: set[TopicPartition], budget: int
+    ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+        out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
+        for tp in sorted(self._assigned - self._paused):
+            if (only and tp not in only) or tp not in self._positions or budget <= 0:
+                continue
+            position = self._positions[tp]
+            stored = self.cluster.read(tp, position, min(budget, 500))
+            if not stored:
+                continue
+            out[tp] = [
+                ConsumerRecord(
+                    tp.topic,
+                    tp.partition,
+                    r.offset,
+                    r.timestamp_ms,
+                    0,
+                    r.key,
+                    r.value,
+                    None,
+                    len(r.key or b""),
+                    len(r.value or b""),
+                    tuple(r.headers),
+                )
+                for r in stored
+            ]
+            self._positions[tp] = position + len(stored)
+            budget -= len(stored)
+        return out
+
+    # -- commits ----------------------------------------------------------------------------
+
+    async def commit(self, offsets: dict[TopicPartition, Any]) -> None:
+        """aiokafka's AIOKafkaConsumer.commit: assigned partitions only."""
+        if self.group_id is None:
+            raise IllegalOperation("Requires group_id")
+        if not self._assigned:
+            raise IllegalStateError("No partitions assigned")
+        for tp in offsets:
+            if tp not in self._assigned:
+                raise IllegalStateError(f"Partition {tp} is not assigned")
+        await self.commit_offsets(offsets)
+
+    async def commit_offsets(self, offsets: dict[TopicPartition, Any]) -> None:
+        """aiokafka's GroupCoordinator.commit_offsets: retries while the coordinator is away;
+        a group error ends in CommitFailedError. The request is shielded: a caller that gives
+        up does not stop it reaching the broker."""
+        plain = {tp: _offset_and_metadata(value) for tp, value in offsets.items()}
+        while True:
+            try:
+                async with self._commit_lock:
+                    errors = await asyncio.shield(self._send_commit(plain))
+            except GroupCoordinatorNotAvailableError:
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            if not errors:
+                return
+            first = next(iter(errors.values()))
+            if isinstance(first, (UnknownMemberIdError, IllegalGenerationError)):
+                # aiokafka's reset_generation: member id and generation both forgotten.
+                self.left_group()
+                self._rejoin.set()
+            elif isinstance(first, RebalanceInProgressError):
+                self._rejoin.set()
+            else:
+                raise first
+            raise CommitFailedError(
+                "Commit cannot be completed since the group has already rebalanced"
+            ) from first
+
+    async def _send_commit(
+        self, offsets: dict[TopicPartition, tuple[int, str]]
+    ) -> dict[TopicPartition, KafkaError]:
+        member_id, generation = self.member_id, self.generation
+        return await self.process.request(
+            lambda: self.cluster.commit(
+                self.group_id or "",
+                member_id,
+                generation,
+                offsets,
+                client_id=self.client_id,
+                now=self.process.now(),
+            )
+        )
+
+
+def _offset_and_metadata(value: Any) -> tuple[int, str]:
+    if isinstance(value, OffsetAndMetadata):
+        return int(value.offset), str(value.metadata or "")
+    if isinstance(value, tuple):
+        return int(value[0]), str(value[1] if len(value) > 1 else "")
+    return int(value), ""
+
+
+class SimBatch:
+    """aiokafka's BatchBuilder: records appended until `max_bytes` (the first always fits)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._size = BATCH_OVERHEAD_BYTES
+        self.records: list[tuple[bytes | None, bytes | None, Headers]] = []
+        self._closed = False
+
+    def append(
+        self, *, timestamp: int | None, key: bytes | None, value: bytes | None, headers: Any
+    ) -> Any:
+        size = _record_bytes(key, value, list(headers or []))
+        if self.records and self._size + size > self._max_bytes:
+            return None
+        self._size += size
+        self.records.append((key, value, list(headers or [])))
+        return object()
+
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def _relative_offset(self) -> int:
+        return len(self.records)
+
+
+def _record_bytes(key: bytes | None, value: bytes | None, headers: Headers) -> int:
+    return (
+        RECORD_OVERHEAD_BYTES
+        + len(key or b"")
+        + len(value or b"")
+        + sum(len(h) + len(v) for h, v in headers)
+    )
+
+
+@dataclass
+class _MetadataResponse:
+    topics: list[tuple[int, str, bool, list[Any]]]
+
+
+class _ProducerClient:
+    """`producer.client` as `worker.core.kafka.broker_has_topic` uses it."""
+
+    def __init__(self, producer: SimProducer) -> None:
+        self._producer = producer
+
+    def get_random_node(self) -> int:
+        return 0
+
+    async def send(self, node: int, request: Any) -> _MetadataResponse:
+        cluster = self._producer.process.cluster
+
+        def metadata() -> _MetadataResponse:
+            answers: list[tuple[int, str, bool, list[Any]]] = []
+            for name in request._topics:
+                try:
+                    cluster.topic(name, create=True)
+                    answers.append((0, name, False, []))
+                except UnknownTopicOrPartitionError:
+                    answers.append((UnknownTopicOrPartitionError.errno, name, False, []))
+            return _MetadataResponse(answers)
+
+        return await self._producer.process.request(metadata)
+
+
+class SimProducer:
+    """aiokafka's AIOKafkaProducer as the worker uses it: `send`, the batch API, and
+    idempotence (`enable_idempotence`: a batch refused by the broker breaks the partition's
+    sequence, so every later batch there fails, until the producer is rebuilt)."""
+
+    def __init__(
+        self,
+        process: Process,
+        *,
+        client_id: str,
+        enable_idempotence: bool = False,
+        max_request_size: int = 1_048_576,
+        max_batch_size: int = 16_384,
+        request_timeout_ms: int = 40_000,
+    ) -> None:
+        self.process = process
+        self.client_id = client_id
+        self._idempotent = enable_idempotence
+        self._max_request_size = max_request_size
+        self._max_batch_size = max_batch_size
+        self._request_timeout_s = request_timeout_ms / 1000
+        self._producer_id: int | None = None
+        self._locks: dict[TopicPartition, asyncio.Lock] = {}
+        self._pending: set[asyncio.Task[None]] = set()
+        self._round_robin = 0
+        self.client = _ProducerClient(self)
+
+    async def start(self) -> None:
+        if self._idempotent:
+            self._producer_id = await self.process.request(self.process.cluster.new_producer_id)
+
+    async def flush(self) -> None:
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    async def stop(self) -> None:
+        await self.flush()
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        found = await self.process.request(lambda: self.process.cluster.topic(topic, create=True))
+        return set(range(len(found.logs)))
+
+    def create_batch(self) -> SimBatch:
+        return SimBatch(self._max_batch_size)
+
+    async def send_batch(self, batch: SimBatch, topic: str, *, partition: int) -> Any:
+        return self._submit(TopicPartition(topic, partition), list(batch.records))
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: Any = None,
+        **_: Any,
+    ) -> asyncio.Future[Any]:
+        headers = list(headers or [])
+        if _record_bytes(key, value, headers) > self._max_request_size:
+            # Checked client side on the record (aiokafka's _serialize).
+            raise MessageSizeTooLargeError("larger than max_request_size")
+        if partition is None:
+            count = len(await self.partitions_for(topic))
+            if key is not None:
+                partition = zlib.crc32(key) % count
+            else:
+                partition, self._round_robin = self._round_robin % count, self._round_robin + 1
+        return self._submit(TopicPartition(topic, partition), [(key, value, headers)])
+
+    async def send_and_wait(self, topic: str, **kwargs: Any) -> Any:
+        return await (await self.send(topic, **kwargs))
+
+    def _submit(
+        self, tp: TopicPartition, records: list[tuple[bytes | None, bytes | None, Headers]]
+    ) -> asyncio.Future[Any]:
+        delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._deliver(tp, records, delivery))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return delivery
+
+    async def _deliver(
+        self,
+        tp: TopicPartition,
+        records: list[tuple[bytes | None, bytes | None, Headers]],
+        delivery: asyncio.Future[Any],
+    ) -> None:
+        process, cluster = self.process, self.process.cluster
+        lock = self._locks.setdefault(tp, asyncio.Lock())
+        # With idempotence, one batch per partition in flight: they land in order.
+        async with lock:
+            deadline = process.now() + self._request_timeout_s
+            while True:
+                await process.hop()
+                if cluster.ack_delay_s:
+                    await asyncio.sleep(cluster.ack_delay_s)
+                try:
+                    base = cluster.produce(
+                        self.client_id,
+                        tp,
+                        records,
+                        producer_id=self._producer_id,
+                        now_ms=int(process.now() * 1000),
+                    )
+                except KafkaError as exc:
+                    if exc.retriable and process.now() < deadline:
+                        await asyncio.sleep(_RETRY_BACKOFF_S)
+                        continue
+                    await process.hop()
+                    _settle(delivery, exc if not exc.retriable else KafkaTimeoutError())
+                    return
+                if cluster.lose_acks:
+                    # Appended, but the response never comes: the batch expires.
+                    await asyncio.sleep(max(deadline - process.now(), 0))
+                    _settle(delivery, KafkaTimeoutError())
+                    return
+                await process.hop()
+                _settle(delivery, RecordMetadata(tp.topic, tp.partition, tp, base, 0, -1, 0))
+                return
+
+
+def _settle(delivery: asyncio.Future[Any], outcome: Any) -> None:
+    if delivery.done():
+        return
+    if isinstance(outcome, BaseException):
+        delivery.set_exception(outcome)
+    else:
+        delivery.set_result(outcome)
+
+
+@dataclass
+class _Described:
+    body: dict[str, Any]
+
+    def to_object(self) -> dict[str, Any]:
+        return self.body
+
+
+class SimAdmin:
+    """aiokafka's AIOKafkaAdminClient: committed offsets with metadata, and DescribeGroups."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+
+    async def start(self) -> None:
+        await self.process.hop()
+
+    async def close(self) -> None:
+        return
+
+    async def list_consumer_group_offsets(
+        self, group_id: str, partitions: list[TopicPartition] | None = None
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        committed = await self.process.request(
+            lambda: self.process.cluster.fetch_committed(group_id, list(partitions or []))
+        )
+        return {
+            tp: OffsetAndMetadata(offset, metadata) for tp, (offset, metadata) in committed.items()
+        }
+
+    async def describe_consumer_groups(self, group_ids: list[str]) -> list[_Described]:
+        return [
+            _Described(await self.process.request(lambda g=g: self.process.cluster.describe(g)))  # type: ignore[misc]
+            for g in group_ids
+        ]
+
+
+def noop(*_: Any) -> Awaitable[None]:
+    return asyncio.sleep(0)

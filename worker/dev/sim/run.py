@@ -1,0 +1,517 @@
+"""One simulated run: a cluster, a fleet, a trainer and a fault schedule, all drawn from one
+seed, on the virtual clock; then the checker. `run(Scenario(seed=...))` twice gives the same
+history, so a failing seed replays exactly (`bench/sim.py --seed N` prints its trace)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Final
+
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from schemas import Job, SamplingSpec, UpdateWeights, encode
+from worker.core.config import Settings
+from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check
+from worker.dev.sim.clients import Process, SimProducer
+from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
+from worker.dev.sim.cluster import Cluster, Flavour, GroupState
+from worker.dev.sim.fleet import KILLS_ENGINE, Fleet
+from worker.dev.sim.history import History
+from worker.dev.sim.mutants import MUTANTS
+from worker.engines.mock import MockEngineSettings
+
+__all__ = ["FAULTS", "Outcome", "Scenario", "run"]
+
+JOBS: Final = "sim.jobs"
+RESULTS: Final = "sim.results"
+DLQ: Final = "sim.dlq"
+CONTROL: Final = "sim.control"
+STATUS: Final = "sim.status"
+REPLY_SMALL: Final = "sim.replies.small"
+REPLY_LOCKED: Final = "sim.replies.locked"
+CRASH_TOKEN: Final = 31_999
+#: Mock checkpoints the control plane's updates name; their contents are fixed, so a run does
+#: not depend on where they live.
+WEIGHTS_ROOT: Final = Path(tempfile.gettempdir()) / "vkw-sim-weights"
+
+#: Every fault the schedule can draw.
+FAULTS: Final = (
+    "kill",
+    "sigterm",
+    "sigterm_short",
+    "scale_out",
+    "scale_in",
+    "coordinator_outage",
+    "broker_outage",
+    "leaderless",
+    "slow_acks",
+    "lost_acks",
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What one run simulates; everything not given here is drawn from `seed`."""
+
+    seed: int
+    workers: int = 3
+    partitions: int = 6
+    #: Virtual seconds during which jobs arrive and faults happen.
+    duration_s: float = 60.0
+    #: Virtual seconds after the last fault for everything to be answered.
+    settle_s: float = 90.0
+    jobs_per_s: float = 10.0
+    faults: tuple[str, ...] = FAULTS
+    #: Mean virtual seconds between faults.
+    fault_every_s: float = 8.0
+    #: Share of records of each hostile kind.
+    hostile: dict[Kind, float] = field(default_factory=dict)
+    flavour: Flavour = Flavour.KAFKA
+    static_members: bool = False
+    #: The broker's offset.metadata.max.bytes.
+    offset_metadata_max_bytes: int = 4096
+    offset_map_max_bytes: int = 2048
+    max_in_flight: int = 16
+    progress_bound_s: float = 60.0
+    #: Ms of engine time per generated token, and the tokens of a normal and a long job.
+    per_token_ms: float = 5.0
+    tokens: tuple[int, int] = (4, 40)
+    long_tokens: int = 4_000
+    #: Mean virtual seconds between weight updates on the control topic (0: none).
+    weight_update_every_s: float = 0.0
+    #: Shares of updates whose checkpoint is another architecture (refused by every worker)
+    #: and whose load kills the engine.
+    bad_update_share: float = 0.0
+    engine_killing_update_share: float = 0.0
+    #: A planted defect (`worker.dev.sim.mutants.MUTANTS`) to run instead of the real worker.
+    mutant: str | None = None
+
+
+@dataclass
+class Outcome:
+    scenario: Scenario
+    history: History
+    violations: list[Violation]
+    answered: int
+    virtual_s: float
+    wall_s: float
+    ledger: Ledger
+    cluster: Cluster
+
+    @property
+    def digest(self) -> str:
+        return self.history.digest()
+
+    def trace(self) -> list[str]:
+        """The history up to the first violation (all of it when none)."""
+        until = min((v.at for v in self.violations), default=None)
+        return list(self.history.lines(until))
+
+
+def settings_for(scenario: Scenario) -> Settings:
+    return Settings(
+        bootstrap_servers="sim:9092",
+        jobs_topic=JOBS,
+        results_topic=RESULTS,
+        dead_letter_topic=DLQ,
+        control_topic=CONTROL,
+        status_topic=STATUS,
+        reply_topics=r"sim\.replies\..*",
+        weights_root=(str(WEIGHTS_ROOT),),
+        group_id="sim",
+        group_instance_id="static" if scenario.static_members else None,
+        leave_group_on_stop=True,
+        engine="mock",
+        mock_per_token_latency_ms=scenario.per_token_ms,
+        mock_num_layers=2,
+        mock_top_k=2,
+        mock_num_experts=8,
+        mock_crash_token_id=CRASH_TOKEN,
+        max_in_flight=scenario.max_in_flight,
+        enable_idempotence=scenario.flavour is not Flavour.TANSU,
+        offset_map_max_bytes=scenario.offset_map_max_bytes,
+        session_timeout_ms=6_000,
+        heartbeat_interval_ms=1_000,
+        max_poll_interval_ms=60_000,
+        rebalance_timeout_ms=20_000,
+        commit_interval_ms=500,
+        commit_timeout_s=5.0,
+        close_timeout_s=5.0,
+        publish_timeout_s=30.0,
+        shutdown_grace_s=10.0,
+        revoke_grace_s=3.0,
+        status_interval_s=3600.0,
+        metrics_port=0,
+    )
+
+
+def run(scenario: Scenario) -> Outcome:
+    """Run `scenario` on a fresh virtual loop and check it."""
+    clock = VirtualClock()
+    loop = VirtualLoop(clock)
+    history = History(lambda: clock.now)
+    started = time.perf_counter()
+    previous_disable = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        planted = MUTANTS[scenario.mutant]() if scenario.mutant else contextlib.nullcontext()
+        with virtual_time(clock), planted:
+            outcome = loop.run_until_complete(_simulate(scenario, clock, history))
+    finally:
+        logging.disable(previous_disable)
+        _close(loop)
+    outcome.wall_s = time.perf_counter() - started
+    return outcome
+
+
+def _close(loop: VirtualLoop) -> None:
+    pending = asyncio.all_tasks(loop)
+    for task in pending:
+        task.cancel()
+    # Tasks of killed processes wait on nothing that will ever come; cancelled, they end.
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -> Outcome:
+    rng = random.Random(scenario.seed)  # noqa: S311 - a replayable run, not a secret
+    cluster = Cluster(
+        history,
+        flavour=scenario.flavour,
+        offset_metadata_max_bytes=scenario.offset_metadata_max_bytes,
+    )
+    settings = settings_for(scenario)
+    big = 8 << 20
+    cluster.create_topic(JOBS, scenario.partitions, max_message_bytes=big)
+    cluster.create_topic(RESULTS, scenario.partitions, max_message_bytes=big)
+    cluster.create_topic(DLQ, scenario.partitions, max_message_bytes=big)
+    cluster.create_topic(CONTROL, 1)
+    cluster.create_topic(STATUS, 1)
+    # A reply topic whose max.message.bytes is below a result's size, and one the workers may
+    # not write to.
+    cluster.create_topic(REPLY_SMALL, 1, max_message_bytes=400)
+    cluster.create_topic(REPLY_LOCKED, 1, writers=frozenset({"trainer"}))
+    engine = MockEngineSettings(
+        per_token_latency_ms=scenario.per_token_ms,
+        num_layers=2,
+        top_k=2,
+        num_experts=8,
+        crash_token_id=CRASH_TOKEN,
+    )
+    fleet = Fleet(cluster, rng, clock, settings, engine)
+    ledger = Ledger()
+    faults_end = scenario.duration_s
+    end = faults_end + scenario.settle_s
+    with fleet.clients():
+        history.add(
+            "scenario",
+            seed=scenario.seed,
+            workers=scenario.workers,
+            offset_map_max_bytes=scenario.offset_map_max_bytes,
+        )
+        for index in range(scenario.workers):
+            await fleet.start(f"w{index}")
+        background = [
+            asyncio.create_task(_trainer(scenario, cluster, rng, ledger), name="trainer"),
+            asyncio.create_task(_faults(scenario, fleet, rng), name="faults"),
+            asyncio.create_task(_coordinator_timers(cluster), name="coordinator"),
+            asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
+            asyncio.create_task(_control(scenario, cluster, rng), name="control"),
+        ]
+        await asyncio.sleep(faults_end)
+        _heal(cluster, fleet)
+        for worker_id in sorted(fleet.processes):
+            if not fleet.processes[worker_id].alive and worker_id not in fleet.stopping:
+                await fleet.start(worker_id)
+        if not fleet.alive():
+            await fleet.start("w0")
+        history.add("faults_end")
+        await asyncio.sleep(scenario.settle_s)
+        for task in background:
+            task.cancel()
+        for result in await asyncio.gather(*background, return_exceptions=True):
+            if isinstance(result, Exception):
+                raise result  # a bug of the simulation itself, not a finding
+    bounds = Bounds(
+        faults_end=faults_end,
+        end=end,
+        progress_bound_s=scenario.progress_bound_s,
+        max_in_flight=scenario.max_in_flight,
+        offset_map_max_bytes=scenario.offset_map_max_bytes,
+        answer_topics=(RESULTS, REPLY_SMALL, REPLY_LOCKED),
+        dead_letter_topic=DLQ,
+        jobs_topic=JOBS,
+        status_topic=STATUS,
+    )
+    for worker_id in fleet.alive():
+        history.add(
+            "serving",
+            worker=fleet.processes[worker_id].name,
+            weight_version=fleet.services[worker_id].engine.weight_version,
+        )
+    history.closed = True
+    fleet.ended = True
+    violations = check(history, cluster, ledger, bounds)
+    answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
+    return Outcome(scenario, history, violations, answered, clock.now, 0.0, ledger, cluster)
+
+
+def _heal(cluster: Cluster, fleet: Fleet) -> None:
+    cluster.coordinator_down = cluster.broker_down = cluster.lose_acks = False
+    cluster.leaderless.clear()
+    cluster.ack_delay_s = 0.0
+    cluster.coordinator_back(fleet.clock.now)
+
+
+async def _coordinator_timers(cluster: Cluster) -> None:
+    while True:
+        await asyncio.sleep(0.25)
+        cluster.expire(asyncio.get_running_loop().time() - 1_000.0)
+
+
+async def _progress(cluster: Cluster, settings: Settings, fleet: Fleet) -> None:
+    """Samples, every second, how long each partition with work has gone without a commit
+    advance while the group is stable (the checker's `stalled`)."""
+    last: dict[TopicPartition, tuple[int, float]] = {}
+    topic = cluster.topics[settings.jobs_topic]
+    while True:
+        await asyncio.sleep(1.0)
+        now = fleet.clock.now
+        group = cluster.groups.get(settings.group_id)
+        stable = group is not None and group.state is GroupState.STABLE and bool(group.members)
+        for partition in range(len(topic.logs)):
+            tp = TopicPartition(settings.jobs_topic, partition)
+            committed = cluster.committed.get((settings.group_id, tp), (0, ""))[0]
+            end = len(topic.logs[partition])
+            seen = last.get(tp)
+            if seen is None or seen[0] != committed or committed >= end or not stable:
+                last[tp] = (committed, now)
+                continue
+            stalled_for = now - seen[1]
+            if stalled_for > 0 and int(stalled_for) % 10 == 0:
+                cluster.history.add(
+                    "stall",
+                    tp=f"{tp.topic}-{tp.partition}",
+                    for_s=stalled_for,
+                    committed=committed,
+                    end=end,
+                )
+
+
+def _job(job_id: str, rng: random.Random, tokens: int, reply_to: str | None = None) -> bytes:
+    prompt = [rng.randrange(1, 30_000) for _ in range(rng.randrange(2, 8))]
+    sampling = SamplingSpec(max_tokens=tokens)
+    job = Job(job_id=job_id, prompt_token_ids=prompt, sampling=sampling, reply_to=reply_to)
+    return encode(job)
+
+
+async def _trainer(
+    scenario: Scenario, cluster: Cluster, rng: random.Random, ledger: Ledger
+) -> None:
+    """Produces jobs at `jobs_per_s` until the faults end, hostile ones at their shares."""
+    process = Process("trainer", cluster, rng)
+    producer = SimProducer(process, client_id="trainer")
+    await producer.start()
+    count = 0
+    deadline = scenario.duration_s
+    sends: set[asyncio.Task[None]] = set()
+    kinds = list(scenario.hostile.items())
+    while process.now() < deadline:
+        await asyncio.sleep(rng.expovariate(scenario.jobs_per_s))
+        job_id = f"j{count}"
+        count += 1
+        kind = Kind.VALID
+        draw = rng.random()
+        for candidate, share in kinds:
+            if draw < share:
+                kind = candidate
+                break
+            draw -= share
+        low, high = scenario.tokens
+        tokens = rng.randrange(low, high + 1)
+        match kind:
+            case Kind.VALID:
+                value = _job(job_id, rng, tokens)
+            case Kind.LONG:
+                value = _job(job_id, rng, scenario.long_tokens)
+            case Kind.INVALID:
+                value = rng.choice([b"not json", b'{"job_id": 3}', b"", b'{"job_id": "x"}'])
+            case Kind.CRASH:
+                value = encode(
+                    Job(
+                        job_id=job_id,
+                        prompt_token_ids=[1, CRASH_TOKEN, 2],
+                        sampling=SamplingSpec(max_tokens=tokens),
+                    )
+                )
+            case Kind.REPLY_SMALL:
+                value = _job(job_id, rng, 200, reply_to=REPLY_SMALL)
+            case Kind.REPLY_LOCKED:
+                value = _job(job_id, rng, tokens, reply_to=REPLY_LOCKED)
+        sends.add(asyncio.create_task(_send_job(producer, cluster, ledger, job_id, kind, value)))
+
+
+async def _send_job(  # noqa: PLR0917
+    producer: SimProducer, cluster: Cluster, ledger: Ledger, job_id: str, kind: Kind, value: bytes
+) -> None:
+    while True:
+        try:
+            metadata = await (await producer.send(JOBS, value=value, key=job_id.encode()))
+        except KafkaError:
+            # Maybe appended all the same (a lost acknowledgement): a resent job may be
+            # answered twice.
+            cluster.history.add("trainer_resend", job=job_id)
+            await asyncio.sleep(1.0)
+            continue
+        ledger.records[(f"{JOBS}-{metadata.partition}", metadata.offset)] = (kind, job_id)
+        return
+
+
+async def _faults(  # noqa: PLR0912 - one branch per fault kind
+    scenario: Scenario, fleet: Fleet, rng: random.Random
+) -> None:
+    """Draws a fault every `fault_every_s` on average until the faults end."""
+    cluster = fleet.cluster
+    history = fleet.history
+    spare = scenario.workers
+    loop = asyncio.get_running_loop()
+    if not scenario.faults:
+        return
+    while True:
+        await asyncio.sleep(rng.expovariate(1 / scenario.fault_every_s))
+        if fleet.clock.now >= scenario.duration_s:
+            return
+        fault = rng.choice(scenario.faults)
+        alive = fleet.alive()
+        victim = rng.choice(alive) if alive else None
+        history.add("fault", fault=fault, victim=victim)
+        match fault:
+            case "kill" if victim is not None:
+                fleet.kill(victim, why="injected")
+                _later(loop, rng.uniform(0.5, 10.0), fleet.start, victim)
+            case "sigterm" | "sigterm_short" if victim is not None:
+                grace = 60.0 if fault == "sigterm" else rng.uniform(0.05, 2.0)
+                fleet.terminate(victim, grace)
+                _later(loop, grace + rng.uniform(0.5, 5.0), fleet.start, victim)
+            case "scale_out":
+                _later(loop, 0.0, fleet.start, f"w{spare}")
+                spare += 1
+            case "scale_in" if victim is not None and len(alive) > 1:
+                fleet.terminate(victim, 60.0)
+            case "coordinator_outage":
+                cluster.coordinator_down = True
+                _later_call(loop, rng.uniform(1.0, 12.0), _coordinator_back, fleet)
+            case "broker_outage":
+                cluster.broker_down = True
+                _later_call(loop, rng.uniform(0.5, 5.0), _broker_back, fleet)
+            case "leaderless":
+                tp = TopicPartition(
+                    JOBS if rng.random() < 0.5 else RESULTS, rng.randrange(scenario.partitions)
+                )
+                cluster.leaderless.add(tp)
+                _later_call(loop, rng.uniform(1.0, 15.0), cluster.leaderless.discard, tp)
+            case "slow_acks":
+                cluster.ack_delay_s = rng.uniform(0.2, 2.0)
+                _later_call(loop, rng.uniform(2.0, 8.0), setattr, cluster, "ack_delay_s", 0.0)
+            case "lost_acks":
+                cluster.lose_acks = True
+                history.add("fault_lose_acks")
+                _later_call(loop, rng.uniform(0.1, 1.0), setattr, cluster, "lose_acks", False)
+            case _:
+                pass
+
+
+def _checkpoint(name: str) -> str:
+    """A mock checkpoint directory (created once; same contents every run)."""
+    directory = WEIGHTS_ROOT / name
+    directory.mkdir(parents=True, exist_ok=True)
+    layers = 99 if name.startswith("other-architecture") else 2
+    config = {"num_hidden_layers": layers, "num_experts_per_tok": 2, "num_experts": 8}
+    (directory / "config.json").write_text(json.dumps(config, sort_keys=True))
+    return str(directory)
+
+
+async def _control(scenario: Scenario, cluster: Cluster, rng: random.Random) -> None:
+    """The trainer's weight updates, to the whole fleet, each version above the last; some
+    name a checkpoint no worker can load, some one whose load kills the engine."""
+    if not scenario.weight_update_every_s:
+        return
+    process = Process("trainer-control", cluster, rng)
+    producer = SimProducer(process, client_id="trainer")
+    version = 0
+    while True:
+        await asyncio.sleep(rng.expovariate(1 / scenario.weight_update_every_s))
+        if process.now() >= scenario.duration_s:
+            # As an operator would after a bad update: one that loads, above every other.
+            version += 1
+            await _send_update(producer, cluster, version, f"v{version}", "wait")
+            return
+        version += 1
+        draw = rng.random()
+        if draw < scenario.engine_killing_update_share:
+            name = f"v{version}-{KILLS_ENGINE}"
+        elif draw < scenario.engine_killing_update_share + scenario.bad_update_share:
+            name = f"other-architecture-v{version}"
+        else:
+            name = f"v{version}"
+        await _send_update(
+            producer, cluster, version, name, rng.choice(["wait", "keep", "abort", "restart"])
+        )
+
+
+async def _send_update(
+    producer: SimProducer, cluster: Cluster, version: int, name: str, on_inflight: str
+) -> None:
+    command = UpdateWeights(
+        command_id=f"update-{version}",
+        version=version,
+        path=_checkpoint(name),
+        on_inflight=on_inflight,  # type: ignore[arg-type]
+    )
+    cluster.history.add("weight_update", version=version, checkpoint=name)
+    while True:
+        try:
+            await (await producer.send(CONTROL, value=encode(command), key=b"update"))
+        except KafkaError:
+            await asyncio.sleep(1.0)
+            continue
+        return
+
+
+def _coordinator_back(fleet: Fleet) -> None:
+    fleet.cluster.coordinator_down = False
+    fleet.cluster.coordinator_back(fleet.clock.now)
+
+
+def _broker_back(fleet: Fleet) -> None:
+    fleet.cluster.broker_down = False
+    fleet.cluster.coordinator_back(fleet.clock.now)
+
+
+def _later(
+    loop: asyncio.AbstractEventLoop, delay: float, start: Callable[[str], object], worker_id: str
+) -> None:
+    def go() -> None:
+        loop.create_task(start(worker_id))  # type: ignore[arg-type]
+
+    loop.call_later(delay, go)
+
+
+def _later_call(
+    loop: asyncio.AbstractEventLoop, delay: float, func: Callable[..., object], *args: object
+) -> None:
+    loop.call_later(delay, func, *args)
+
+
+_ = replace
