@@ -345,9 +345,12 @@ async def test_pause_keep_freezes_and_resume_continues_through_the_worker(
             lambda: any(s.paused for s in status.statuses("w1")), 10, "a paused heartbeat"
         )
         frozen_at = w.inner.generated_tokens
-        # Waiting for nothing to happen: twice what the whole job needs. A slow machine can
-        # only make this pass more easily, never fail it.
-        await asyncio.sleep(1.0)
+        # Nothing may happen while paused: wait for three more of the worker's heartbeats
+        # (500 ms apart, so three times what the whole job needs), counted, not timed.
+        beats = len(status.statuses("w1"))
+        await wait_for(
+            lambda: len(status.statuses("w1")) >= beats + 3, 30, "three heartbeats while paused"
+        )
         assert w.inner.generated_tokens == frozen_at
         assert results.records == []
         await send(bs, fleet, Resume(command_id="r"))
