@@ -203,12 +203,15 @@ class Committer:
 
     async def write_ahead_exact(self) -> bool:
         """Commit every partition and wait (at most `commit_timeout_s`): True when the broker
-        holds exactly what runs now. A suspect of a crash starts only then, so a death while it
-        runs blames it and no job that ran before it."""
-        if not self.maps_on:
-            return False
+        holds exactly what would be committed now. A suspect of a crash starts only then, so
+        a death while it runs blames it and no job that ran before it.
+
+        Once the broker refuses maps, what it holds is positions alone: a death then goes
+        uncounted whatever runs, so a suspect starts once those landed, rather than never
+        (which held every partition for good)."""
         await self.commit_now()
-        return self.maps_on and not self.tracker.plan(None, limit=self._map_max_bytes)
+        limit = self._map_max_bytes if self.maps_on else 0
+        return not self.tracker.plan(None, limit=limit)
 
     async def hand_over(self) -> None:
         """The worker is stopping: commit a clean hand-over now, so a supervisor's kill during

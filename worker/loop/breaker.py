@@ -18,8 +18,9 @@ map. Serial runs cost a drain per suspect, paid only after a death.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeAlias
+from typing import Final, NamedTuple, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
@@ -32,6 +33,11 @@ __all__ = ["CrashLoopBreaker", "Taken", "stop_blames_running_jobs"]
 logger = logging.getLogger(__name__)
 
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
+
+#: After the commit that was to name a suspect alone did not land, how long every partition
+#: stays held before the suspect is fetched and tried again: a coordinator that refuses
+#: commits at once must not turn the loop into a spin of fetches, rewinds and commits.
+RETRY_ALONE_S: Final = 0.5
 
 
 def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
@@ -68,6 +74,8 @@ class CrashLoopBreaker:
         metrics: Metrics,
         tracker: OffsetTracker,
         assignment: Callable[[], set[TopicPartition]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limit = max(max_crash_attempts, 2) if max_crash_attempts else 0
         self._metrics = metrics
@@ -79,6 +87,9 @@ class CrashLoopBreaker:
         self._unconfirmed = False
         # Partitions whose next record is a suspect waiting for the worker to be quiet.
         self._waiting: set[TopicPartition] = set()
+        self._clock = clock
+        # Until then, a suspect whose commit did not land waits with every partition held.
+        self._retry_at = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +162,7 @@ class CrashLoopBreaker:
             self._alone = None
             self._unconfirmed = False
             self._waiting.add(alone.tp)
+            self._retry_at = self._clock() + RETRY_ALONE_S
 
     def held(self) -> set[TopicPartition]:
         """Every partition while a suspect runs alone and until a commit past it lands; while
@@ -167,7 +179,7 @@ class CrashLoopBreaker:
             }
         if not self._waiting:
             return set()
-        if self._quiet():
+        if self._quiet() and self._clock() >= self._retry_at:
             return self._assignment() - {min(self._waiting)}
         return self._assignment()
 
