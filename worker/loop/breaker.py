@@ -24,7 +24,7 @@ from typing import Final, NamedTuple, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from worker.core.errors import BrokerError, FatalError
+from worker.core.errors import FatalError
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
@@ -43,9 +43,10 @@ RETRY_ALONE_S: Final = 0.5
 def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
     """Whether a stop on `fatal` (None: asked to stop) may have been caused by a job in flight,
     so its final commit must not be a clean hand-over. The one place that decides what a stop
-    blames: a stop asked for (SIGTERM, revoke) and a broker that cannot be reached are no job's
-    doing; an engine that died under its jobs may be."""
-    return fatal is not None and not isinstance(fatal, BrokerError)
+    blames: a stop asked for (SIGTERM, revoke), a broker that cannot be reached and an engine
+    a weight update left dead are no job's doing (`FatalError.blames_jobs`); an engine that
+    died under its jobs may be."""
+    return fatal is not None and fatal.blames_jobs
 
 
 class Taken(NamedTuple):
