@@ -19,10 +19,10 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
-from worker.answering.topics import TopicLookup
+from worker.answering.topics import TopicLimitLookup, TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
-from worker.core.kafka import broker_has_topic
+from worker.core.kafka import broker_has_topic, topic_max_message_bytes
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
@@ -56,9 +56,10 @@ class Worker:
     announces `incarnation`; see `worker.core.incarnation`). The engine
     is started and closed by its owner; `topic_lookup` says whether the broker has a job's
     `reply_to` (default: one metadata request on the producer's connections; tests of
-    reply topics with fakes pass their own). `run()` starts the clients, serves until
-    `request_stop()` or a fatal error, drains, closes the clients, and returns the exit status
-    (0 clean, 1 fatal).
+    reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
+    (default, with the default `topic_lookup`: one DescribeConfigs request). `run()` starts
+    the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
+    and returns the exit status (0 clean, 1 fatal).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class Worker:
         live_incarnations: LiveIncarnations | None = None,
         incarnation: int | None = None,
         topic_lookup: TopicLookup | None = None,
+        topic_limit_lookup: TopicLimitLookup | None = None,
     ) -> None:
         self._settings = settings
         self._producer = producer
@@ -90,8 +92,19 @@ class Worker:
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
         self._serving = False
-        lookup = topic_lookup or functools.partial(broker_has_topic, producer)
-        self._answers = AnswerBuilder(settings, engine, limits, self.metrics, lookup)
+        if topic_lookup is None:
+            topic_lookup = functools.partial(broker_has_topic, producer)
+            topic_limit_lookup = topic_limit_lookup or functools.partial(
+                topic_max_message_bytes, settings
+            )
+        self._answers = AnswerBuilder(
+            settings,
+            engine,
+            limits,
+            self.metrics,
+            topic_lookup,
+            topic_limit_lookup=topic_limit_lookup,
+        )
         self._committer = Committer(
             consumer,
             settings,
