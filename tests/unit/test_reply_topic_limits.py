@@ -25,7 +25,8 @@ REPLY = "trainer-a"
 
 class IdempotentBroker(MemoryProducer):
     """Per-topic `max.message.bytes` and write permissions, and the sequence an idempotent
-    producer loses on a refusal."""
+    producer loses on a refusal. `renewed()` is a new producer on the same broker (what it
+    sends lands in the same `sent`), with fresh sequences."""
 
     def __init__(self, limits: dict[str, int], forbidden: frozenset[str] = frozenset()) -> None:
         super().__init__({RESULTS: 1, DLQ: 1, REPLY: 1})
@@ -33,6 +34,17 @@ class IdempotentBroker(MemoryProducer):
         self.forbidden = forbidden
         self.broken_topics: set[str] = set()
         self.dead = False
+        self.renewals: list[IdempotentBroker] = []
+
+    def renewed(self) -> IdempotentBroker:
+        fresh = IdempotentBroker(self.limits, self.forbidden)
+        fresh.sent = self.sent
+        self.renewals.append(fresh)
+        return fresh
+
+    @property
+    def all_refusals(self) -> int:
+        return self.refusals + sum(r.all_refusals for r in self.renewals)
 
     async def send(self, topic: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
         if self.dead:
@@ -85,6 +97,7 @@ async def _serve(
     values: list[bytes],
     *,
     limit_lookup: Any = None,
+    renewable: bool = True,
 ) -> tuple[int, dict[str, list[Result]], Worker]:
     consumer = FakeConsumer()
     for value in values:
@@ -103,6 +116,7 @@ async def _serve(
         limits=RecordLimits.from_topic_limits(s, {}),
         topic_lookup=present,
         topic_limit_lookup=limit_lookup,
+        producer_factory=producer.renewed if renewable else None,
     )
     task = asyncio.create_task(worker.run())
 
@@ -139,7 +153,7 @@ async def test_a_result_over_the_reply_topics_limit_is_shaped_to_it_before_it_is
         return 2048 if topic == REPLY else None
 
     values = [_job("short-0", 2), _job("long", 400), _job("short-1", 2)]
-    status, answered, _ = await _serve(producer, values, limit_lookup=limit)
+    status, answered, _ = await _serve(producer, values, limit_lookup=limit, renewable=False)
     assert status == 0
     assert producer.refusals == 0
     long = answered["long"]
@@ -152,3 +166,36 @@ async def test_a_result_over_the_reply_topics_limit_is_shaped_to_it_before_it_is
     ), long
     reply_values = [v for t, _, v, _ in producer.sent if t == REPLY]
     assert all(len(v or b"") <= 2048 for v in reply_values)
+
+
+async def test_a_result_the_reply_topic_refuses_after_all_is_answered_and_the_worker_goes_on():
+    # The reply topic's limit cannot be read (no DescribeConfigs): the broker refuses the long
+    # result. Its answer is the smaller one (result_too_large, naming the broker), on a new
+    # producer, since the refused batch broke the old one's sequence; the others are answered.
+    producer = IdempotentBroker({REPLY: 2048})
+    values = [_job("short-0", 2), _job("long", 400), _job("short-1", 2), _job("plain", 2, None)]
+    status, answered, _ = await _serve(producer, values)
+    assert status == 0
+    assert producer.all_refusals >= 1 and producer.renewals
+    (long,) = answered["long"]
+    assert isinstance(long, Failed) and long.error.code == "result_too_large"
+    assert "the broker" in long.error.detail
+    for job_id in ("short-0", "short-1", "plain"):
+        assert any(isinstance(r, Completed) for r in answered[job_id]), job_id
+    on_reply = {decode_result(v or b"").job_id for t, _, v, _ in producer.sent if t == REPLY}
+    assert {"long", "short-0", "short-1"} <= on_reply
+
+
+async def test_a_reply_topic_the_worker_may_not_write_to_is_answered_on_the_results_topic():
+    # The broker refuses the worker's writes to the reply topic (no ACL): a non-retriable
+    # error, which stopped the worker with a BrokerError on every restart.
+    producer = IdempotentBroker({}, forbidden=frozenset({REPLY}))
+    values = [_job("first", 2), _job("plain", 2, None), _job("second", 2)]
+    status, answered, _ = await _serve(producer, values)
+    assert status == 0
+    for job_id in ("first", "second"):
+        (failed,) = answered[job_id]
+        assert isinstance(failed, Failed) and failed.error.code == "invalid_job", failed
+        assert REPLY in failed.error.detail
+    assert isinstance(answered["plain"][0], Completed)
+    assert not [v for t, _, v, _ in producer.sent if t == REPLY]

@@ -119,6 +119,11 @@ class AnswerBuilder:
         """`answer` with record `index` replaced by a smaller one; see `RecordShaper.smaller`."""
         return self._shaper.smaller(answer, index, refused_by)
 
+    def unwritable(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
+        """`answer` with record `index`, whose reply topic refuses this worker's writes,
+        answered on the results topic; see `RecordShaper.unwritable`."""
+        return self._shaper.unwritable(answer, index, refused_by)
+
     async def _completed(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], job: Job, ran: Ran
     ) -> Answer:

@@ -192,6 +192,21 @@ class RecordShaper:
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
 
+    def unwritable(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
+        """`answer` with record `index`, on a reply topic that refuses this worker's writes,
+        replaced by the failed result a job naming a refused reply topic gets, on the results
+        topic (the topic is refused from now on: `AnswerTopics.refuse_writes`); None when the
+        record is on the results or dead-letter topic, which leave nowhere else to answer."""
+        record = answer.records[index]
+        if record.topic in (self._topics.results, self._topics.dead_letter):
+            return None
+        self._topics.refuse_writes(record.topic, refused_by)
+        detail = f"reply_to {record.topic!r} cannot be answered on: {refused_by}"
+        code = ErrorCode.INVALID_JOB
+        failed = self._minimal_failed(answer.job_id, code, detail, False, self._topics.results)
+        updated = _replace(answer, index, failed)
+        return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
+
     def _failed_record(self, failed: Failed, topic: str) -> OutRecord:
         """`failed` as a record, or the minimal failed result when that does not fit (metadata
         of up to 64 x 64 KiB can outgrow a topic's limit on its own)."""

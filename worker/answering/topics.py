@@ -129,6 +129,13 @@ class AnswerTopics:
             reason = "it has not been checked on the broker"
         return f"reply_to {reply_to!r} cannot be answered on: {reason}"
 
+    def refuse_writes(self, topic: str, reason: str) -> None:
+        """The broker refused this worker's write to reply topic `topic`: its jobs are answered
+        on the results topic instead, until it is looked up again."""
+        self._present.discard(topic)
+        self._limits.pop(topic, None)
+        self._refuse(topic, reason)
+
     def limit_of(self, topic: str) -> int | None:
         """The `max.message.bytes` of a reply topic found on the broker, when it was read."""
         return self._limits.get(topic)

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -29,6 +30,7 @@ from worker.core.shutdown import bounded
 from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
+from worker.delivery.renewal import RenewableProducer
 from worker.engines.protocol import Engine
 from worker.loop.breaker import CrashLoopBreaker, stop_blames_running_jobs
 from worker.loop.gate import Batch, PartitionGate
@@ -57,7 +59,9 @@ class Worker:
     is started and closed by its owner; `topic_lookup` says whether the broker has a job's
     `reply_to` (default: one metadata request on the producer's connections; tests of
     reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
-    (default, with the default `topic_lookup`: one DescribeConfigs request). `run()` starts
+    (default, with the default `topic_lookup`: one DescribeConfigs request).
+    `producer_factory` makes a producer like `producer`, to take over when a refused record
+    broke its idempotent sequence (without it, the worker stops then). `run()` starts
     the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
     and returns the exit status (0 clean, 1 fatal).
     """
@@ -76,8 +80,12 @@ class Worker:
         incarnation: int | None = None,
         topic_lookup: TopicLookup | None = None,
         topic_limit_lookup: TopicLimitLookup | None = None,
+        producer_factory: Callable[[], AIOKafkaProducer] | None = None,
     ) -> None:
         self._settings = settings
+        if producer_factory is not None:
+            # A refusal that breaks the idempotent sequence renews the producer, not the process.
+            producer = RenewableProducer(producer, producer_factory)
         self._producer = producer
         self._engine = engine
         self.metrics = metrics or Metrics()
@@ -142,6 +150,7 @@ class Worker:
             limits,
             self.metrics,
             smaller=self._answers.smaller,
+            unwritable=self._answers.unwritable,
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
             on_acknowledged=self._wake_breaker,
