@@ -112,8 +112,10 @@ class PartitionOffsets:
                 self.deaths.clear()
             self.anchor = None
         if self.deaths:
-            # Suspects the log no longer holds (compacted, or past a reset) blame nobody.
-            for gone in [o for o in self.deaths if o < offset]:
+            # Suspects the log no longer holds (compacted, or past a reset) blame nobody. One
+            # still in flight (answered as crash-looped, not yet acknowledged) keeps its count
+            # until it finishes: a death meanwhile must not count as its first.
+            for gone in [o for o in self.deaths if o < offset and o not in self._running]:
                 del self.deaths[gone]
         self._started.append(offset)
         self._running.add(offset)
