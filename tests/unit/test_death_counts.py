@@ -1,9 +1,13 @@
-"""Death counts in the offset map while the records they count are still in flight."""
+"""Death counts and hand-overs in the offset map: a count kept while its record is in flight,
+and a late hand-over that must not overwrite a newer owner's commit."""
 
 from __future__ import annotations
 
 from aiokafka import TopicPartition
 
+from tests.fakes import FakeConsumer
+from worker.core.metrics import Metrics
+from worker.delivery.inheritance import Inheritance
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
 from worker.delivery.offsets import OffsetTracker
 
@@ -42,3 +46,48 @@ def test_the_count_of_a_record_the_log_no_longer_holds_is_dropped():
     partition = tracker.partition(P0)
     partition.start(2)  # 0 and 1 were compacted away: nothing left to blame
     assert partition.deaths == {}
+
+
+class _Group:
+    """The group's committed offsets, as another member's commits leave them."""
+
+    def __init__(self, committed: dict[TopicPartition, tuple[int, str]]) -> None:
+        self.committed = committed
+
+    async def read(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {tp: self.committed[tp] for tp in tps if tp in self.committed}
+
+
+def _inheritance(group: _Group, consumer: FakeConsumer) -> Inheritance:
+    return Inheritance(
+        consumer,
+        OffsetTracker(),
+        Metrics(),
+        incarnation=7,
+        timeout_s=1.0,
+        read_committed=group.read,
+    )
+
+
+async def test_a_late_hand_over_does_not_move_back_a_position_the_new_owner_committed():
+    # This member's hand-over at 5 was refused during the rebalance; the new owner read the
+    # map without it and committed 9 (its own map). Landed on rejoining, the hand-over moved
+    # the position back to 5 and replaced the new owner's map.
+    mine = (3, encode_offset_map(3, [4], running=[3], writer=7))
+    hand_over = (5, encode_offset_map(5, [], running=[5], clean=True, writer=7))
+    theirs = (9, encode_offset_map(9, [], running=[9], writer=8))
+    consumer = FakeConsumer()
+    inheritance = _inheritance(_Group({P0: theirs}), consumer)
+    inheritance.refused({P0: hand_over}, {P0: mine})
+    assert await inheritance.assigned(set()) == {}
+    assert consumer.commits == []
+
+
+async def test_a_late_hand_over_lands_where_nobody_committed_since():
+    mine = (3, encode_offset_map(3, [4], running=[3], writer=7))
+    hand_over = (5, encode_offset_map(5, [], running=[5], clean=True, writer=7))
+    consumer = FakeConsumer()
+    inheritance = _inheritance(_Group({P0: mine}), consumer)
+    inheritance.refused({P0: hand_over}, {P0: mine})
+    await inheritance.assigned(set())
+    assert consumer.commits == [{P0: 5}]

@@ -296,7 +296,9 @@ class Committer:
             # unless this was the hand-over, which is made again once this member rejoins.
             self._metrics.commits.labels("failed").inc()
             if clean and partitions is not None:
-                self._inheritance.refused(offsets)
+                self._inheritance.refused(
+                    offsets, {tp: self.tracker.last_commit(tp) for tp in offsets}
+                )
                 logger.info(
                     "hand-over commit of %s refused during the rebalance (%s); it is made "
                     "again after rejoining",

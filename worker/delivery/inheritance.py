@@ -62,12 +62,18 @@ class Inheritance:
         #: Partitions whose committed map is being read: none of their records may start yet.
         self.reading: set[TopicPartition] = set()
         # Hand-over commits of revoked partitions that the group refused during the rebalance,
-        # made again once this member has rejoined (see `assigned`).
+        # made again once this member has rejoined (see `assigned`), and what this member had
+        # committed there before (None: nothing).
         self._unlanded: dict[TopicPartition, Commit] = {}
+        self._before: dict[TopicPartition, Commit | None] = {}
 
-    def refused(self, offsets: dict[TopicPartition, Commit]) -> None:
-        """The group refused this hand-over during a rebalance: land it on rejoining."""
+    def refused(
+        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
+    ) -> None:
+        """The group refused this hand-over during a rebalance: land it on rejoining, unless
+        someone committed there since `before` (this member's last commit landed there)."""
         self._unlanded.update(offsets)
+        self._before.update({tp: before.get(tp) for tp in offsets})
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.reading -= partitions
@@ -225,6 +231,10 @@ class Inheritance:
         if not self._unlanded:
             return {}
         offsets, self._unlanded = self._unlanded, {}
+        before, self._before = self._before, {}
+        offsets = await self._not_overtaken(offsets, before)
+        if not offsets:
+            return {}
         try:
             async with asyncio.timeout(self._timeout_s):
                 await commit_handed_over(self._consumer, offsets)
@@ -240,6 +250,50 @@ class Inheritance:
         self._metrics.commits.labels("ok").inc()
         logger.info("hand-over of %s landed after rejoining", describe_commits(offsets))
         return {tp: position for tp, (position, _) in offsets.items()}
+
+    async def _not_overtaken(
+        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
+    ) -> dict[TopicPartition, Commit]:
+        """Of the hand-overs to land, those whose partition nobody committed since this member
+        did (`before`): the new owner may have read the map without it and committed already,
+        and landing it then would move that owner's position back and replace its map (the
+        records it runs would not count a death if it died). Read without a lock, so a commit
+        racing this read can still be overwritten; the window is one round trip, not the
+        whole rejoin. When the group cannot be read, nothing lands: the new owner then runs
+        again what was answered and not committed, blaming nobody, as when the hand-over
+        never landed."""
+        if self._read_committed is None:
+            return offsets
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                now = await self._read_committed(sorted(offsets))
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offsets before landing the hand-over of %s (%r); "
+                "leaving it unlanded",
+                describe_commits(offsets),
+                exc,
+            )
+            return {}
+        kept: dict[TopicPartition, Commit] = {}
+        for tp, commit in offsets.items():
+            current = now.get(tp)
+            mine = before.get(tp)
+            unchanged = current is None or current == mine
+            if mine is None and current is not None:
+                unchanged = current[0] < commit[0]  # nothing of ours: an older position only
+            if unchanged:
+                kept[tp] = commit
+            else:
+                logger.info(
+                    "%s-%s: committed at %d by another member since; the hand-over at %d is "
+                    "not landed over it",
+                    tp.topic,
+                    tp.partition,
+                    current[0] if current is not None else -1,
+                    commit[0],
+                )
+        return kept
 
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or

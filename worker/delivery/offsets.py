@@ -382,6 +382,11 @@ class OffsetTracker:
         for tp in partitions:
             self._partitions.pop(tp, None)
 
+    def last_commit(self, tp: TopicPartition) -> Commit | None:
+        """What this worker last committed for `tp` (None: nothing, or not held)."""
+        partition = self._partitions.get(tp)
+        return None if partition is None else partition.committed
+
     def committed_position(self, tp: TopicPartition) -> int | None:
         partition = self._partitions.get(tp)
         return None if partition is None or partition.committed is None else partition.committed[0]
