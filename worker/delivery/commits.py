@@ -67,8 +67,9 @@ class GroupOffsetsReader:
         committed = await admin.list_consumer_group_offsets(self._group_id, partitions=partitions)
         return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
 
-    async def live_incarnations(self) -> set[int]:
-        """The incarnations the group's live members announce (`worker.core.incarnation`)."""
+    async def live_incarnations(self) -> set[int] | None:
+        """The incarnations the group's live members announce (`worker.core.incarnation`);
+        None while the group rebalances (its members' metadata is not returned then)."""
         admin = await self._started_admin()
         described = await admin.describe_consumer_groups([self._group_id])
         return incarnations_of_members(described, self._group_id)

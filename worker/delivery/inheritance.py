@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
 CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
-#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`).
-LiveIncarnations = Callable[[], Awaitable[set[int]]]
+#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`);
+#: None when the group cannot say (it is rebalancing).
+LiveIncarnations = Callable[[], Awaitable[set[int] | None]]
 
 # How long a new owner reads again the map of a partition whose last owner is alive but whose
 # hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
@@ -121,7 +122,9 @@ class Inheritance:
             writer_alive = False
             in_flight = len(previous.running - previous.answered)
             if in_flight and not previous.clean:
-                writer_alive = await alive(previous.writer)
+                # Unknown (the group was rebalancing) and its hand-over never landed: dead,
+                # as a live member lands it as soon as it rejoins (`_await_hand_overs`).
+                writer_alive = bool(await alive(previous.writer))
                 if writer_alive:
                     logger.info(
                         "%s-%s: the last owner is still a member of the group; its hand-over "
@@ -195,8 +198,10 @@ class Inheritance:
                 and not previous.clean
                 and previous.running - previous.answered
                 and previous.writer != self._incarnation
-                and await alive(previous.writer)
+                and await alive(previous.writer) is not False
             ):
+                # Alive, or not known to be dead (the group was rebalancing): a live writer
+                # lands its hand-over as soon as it rejoins.
                 waiting.add(tp)
         deadline = time.monotonic() + _HAND_OVER_WAIT_S
         while waiting and time.monotonic() < deadline:
@@ -313,20 +318,26 @@ class _AliveWriters:
     """Whether the writer of a map is a live member of the group: this process itself, or an
     incarnation a live member announces. The group is asked once per assignment, and only
     about a map that was not a clean hand-over; a writer that names no incarnation, or a
-    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side)."""
+    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side).
+    A group that is rebalancing cannot say (None): the new owner then waits for the writer's
+    hand-over, as for a live one, and counts it dead only when none lands."""
 
     def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
         self._own = own
         self._ask = ask
         self._timeout_s = timeout_s
+        self._asked = False
         self._live: set[int] | None = None
 
-    async def __call__(self, writer: int) -> bool:
+    async def __call__(self, writer: int) -> bool | None:
+        """Whether `writer` is alive; None when the group could not say (it was rebalancing:
+        its members come back without the metadata that announces them)."""
         if not writer:
             return False
         if writer == self._own:
             return True
-        if self._live is None:
+        if not self._asked:
+            self._asked = True
             self._live = set()
             if self._ask is not None:
                 try:
@@ -338,4 +349,6 @@ class _AliveWriters:
                         "that did not hand over counts as dead",
                         exc,
                     )
+        if self._live is None:
+            return None
         return writer in self._live
