@@ -199,3 +199,28 @@ async def test_a_reply_topic_the_worker_may_not_write_to_is_answered_on_the_resu
         assert REPLY in failed.error.detail
     assert isinstance(answered["plain"][0], Completed)
     assert not [v for t, _, v, _ in producer.sent if t == REPLY]
+
+
+class _NoMetadataForReply(IdempotentBroker):
+    """A broker that refuses even the reply topic's metadata to this worker's producer: the
+    send fails before anything reaches the broker."""
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        if topic in self.forbidden:
+            raise TopicAuthorizationFailedError(topic)
+        return await super().partitions_for(topic)
+
+    async def send(self, topic: str, *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
+        if topic in self.forbidden:
+            raise TopicAuthorizationFailedError(topic)
+        return await super().send(topic, *args, **kwargs)
+
+
+async def test_a_reply_topic_refused_before_anything_is_sent_is_answered_on_the_results_topic():
+    producer = _NoMetadataForReply({}, forbidden=frozenset({REPLY}))
+    values = [_job("first", 2), _job("plain", 2, None)]
+    status, answered, _ = await _serve(producer, values, renewable=False)
+    assert status == 0
+    (failed,) = answered["first"]
+    assert isinstance(failed, Failed) and failed.error.code == "invalid_job", failed
+    assert isinstance(answered["plain"][0], Completed)

@@ -314,6 +314,9 @@ class Delivery:
                 )
             except OutOfOrderSequenceNumber as exc:
                 await self._renew(generation, exc, f"sending to {record.topic}")
+            except TopicAuthorizationFailedError as exc:
+                # Refused before anything was sent (the topic's metadata): no sequence broke.
+                self._redirect(ticket, index, f"the broker refuses this worker's writes ({exc})")
             except KafkaError as exc:
                 await backoff.after(exc, f"sending to {record.topic}")
             else:
