@@ -14,7 +14,16 @@ when set, else starts a local noida-db broker (worker.dev.broker.LocalBroker).
    map's worst shape) committed to the broker with its map at ~3 KB and without a map; the
    median wall time of one commit each way and their ratio, plus the time to build the map.
 
-Figures and ratios only; it never fails on them (exit code 0).
+3. Commit cost behind a long head-of-line job (no broker): one slow job at the head and N
+   short ones behind it finished, then a job more started and finished before each commit, as
+   when short jobs keep finishing. The median time to plan one commit at N = 1k, 10k, 100k,
+   300k, against the same at N = 100 measured in the same run (the baseline), and against
+   building the map from a sorted copy of every finished offset each time (the previous
+   implementation's shape). With the finished offsets kept as runs the ratio to the baseline
+   stays near 1.
+
+Figures and ratios only; it never fails on them (exit code 0). `--plan-only` runs part 3
+alone.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from typing import Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Job, SamplingSpec, decode_result, encode
+from worker.delivery.offset_map import encode_bounded, encode_offset_map
 from worker.delivery.offsets import PartitionOffsets
 from worker.dev.broker import env_or_local_broker, new_topics
 
@@ -148,18 +158,74 @@ async def commit_cost(bootstrap: str, rounds: int = 50) -> None:
     )
 
 
+def _behind_a_slow_head(finished: int) -> PartitionOffsets:
+    partition = PartitionOffsets()
+    for offset in range(finished + 1):
+        partition.start(offset)
+    for offset in range(1, finished + 1):
+        partition.finish(offset)
+    return partition
+
+
+def _median_plan_s(finished: int, rounds: int) -> float:
+    """Median time to plan a commit after one more short job finished behind the head."""
+    partition = _behind_a_slow_head(finished)
+    times = []
+    for i in range(rounds):
+        offset = finished + 1 + i
+        partition.start(offset)
+        partition.finish(offset)
+        t = time.perf_counter()
+        partition.plan(limit=3072)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _median_from_scratch_s(finished: int, rounds: int) -> float:
+    """The same commit built from every finished offset each time: sorted, encoded twice."""
+    answered = set(range(1, finished + 1))
+    times = []
+    for i in range(rounds):
+        answered.add(finished + 1 + i)
+        t = time.perf_counter()
+        encode_bounded(3072, 0, [*answered], running=[0])
+        encode_offset_map(0, answered)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def plan_cost(rounds: int = 30) -> None:
+    baseline = _median_plan_s(100, rounds)
+    print(f"  baseline: 100 finished behind the head, {baseline * 1e6:.1f} us a commit")
+    for finished in (1_000, 10_000, 100_000, 300_000):
+        kept = _median_plan_s(finished, rounds)
+        scratch = _median_from_scratch_s(finished, max(rounds // 6, 3))
+        print(
+            f"  {finished:>7} finished: {kept * 1e6:8.1f} us a commit, "
+            f"{kept / baseline:5.2f} x baseline; from scratch {scratch * 1e3:8.2f} ms, "
+            f"{scratch / kept:8.0f} x runs"
+        )
+
+
 async def main(args: argparse.Namespace, bootstrap: str) -> None:
     print(f"re-run work after SIGKILL ({args.short_jobs} short jobs behind a slow one):")
     for map_bytes in (3072, 0):
         await rerun_after_kill(bootstrap, args.short_jobs, args.kill_at, map_bytes)
     print("commit path:")
     await commit_cost(bootstrap)
+    print("planning a commit behind a long head-of-line job:")
+    plan_cost()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--short-jobs", type=int, default=500)
     parser.add_argument("--kill-at", type=int, default=300)
+    parser.add_argument("--plan-only", action="store_true", help="part 3 alone (no broker)")
     options = parser.parse_args()
+    if options.plan_only:
+        print("planning a commit behind a long head-of-line job:")
+        plan_cost()
+        sys.exit(0)
     with env_or_local_broker() as bootstrap:
         asyncio.run(main(options, bootstrap))

@@ -138,11 +138,14 @@ async def build_worker(
         else RecordLimits.from_topic_limits(settings, topic_limits)
     )
     metrics = metrics or Metrics()
+
     # The producer first: its settings can still be refused (a missing codec), and a client
     # built before that would be left unclosed.
-    producer = make_producer(settings, limits)
-    if wrap_producer is not None:
-        producer = wrap_producer(producer)
+    def new_producer() -> AIOKafkaProducer:
+        producer = make_producer(settings, limits)
+        return producer if wrap_producer is None else wrap_producer(producer)
+
+    producer = new_producer()
     read_committed = GroupOffsetsReader(settings)
     incarnation = new_incarnation()
     worker = Worker(
@@ -155,6 +158,7 @@ async def build_worker(
         read_committed=read_committed,
         live_incarnations=read_committed.live_incarnations,
         incarnation=incarnation,
+        producer_factory=new_producer,
     )
     control = (
         ControlPlane(settings, served, metrics, worker, built_on=built_on)

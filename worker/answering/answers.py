@@ -12,7 +12,7 @@ from worker.answering.payload_store import open_payload_store
 from worker.answering.records import Answer, RecordShaper
 from worker.answering.runner import JobRunner, Ran, where
 from worker.answering.split import ResultSplitter
-from worker.answering.topics import AnswerTopics, TopicLookup
+from worker.answering.topics import AnswerTopics, TopicLimitLookup, TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import (
     FatalError,
@@ -36,7 +36,8 @@ class AnswerBuilder:
     `answer` returns for every record; only cancellation and `FatalError` (the engine is gone)
     leave it without an answer. `smaller` builds what to send instead of a record the broker
     refused for its size after all (its limit could not be read). `topic_lookup` says whether
-    the broker has a job's `reply_to` (see `AnswerTopics`).
+    the broker has a job's `reply_to`, `topic_limit_lookup` its `max.message.bytes` (see
+    `AnswerTopics`).
     """
 
     def __init__(
@@ -46,13 +47,15 @@ class AnswerBuilder:
         limits: RecordLimits,
         metrics: Metrics,
         topic_lookup: TopicLookup | None = None,
+        *,
+        topic_limit_lookup: TopicLimitLookup | None = None,
     ) -> None:
-        topics = AnswerTopics(settings, topic_lookup)
+        topics = AnswerTopics(settings, topic_lookup, limit_lookup=topic_limit_lookup)
         self._topics = topics
         self._metrics = metrics
         self._runner = JobRunner(engine, topics, metrics, settings.worker_id)
         self._shaper = RecordShaper(settings, limits, topics)
-        self._budgets = ValueBudgets(limits, settings.results_topic)
+        self._budgets = ValueBudgets(limits, settings.results_topic, topics.limit_of)
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
 
@@ -115,6 +118,11 @@ class AnswerBuilder:
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
         """`answer` with record `index` replaced by a smaller one; see `RecordShaper.smaller`."""
         return self._shaper.smaller(answer, index, refused_by)
+
+    def unwritable(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
+        """`answer` with record `index`, whose reply topic refuses this worker's writes,
+        answered on the results topic; see `RecordShaper.unwritable`."""
+        return self._shaper.unwritable(answer, index, refused_by)
 
     async def _completed(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], job: Job, ran: Ran

@@ -192,14 +192,35 @@ class RecordShaper:
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
 
+    def unwritable(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
+        """`answer` with record `index`, on a reply topic that refuses this worker's writes,
+        replaced by the failed result a job naming a refused reply topic gets, on the results
+        topic (the topic is refused from now on: `AnswerTopics.refuse_writes`); None when the
+        record is on the results or dead-letter topic, which leave nowhere else to answer."""
+        record = answer.records[index]
+        if record.topic in (self._topics.results, self._topics.dead_letter):
+            return None
+        self._topics.refuse_writes(record.topic, refused_by)
+        detail = f"reply_to {record.topic!r} cannot be answered on: {refused_by}"
+        code = ErrorCode.INVALID_JOB
+        failed = self._minimal_failed(answer.job_id, code, detail, False, self._topics.results)
+        updated = _replace(answer, index, failed)
+        return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
+
     def _failed_record(self, failed: Failed, topic: str) -> OutRecord:
         """`failed` as a record, or the minimal failed result when that does not fit (metadata
         of up to 64 x 64 KiB can outgrow a topic's limit on its own)."""
         out = self._result_record(failed.job_id, encode_result(failed), topic)
-        if self._limits.limit_exceeded(out.topic, out.size) is None:
+        if self._refusal_for_size(out) is None:
             return out
         error = failed.error
         return self._minimal_failed(failed.job_id, error.code, error.detail, error.retryable, topic)
+
+    def _refusal_for_size(self, record: OutRecord) -> str | None:
+        """Why `record` would be refused for its size (None: it fits)."""
+        return self._limits.limit_exceeded(
+            record.topic, record.size, topic_limit=self._topics.limit_of(record.topic)
+        )
 
     def _minimal_failed(
         self, job_id: str | None, code: ErrorCode, detail: str, retryable: bool, topic: str
@@ -255,14 +276,14 @@ class RecordShaper:
     def _smaller_copy(self, copy: OutRecord, *, force: bool) -> OutRecord:
         """The copy without its value (the original stays in its topic at the offset the headers
         name) when it does not fit or `force`; then without the original headers too."""
-        if not force and self._limits.limit_exceeded(copy.topic, copy.size) is None:
+        if not force and self._refusal_for_size(copy) is None:
             return copy
         headers = copy.headers
         if copy.value is not None:
             headers = [*headers, ("vkw.value.dropped", str(len(copy.value)).encode())]
             size = record_bytes(copy.key, None, headers)
             smaller = OutRecord(RecordKind.DEAD_LETTER, copy.topic, copy.key, None, headers, size)
-            if self._limits.limit_exceeded(smaller.topic, smaller.size) is None:
+            if self._refusal_for_size(smaller) is None:
                 return smaller
         ours = [(k, v[:_MINIMAL_DETAIL_CHARS]) for k, v in headers if k.startswith("vkw.")]
         key = copy.key if copy.key is None else copy.key[:_MINIMAL_KEY_BYTES]

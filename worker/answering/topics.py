@@ -22,12 +22,14 @@ from aiokafka.errors import KafkaError
 from schemas import Job
 from worker.core.config import Settings
 
-__all__ = ["AnswerTopics", "TopicLookup"]
+__all__ = ["AnswerTopics", "TopicLimitLookup", "TopicLookup"]
 
 logger = logging.getLogger(__name__)
 
 #: Whether the broker has a topic: True or False, or a KafkaError when no broker answers.
 TopicLookup = Callable[[str], Awaitable[bool]]
+#: A topic's `max.message.bytes`, None when it cannot be read.
+TopicLimitLookup = Callable[[str], Awaitable[int | None]]
 
 #: The longest a job waits for the metadata of its reply topic.
 REPLY_TOPIC_CHECK_S: Final = 5.0
@@ -44,7 +46,10 @@ class AnswerTopics:
     and `MISSING_TOPIC_TTL_S`); `of`, `answer_topic` and `refusal` then say, without waiting,
     where it is answered and why not on its `reply_to`.
 
-    Without `lookup` an allowed `reply_to` is taken as it is named, unchecked.
+    Without `lookup` an allowed `reply_to` is taken as it is named, unchecked. With
+    `limit_lookup`, a topic found also has its `max.message.bytes` read (`limit_of`), so its
+    answers are shaped to fit it before they are sent: a record the broker refuses breaks the
+    idempotent producer's sequence for that partition.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class AnswerTopics:
         settings: Settings,
         lookup: TopicLookup | None = None,
         *,
+        limit_lookup: TopicLimitLookup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.results = settings.results_topic
@@ -60,8 +66,11 @@ class AnswerTopics:
             re.compile(settings.reply_topics) if settings.reply_topics is not None else None
         )
         self._lookup = lookup
+        self._limit_lookup = limit_lookup
         self._clock = clock
         self._present: set[str] = set()
+        # Reply topics found, by their max.message.bytes (None: not read).
+        self._limits: dict[str, int | None] = {}
         # Topic -> (when it may be looked up again, why it is refused meanwhile).
         self._missing: dict[str, tuple[float, str]] = {}
         self._checks: dict[str, asyncio.Task[None]] = {}
@@ -120,6 +129,17 @@ class AnswerTopics:
             reason = "it has not been checked on the broker"
         return f"reply_to {reply_to!r} cannot be answered on: {reason}"
 
+    def refuse_writes(self, topic: str, reason: str) -> None:
+        """The broker refused this worker's write to reply topic `topic`: its jobs are answered
+        on the results topic instead, until it is looked up again."""
+        self._present.discard(topic)
+        self._limits.pop(topic, None)
+        self._refuse(topic, reason)
+
+    def limit_of(self, topic: str) -> int | None:
+        """The `max.message.bytes` of a reply topic found on the broker, when it was read."""
+        return self._limits.get(topic)
+
     def _missing_reason(self, topic: str) -> str | None:
         missing = self._missing.get(topic)
         if missing is None:
@@ -145,10 +165,28 @@ class AnswerTopics:
             self._refuse(topic, f"its metadata could not be read ({type(exc).__name__})")
             return
         if present:
+            limit = await self._read_limit(topic)
+            self._limits[topic] = limit
             self._present.add(topic)
-            logger.info("reply topic %s exists: answering jobs on it", topic)
+            logger.info(
+                "reply topic %s exists: answering jobs on it (max.message.bytes %s)",
+                topic,
+                "unknown" if limit is None else limit,
+            )
         else:
             self._refuse(topic, "the broker has no such topic (and does not create it)")
+
+    async def _read_limit(self, topic: str) -> int | None:
+        """The topic's `max.message.bytes`, or None when it cannot be read in time (its
+        records are then bounded by the producer's limit, and a refusal is answered)."""
+        if self._limit_lookup is None:
+            return None
+        try:
+            async with asyncio.timeout(REPLY_TOPIC_CHECK_S):
+                return await self._limit_lookup(topic)
+        except Exception as exc:  # noqa: BLE001 - an unknown limit is what a failed lookup means
+            logger.warning("cannot read max.message.bytes of reply topic %s: %r", topic, exc)
+            return None
 
     def _refuse(self, topic: str, reason: str) -> None:
         if len(self._missing) >= _MAX_MISSING:

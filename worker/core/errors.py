@@ -12,11 +12,12 @@
     ├── WeightUpdateError      a weight update could not be applied; the old weights still serve
     └── FatalError             the process cannot go on: stop fetching, commit only what
         │                      finished, exit non-zero so a supervisor restarts it
-        ├── EngineDeadError        the engine is gone
+        ├── EngineDeadError        the engine is gone (maybe a job's doing: blames the jobs)
+        │   └── EngineLostToUpdateError    a weight update left no engine: blames no job
         └── BrokerError            results cannot be delivered (auth, unreachable for too long)
 
-Like aiokafka's errors, each class carries its policy (`code`, `retryable`) so the handler needs
-no table of its own.
+Like aiokafka's errors, each class carries its policy (`code`, `retryable`, `blames_jobs`) so
+the handler needs no table of its own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "ConfigError",
     "EngineDeadError",
     "EngineError",
+    "EngineLostToUpdateError",
     "FatalError",
     "InvalidJobError",
     "InvalidRecordError",
@@ -114,10 +116,23 @@ class WeightUpdateError(WorkerError):
 class FatalError(WorkerError):
     """The service must stop; unfinished jobs stay uncommitted and are redelivered."""
 
+    #: Whether a job in flight may have caused it: then the stop is no clean hand-over and
+    #: each of them counts a death for the crash-loop breaker.
+    blames_jobs: ClassVar[bool] = True
+
 
 class EngineDeadError(FatalError):
     """The engine can no longer serve any request."""
 
 
+class EngineLostToUpdateError(EngineDeadError):
+    """A weight update (a failed load, a rebuild that did not start) left no engine: the
+    control plane's doing, not a job's."""
+
+    blames_jobs = False
+
+
 class BrokerError(FatalError):
     """The broker refuses or cannot be reached for longer than the worker will wait."""
+
+    blames_jobs = False

@@ -27,6 +27,8 @@ __all__ = ["incarnation_assignor", "incarnations_of_members", "new_incarnation"]
 # another consumer's user data from being read as an incarnation.
 _TAG: Final = b"vkw-incarnation:"
 _BITS: Final = 48
+# Group states in which Apache Kafka's DescribeGroups leaves out the members' metadata.
+_REBALANCING: Final = frozenset({"PreparingRebalance", "CompletingRebalance", "AwaitingSync"})
 
 
 def new_incarnation() -> int:
@@ -46,15 +48,19 @@ def incarnation_assignor(incarnation: int) -> type[RoundRobinPartitionAssignor]:
     return IncarnationAssignor
 
 
-def incarnations_of_members(descriptions: Sequence[Any], group_id: str) -> set[int]:
+def incarnations_of_members(descriptions: Sequence[Any], group_id: str) -> set[int] | None:
     """The incarnations announced by the live members of `group_id`, from aiokafka's
-    `describe_consumer_groups` responses. A member whose metadata is missing (a broker that
-    does not return it) or holds no incarnation names none."""
+    `describe_consumer_groups` responses; None while the group rebalances, when Apache Kafka
+    returns its members without their metadata (`GroupMetadata.summaryNoMetadata`), so the
+    answer says nothing about who is alive. A member whose metadata is missing otherwise (a
+    broker that never returns it) or holds no incarnation names none."""
     found: set[int] = set()
     for response in descriptions:
         for group in response.to_object().get("groups", []):
             if group.get("group") != group_id or group.get("error_code"):
                 continue
+            if group.get("state") in _REBALANCING:
+                return None
             for member in group.get("members", []):
                 raw = member.get("member_metadata") or b""
                 try:

@@ -42,6 +42,7 @@ __all__ = [
     "make_producer",
     "read_record_limits",
     "record_size_limit",
+    "topic_max_message_bytes",
     "topics_max_message_bytes",
 ]
 
@@ -308,6 +309,11 @@ async def create_topics(settings: Settings) -> list[str]:
         replication_factor=settings.topic_replication_factor,
         configs=configs,
     )
+
+
+async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
+    """`max.message.bytes` of one topic (a job's reply topic), None when it cannot be read."""
+    return (await topics_max_message_bytes(settings, [topic]))[topic]
 
 
 async def topics_max_message_bytes(

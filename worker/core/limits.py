@@ -87,14 +87,21 @@ class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     def limit_exceeded(
-        self, topic: str, size: int, *, result_value_bytes: int | None = None
+        self,
+        topic: str,
+        size: int,
+        *,
+        result_value_bytes: int | None = None,
+        topic_limit: int | None = None,
     ) -> str | None:
         """Why a record of `size` bytes (see `record_bytes`) for `topic` would be refused, naming
         the limit; None when it fits. `result_value_bytes` is a result's encoded size, which
-        `max_result_bytes` bounds on its own."""
+        `max_result_bytes` bounds on its own; `topic_limit` the `max.message.bytes` of a topic
+        read after start (a reply topic)."""
         if result_value_bytes is not None and result_value_bytes > self.max_result_bytes:
             return f"the limit is {self.max_result_bytes} (max_result_bytes)"
-        topic_limit = self.topic_bytes.get(topic)
+        if topic_limit is None:
+            topic_limit = self.topic_bytes.get(topic)
         if topic_limit is not None and size > topic_limit:
             return f"the limit is {topic_limit} ({topic}'s max.message.bytes ({topic_limit}))"
         if size > self.request_bytes:
@@ -111,9 +118,16 @@ class ValueBudgets:
     sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key and
     framing. The framing depends only on the key's length: one computation per length."""
 
-    def __init__(self, limits: RecordLimits, results_topic: str) -> None:
+    def __init__(
+        self,
+        limits: RecordLimits,
+        results_topic: str,
+        reply_limit: Callable[[str], int | None] = lambda _: None,
+    ) -> None:
         self._limits = limits
         self._results_topic = results_topic
+        # A reply topic's max.message.bytes, read when a job first names it.
+        self._reply_limit = reply_limit
         # A results record this size or smaller fits every limit.
         self._results_fit = min(
             limit
@@ -133,14 +147,18 @@ class ValueBudgets:
     def _compute(self, job_id: str, topic: str) -> tuple[int, str]:
         framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
         fit = self._results_fit
+        topic_limit = None
         if topic != self._results_topic:
-            # A reply topic's limit was not read at start: the producer's bounds it, and a
-            # broker refusal is answered with the smaller record as for any unread limit.
+            # A reply topic's limit is read when a job first names it; where it cannot be,
+            # the producer's bounds it, and a broker refusal is answered after all.
+            topic_limit = self._reply_limit(topic)
             fit = self._limits.request_bytes
+            if topic_limit is not None:
+                fit = min(fit, topic_limit)
         budget = self._limits.max_result_bytes
         if fit - framing >= budget:
             return budget, f"max_result_bytes ({budget})"
-        reason = self._limits.limit_exceeded(topic, fit + 1) or ""
+        reason = self._limits.limit_exceeded(topic, fit + 1, topic_limit=topic_limit) or ""
         return fit - framing, reason.removeprefix("the limit is ")
 
 

@@ -67,8 +67,9 @@ class GroupOffsetsReader:
         committed = await admin.list_consumer_group_offsets(self._group_id, partitions=partitions)
         return {tp: (c.offset, c.metadata or "") for tp, c in committed.items()}
 
-    async def live_incarnations(self) -> set[int]:
-        """The incarnations the group's live members announce (`worker.core.incarnation`)."""
+    async def live_incarnations(self) -> set[int] | None:
+        """The incarnations the group's live members announce (`worker.core.incarnation`);
+        None while the group rebalances (its members' metadata is not returned then)."""
         admin = await self._started_admin()
         described = await admin.describe_consumer_groups([self._group_id])
         return incarnations_of_members(described, self._group_id)
@@ -203,12 +204,15 @@ class Committer:
 
     async def write_ahead_exact(self) -> bool:
         """Commit every partition and wait (at most `commit_timeout_s`): True when the broker
-        holds exactly what runs now. A suspect of a crash starts only then, so a death while it
-        runs blames it and no job that ran before it."""
-        if not self.maps_on:
-            return False
+        holds exactly what would be committed now. A suspect of a crash starts only then, so
+        a death while it runs blames it and no job that ran before it.
+
+        Once the broker refuses maps, what it holds is positions alone: a death then goes
+        uncounted whatever runs, so a suspect starts once those landed, rather than never
+        (which held every partition for good)."""
         await self.commit_now()
-        return self.maps_on and not self.tracker.plan(None, limit=self._map_max_bytes)
+        limit = self._map_max_bytes if self.maps_on else 0
+        return not self.tracker.plan(None, limit=limit)
 
     async def hand_over(self) -> None:
         """The worker is stopping: commit a clean hand-over now, so a supervisor's kill during
@@ -293,7 +297,9 @@ class Committer:
             # unless this was the hand-over, which is made again once this member rejoins.
             self._metrics.commits.labels("failed").inc()
             if clean and partitions is not None:
-                self._inheritance.refused(offsets)
+                self._inheritance.refused(
+                    offsets, {tp: self.tracker.last_commit(tp) for tp in offsets}
+                )
                 logger.info(
                     "hand-over commit of %s refused during the rebalance (%s); it is made "
                     "again after rejoining",

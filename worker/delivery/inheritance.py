@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 #: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
 CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
-#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`).
-LiveIncarnations = Callable[[], Awaitable[set[int]]]
+#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`);
+#: None when the group cannot say (it is rebalancing).
+LiveIncarnations = Callable[[], Awaitable[set[int] | None]]
 
 # How long a new owner reads again the map of a partition whose last owner is alive but whose
 # hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
@@ -62,12 +63,18 @@ class Inheritance:
         #: Partitions whose committed map is being read: none of their records may start yet.
         self.reading: set[TopicPartition] = set()
         # Hand-over commits of revoked partitions that the group refused during the rebalance,
-        # made again once this member has rejoined (see `assigned`).
+        # made again once this member has rejoined (see `assigned`), and what this member had
+        # committed there before (None: nothing).
         self._unlanded: dict[TopicPartition, Commit] = {}
+        self._before: dict[TopicPartition, Commit | None] = {}
 
-    def refused(self, offsets: dict[TopicPartition, Commit]) -> None:
-        """The group refused this hand-over during a rebalance: land it on rejoining."""
+    def refused(
+        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
+    ) -> None:
+        """The group refused this hand-over during a rebalance: land it on rejoining, unless
+        someone committed there since `before` (this member's last commit landed there)."""
         self._unlanded.update(offsets)
+        self._before.update({tp: before.get(tp) for tp in offsets})
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.reading -= partitions
@@ -115,7 +122,9 @@ class Inheritance:
             writer_alive = False
             in_flight = len(previous.running - previous.answered)
             if in_flight and not previous.clean:
-                writer_alive = await alive(previous.writer)
+                # Unknown (the group was rebalancing) and its hand-over never landed: dead,
+                # as a live member lands it as soon as it rejoins (`_await_hand_overs`).
+                writer_alive = bool(await alive(previous.writer))
                 if writer_alive:
                     logger.info(
                         "%s-%s: the last owner is still a member of the group; its hand-over "
@@ -189,8 +198,10 @@ class Inheritance:
                 and not previous.clean
                 and previous.running - previous.answered
                 and previous.writer != self._incarnation
-                and await alive(previous.writer)
+                and await alive(previous.writer) is not False
             ):
+                # Alive, or not known to be dead (the group was rebalancing): a live writer
+                # lands its hand-over as soon as it rejoins.
                 waiting.add(tp)
         deadline = time.monotonic() + _HAND_OVER_WAIT_S
         while waiting and time.monotonic() < deadline:
@@ -225,6 +236,10 @@ class Inheritance:
         if not self._unlanded:
             return {}
         offsets, self._unlanded = self._unlanded, {}
+        before, self._before = self._before, {}
+        offsets = await self._not_overtaken(offsets, before)
+        if not offsets:
+            return {}
         try:
             async with asyncio.timeout(self._timeout_s):
                 await commit_handed_over(self._consumer, offsets)
@@ -240,6 +255,50 @@ class Inheritance:
         self._metrics.commits.labels("ok").inc()
         logger.info("hand-over of %s landed after rejoining", describe_commits(offsets))
         return {tp: position for tp, (position, _) in offsets.items()}
+
+    async def _not_overtaken(
+        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
+    ) -> dict[TopicPartition, Commit]:
+        """Of the hand-overs to land, those whose partition nobody committed since this member
+        did (`before`): the new owner may have read the map without it and committed already,
+        and landing it then would move that owner's position back and replace its map (the
+        records it runs would not count a death if it died). Read without a lock, so a commit
+        racing this read can still be overwritten; the window is one round trip, not the
+        whole rejoin. When the group cannot be read, nothing lands: the new owner then runs
+        again what was answered and not committed, blaming nobody, as when the hand-over
+        never landed."""
+        if self._read_committed is None:
+            return offsets
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                now = await self._read_committed(sorted(offsets))
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning(
+                "cannot read the committed offsets before landing the hand-over of %s (%r); "
+                "leaving it unlanded",
+                describe_commits(offsets),
+                exc,
+            )
+            return {}
+        kept: dict[TopicPartition, Commit] = {}
+        for tp, commit in offsets.items():
+            current = now.get(tp)
+            mine = before.get(tp)
+            unchanged = current is None or current == mine
+            if mine is None and current is not None:
+                unchanged = current[0] < commit[0]  # nothing of ours: an older position only
+            if unchanged:
+                kept[tp] = commit
+            else:
+                logger.info(
+                    "%s-%s: committed at %d by another member since; the hand-over at %d is "
+                    "not landed over it",
+                    tp.topic,
+                    tp.partition,
+                    current[0] if current is not None else -1,
+                    commit[0],
+                )
+        return kept
 
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or
@@ -259,20 +318,26 @@ class _AliveWriters:
     """Whether the writer of a map is a live member of the group: this process itself, or an
     incarnation a live member announces. The group is asked once per assignment, and only
     about a map that was not a clean hand-over; a writer that names no incarnation, or a
-    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side)."""
+    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side).
+    A group that is rebalancing cannot say (None): the new owner then waits for the writer's
+    hand-over, as for a live one, and counts it dead only when none lands."""
 
     def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
         self._own = own
         self._ask = ask
         self._timeout_s = timeout_s
+        self._asked = False
         self._live: set[int] | None = None
 
-    async def __call__(self, writer: int) -> bool:
+    async def __call__(self, writer: int) -> bool | None:
+        """Whether `writer` is alive; None when the group could not say (it was rebalancing:
+        its members come back without the metadata that announces them)."""
         if not writer:
             return False
         if writer == self._own:
             return True
-        if self._live is None:
+        if not self._asked:
+            self._asked = True
             self._live = set()
             if self._ask is not None:
                 try:
@@ -284,4 +349,6 @@ class _AliveWriters:
                         "that did not hand over counts as dead",
                         exc,
                     )
+        if self._live is None:
+            return None
         return writer in self._live

@@ -41,9 +41,12 @@ __all__ = [
     "BoundedMap",
     "OffsetMap",
     "OffsetMapError",
+    "Run",
     "decode_offset_map",
     "encode_bounded",
+    "encode_bounded_runs",
     "encode_offset_map",
+    "encoded_length",
 ]
 
 PREFIX: Final = "vkw2:"
@@ -120,7 +123,31 @@ def encode_bounded(
     records then run again: plain at-least-once), then the running ones (a death would go
     uncounted), and only then deaths, keeping those nearest the position (the next suspects).
     """
-    answered_runs = _runs(position, answered)
+    return encode_bounded_runs(
+        limit,
+        position,
+        _runs(position, answered),
+        running=running,
+        deaths=deaths,
+        clean=clean,
+        writer=writer,
+    )
+
+
+def encode_bounded_runs(
+    limit: int,
+    position: int,
+    answered_runs: list[Run],
+    *,
+    running: Iterable[int] = (),
+    deaths: Mapping[int, int] | None = None,
+    clean: bool = False,
+    writer: int = 0,
+) -> BoundedMap:
+    """`encode_bounded` of answered offsets given as their runs (in order, disjoint, none
+    below `position`): what an owner that keeps its answered offsets as runs commits, at a
+    cost that grows with the runs, not with the offsets in them."""
+    answered_runs = list(answered_runs)
     running_runs = _runs(position, running)
     death_runs = _death_runs(position, deaths or {})
     header = _Header(clean, writer)
@@ -147,6 +174,20 @@ def encode_bounded(
     if len(metadata) > limit:
         metadata = ""
     return BoundedMap(metadata, (*dropped, "deaths"))
+
+
+def encoded_length(position: int, answered_runs: list[Run]) -> int:
+    """`len(encode_offset_map(position, answered))` for the answered offsets of these runs,
+    counted without building it."""
+    if not answered_runs:
+        return 0
+    # Flags (0), the anchor, the answered runs' count and runs, two empty sections.
+    size = 1 + _varint_length(position) + _varint_length(len(answered_runs)) + 2
+    cursor = position
+    for start, stop, _ in answered_runs:
+        size += _varint_length(start - cursor) + _varint_length(stop - start)
+        cursor = stop
+    return len(PREFIX) + (4 * size + 2) // 3  # unpadded base64
 
 
 def decode_offset_map(position: int, metadata: str, *, end: int | None = None) -> OffsetMap:
@@ -198,8 +239,9 @@ def decode_offset_map(position: int, metadata: str, *, end: int | None = None) -
     return OffsetMap(frozenset(answered), frozenset(running), deaths, bool(flags & _CLEAN), writer)
 
 
-# A run: [start, stop) and, for deaths, the count (else 0).
-_Run = tuple[int, int, int]
+#: A run: [start, stop) and, for deaths, the count (else 0).
+Run = tuple[int, int, int]
+_Run = Run
 
 
 class _Header(NamedTuple):
@@ -298,6 +340,10 @@ def _expand(runs: list[_Run], end: int | None, limit: int) -> list[int]:
             raise OffsetMapError(f"offset map claims over {limit} offsets")
         offsets.extend(range(start, stop))
     return offsets
+
+
+def _varint_length(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def _varint(out: bytearray, value: int) -> None:

@@ -3,6 +3,8 @@ offsets answered out of order (the offset map, carried in the commit's metadata)
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import logging
 import sys
 from collections import deque
@@ -10,7 +12,7 @@ from typing import NamedTuple
 
 from aiokafka import TopicPartition
 
-from worker.delivery.offset_map import OffsetMap, encode_bounded, encode_offset_map
+from worker.delivery.offset_map import OffsetMap, Run, encode_bounded_runs, encoded_length
 
 __all__ = ["Commit", "OffsetTracker", "PartitionOffsets", "Planned", "describe_commits"]
 
@@ -43,11 +45,21 @@ class PartitionOffsets:
     offset that has not finished (or one past the last started when all did). Offsets may skip
     (compaction, transaction markers); only started ones count. `answered_before` are offsets a
     previous owner answered (read from the committed offset map): they finish as they start.
+
+    What finished above the position is kept as runs of consecutive offsets, merged as each
+    offset finishes, and the last plan is kept until something changes: behind one long job at
+    the head, a commit costs what the runs and the jobs in flight cost, not what the thousands
+    of offsets answered behind it would.
     """
 
     __slots__ = (
-        "_done",
-        "_order",
+        "_planned",
+        "_run_starts",
+        "_run_stops",
+        "_running",
+        "_running_peak",
+        "_started",
+        "_version",
         "anchor",
         "answered_before",
         "committed",
@@ -56,8 +68,19 @@ class PartitionOffsets:
     )
 
     def __init__(self) -> None:
-        self._order: deque[int] = deque()
-        self._done: set[int] = set()
+        # Started offsets from the first unfinished one on, in order (starts come in order),
+        # and those of them still unfinished.
+        self._started: deque[int] = deque()
+        self._running: set[int] = set()
+        # The most offsets `_running` held since it was last rebuilt: a set keeps the table
+        # of its largest size, and iterating it (each plan) walks that whole table.
+        self._running_peak = 0
+        # Finished offsets above the position, as runs [start, stop), in order.
+        self._run_starts: list[int] = []
+        self._run_stops: list[int] = []
+        # Bumped by every start and finish: the last plan holds until it moves.
+        self._version = 0
+        self._planned: tuple[tuple[object, ...], Planned] | None = None
         self.answered_before: set[int] = set()
         #: Offsets that were in flight when a worker process died, and at how many deaths.
         self.deaths: dict[int, int] = {}
@@ -89,11 +112,16 @@ class PartitionOffsets:
                 self.deaths.clear()
             self.anchor = None
         if self.deaths:
-            # Suspects the log no longer holds (compacted, or past a reset) blame nobody.
-            for gone in [o for o in self.deaths if o < offset]:
+            # Suspects the log no longer holds (compacted, or past a reset) blame nobody. One
+            # still in flight (answered as crash-looped, not yet acknowledged) keeps its count
+            # until it finishes: a death meanwhile must not count as its first.
+            for gone in [o for o in self.deaths if o < offset and o not in self._running]:
                 del self.deaths[gone]
-        self._order.append(offset)
+        self._started.append(offset)
+        self._running.add(offset)
+        self._running_peak = max(self._running_peak, len(self._running))
         self.last_started = offset
+        self._version += 1
         if self.answered_before and offset in self.answered_before:
             self.answered_before.discard(offset)
             self.finish(offset)
@@ -102,36 +130,77 @@ class PartitionOffsets:
 
     def unstart(self, offset: int) -> None:
         """Take back the start of `offset`, the last one started: it did not run after all."""
-        if not self._order or self._order[-1] != offset or offset in self._done:
+        if offset != self.last_started or offset not in self._running:
             raise ValueError(f"offset {offset} is not the last one started and unfinished")
-        self._order.pop()
+        self._running.discard(offset)
+        self._started.pop()
+        self._version += 1
         # Everything below it is finished or absent: committing at it is right.
-        self.last_started = self._order[-1] if self._order else offset - 1
+        self.last_started = self._started[-1] if self._started else offset - 1
+        self._drop_finished_head()
 
     def finish(self, offset: int) -> None:
-        if not self._order or offset < self._order[0] or offset > self._order[-1]:
+        if offset not in self._running:
             return  # finished already (an answer acknowledged twice): nothing left to do
+        self._running.discard(offset)
+        if len(self._running) * 8 < self._running_peak:
+            # Rebuilt at an eighth of its peak: amortised over the finishes that emptied it.
+            self._running = set(self._running)
+            self._running_peak = len(self._running)
+        self._version += 1
         if self.deaths:
             self.deaths.pop(offset, None)
-        self._done.add(offset)
-        # Pop the finished prefix now, so memory holds only the window of unfinished jobs.
-        while self._order and self._order[0] in self._done:
-            self._done.discard(self._order.popleft())
+        if offset == self._started[0]:
+            self._drop_finished_head()
+        else:
+            self._add_finished(offset)
+
+    def _drop_finished_head(self) -> None:
+        """The finished offsets from the head on are committable now: they leave the map."""
+        started, running = self._started, self._running
+        while started and started[0] not in running:
+            started.popleft()
+        if self._run_stops:
+            position = self.commit_position()
+            if position is not None:
+                self._drop_finished_below(position)
+
+    def _add_finished(self, offset: int) -> None:
+        """Merge `offset` into the runs of finished offsets above the position."""
+        starts, stops = self._run_starts, self._run_stops
+        i = bisect.bisect_right(starts, offset)
+        if i and stops[i - 1] == offset:
+            stops[i - 1] = offset + 1
+            if i < len(starts) and starts[i] == offset + 1:
+                stops[i - 1] = stops[i]
+                del starts[i], stops[i]
+        elif i < len(starts) and starts[i] == offset + 1:
+            starts[i] = offset
+        else:
+            starts.insert(i, offset)
+            stops.insert(i, offset + 1)
+
+    def _drop_finished_below(self, position: int) -> None:
+        """The runs below the position are committable now: they leave the map."""
+        stops = self._run_stops
+        k = bisect.bisect_right(stops, position)
+        if k:
+            del self._run_starts[:k], stops[:k]
 
     @property
     def idle(self) -> bool:
         """Every record started is answered and acknowledged."""
-        return not self._order
+        return not self._running
 
     @property
     def pending(self) -> int:
         """Started offsets not yet committable (unfinished, or finished behind a hole)."""
-        return len(self._order)
+        return len(self._started)
 
     def commit_position(self) -> int | None:
         """The offset to commit (the next record to read), or None when nothing was started."""
-        if self._order:
-            return self._order[0]
+        if self._started:
+            return self._started[0]
         if self.last_started is None:
             # Nothing started yet: the position it was assigned at, so that its first commit
             # replaces the previous owner's map (whose running jobs are not running here).
@@ -153,28 +222,70 @@ class PartitionOffsets:
         answered that was not fetched yet (the next owner skips both), what is running now and
         the deaths of earlier suspects (for the crash-loop breaker), whether this is a clean
         hand-over, and the `writer`'s incarnation. What does not fit is left out, answered runs
-        first (`encode_bounded`).
+        first (`encode_bounded`). Built once for each state: asked again before anything
+        started or finished, the last plan is returned.
         """
         position = self.commit_position()
         if position is None:
             return None
-        done = self._done
-        above = [o for o in self.answered_before if o >= position]
-        running = [o for o in self._order if o not in done]
-        deaths = {o: n for o, n in self.deaths.items() if o >= position}
         if limit is not None and limit <= 0:
             return Planned((position, ""), (), 0)
-        bounded = encode_bounded(
+        # What the plan depends on beyond starts and finishes, which the tracker's readers
+        # of committed maps change from outside.
+        key = (
+            self._version,
+            position,
+            clean,
+            limit,
+            writer,
+            len(self.answered_before),
+            tuple(self.deaths.items()),
+        )
+        if self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
+        own = [(a, b, 0) for a, b in zip(self._run_starts, self._run_stops, strict=True)]
+        answered = own
+        if self.answered_before:
+            above = [o for o in self.answered_before if o >= position]
+            if above:
+                answered = _merged(own, _runs_of(sorted(above)))
+        deaths = {o: n for o, n in self.deaths.items() if o >= position}
+        bounded = encode_bounded_runs(
             sys.maxsize if limit is None else limit,
             position,
-            [*done, *above],
-            running=running,
+            answered,
+            running=self._running,
             deaths=deaths,
             clean=clean,
             writer=writer,
         )
-        own = len(encode_offset_map(position, done)) if done else 0
-        return Planned((position, bounded.metadata), bounded.dropped, own)
+        planned = Planned(
+            (position, bounded.metadata), bounded.dropped, encoded_length(position, own)
+        )
+        self._planned = (key, planned)
+        return planned
+
+
+def _runs_of(offsets: list[int]) -> list[Run]:
+    """The runs of consecutive offsets of a sorted list without repeats."""
+    out: list[Run] = []
+    for offset in offsets:
+        if out and out[-1][1] == offset:
+            out[-1] = (out[-1][0], offset + 1, 0)
+        else:
+            out.append((offset, offset + 1, 0))
+    return out
+
+
+def _merged(one: list[Run], other: list[Run]) -> list[Run]:
+    """Two ordered lists of disjoint runs as one, adjacent runs joined."""
+    out: list[Run] = []
+    for start, stop, _ in heapq.merge(one, other):
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], stop, 0)
+        else:
+            out.append((start, stop, 0))
+    return out
 
 
 class OffsetTracker:
@@ -270,6 +381,11 @@ class OffsetTracker:
         """Drop revoked partitions: their next owner starts from the committed position."""
         for tp in partitions:
             self._partitions.pop(tp, None)
+
+    def last_commit(self, tp: TopicPartition) -> Commit | None:
+        """What this worker last committed for `tp` (None: nothing, or not held)."""
+        partition = self._partitions.get(tp)
+        return None if partition is None else partition.committed
 
     def committed_position(self, tp: TopicPartition) -> int | None:
         partition = self._partitions.get(tp)

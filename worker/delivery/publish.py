@@ -18,7 +18,12 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError
+from aiokafka.errors import (
+    KafkaError,
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    TopicAuthorizationFailedError,
+)
 
 from worker.answering.records import Answer, OutRecord
 from worker.core.config import Settings
@@ -28,6 +33,7 @@ from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import Outbox
+from worker.delivery.renewal import RenewableProducer
 
 __all__ = ["Delivery", "Ticket"]
 
@@ -60,9 +66,13 @@ class Delivery:
     """Owns the outbox, the unacknowledged deliveries, re-sends and the send lock.
 
     `smaller(answer, index, refused_by)` gives the answer with that record shrunk, or None when
-    it cannot shrink. `on_free` is called when records leave the outbox (slots free up);
-    `on_acknowledged` when the broker acknowledged answers (their offsets are finished);
-    `on_fatal` when an answer cannot be delivered at all.
+    it cannot shrink; `unwritable(answer, index, refused_by)` the answer with that record sent
+    elsewhere, its topic refusing this worker's writes, or None when there is nowhere else.
+    A producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
+    sequence (`worker.delivery.renewal`); any other stops the worker then. `on_free` is
+    called when records leave the outbox (slots free up); `on_acknowledged` when the broker
+    acknowledged answers (their offsets are finished); `on_fatal` when an answer cannot be
+    delivered at all.
     """
 
     def __init__(
@@ -73,6 +83,7 @@ class Delivery:
         metrics: Metrics,
         *,
         smaller: Callable[[Answer, int, str], Answer | None],
+        unwritable: Callable[[Answer, int, str], Answer | None] = lambda *_: None,
         on_free: Callable[[], None],
         on_fatal: Callable[[FatalError], None],
         on_acknowledged: Callable[[], None] = lambda: None,
@@ -82,6 +93,11 @@ class Delivery:
         self._limits = limits
         self._metrics = metrics
         self._smaller = smaller
+        self._unwritable = unwritable
+        self._renewable = producer if isinstance(producer, RenewableProducer) else None
+        # A refused batch broke the idempotent sequence of its partition: renew at once,
+        # before the next batch there fails the producer and everything it holds.
+        self._renew_on_refusal = settings.enable_idempotence
         self._on_free = on_free
         self._on_acknowledged = on_acknowledged
         self._on_fatal = on_fatal
@@ -138,7 +154,7 @@ class Delivery:
         max_batched = self._limits.batched_record_max_bytes
         for index in range(len(ticket.answer.records)):
             if ticket.answer.records[index].size > max_batched:
-                delivery = await self._enqueue_fitting(ticket, index)
+                delivery, _ = await self._enqueue_fitting(ticket, index)
                 self._watch([(ticket, index)], delivery)
 
     async def settle(self, partitions: set[TopicPartition] | None, deadline: float) -> None:
@@ -230,7 +246,7 @@ class Delivery:
         backoff = _Backoff(self._publish_timeout_s)
         try:
             while True:
-                delivery = await self._enqueue_fitting(ticket, index, backoff)
+                delivery, generation = await self._enqueue_fitting(ticket, index, backoff)
                 # aiokafka retries an unreachable broker forever; the loop's watchdog bounds
                 # our patience (`oldest_wait_s`).
                 self._deliveries[delivery] = (time.monotonic(), [(ticket, index)])
@@ -238,6 +254,16 @@ class Delivery:
                     await delivery
                 except MessageSizeTooLargeError as exc:
                     self._shrink(ticket, index, f"the broker ({exc})")
+                    await self._after_refusal(generation)
+                    continue
+                except TopicAuthorizationFailedError as exc:
+                    self._redirect(
+                        ticket, index, f"the broker refuses this worker's writes ({exc})"
+                    )
+                    await self._after_refusal(generation)
+                    continue
+                except OutOfOrderSequenceNumber as exc:
+                    await self._renew(generation, exc, where)
                     continue
                 except KafkaError as exc:
                     await backoff.after(exc, f"delivery to {where}")
@@ -265,12 +291,14 @@ class Delivery:
 
     async def _enqueue_fitting(
         self, ticket: Ticket, index: int, backoff: _Backoff | None = None
-    ) -> asyncio.Future[Any]:
+    ) -> tuple[asyncio.Future[Any], int]:
         """Append record `index` to the producer's batches, shrinking it while the producer
-        refuses it for its size; return the future of its acknowledgement."""
+        refuses it for its size; return the future of its acknowledgement, and the generation
+        of the producer it went to."""
         backoff = backoff or _Backoff(self._publish_timeout_s)
         while True:
             record = ticket.answer.records[index]
+            generation = self._generation()
             try:
                 # One task at a time appends to the producer's batches: with hundreds of jobs
                 # finishing together, unserialised sends thrash waiting for full batches.
@@ -284,10 +312,44 @@ class Delivery:
                     index,
                     f"the producer's max_request_size ({self._limits.request_bytes})",
                 )
+            except OutOfOrderSequenceNumber as exc:
+                await self._renew(generation, exc, f"sending to {record.topic}")
+            except TopicAuthorizationFailedError as exc:
+                # Refused before anything was sent (the topic's metadata): no sequence broke.
+                self._redirect(ticket, index, f"the broker refuses this worker's writes ({exc})")
             except KafkaError as exc:
                 await backoff.after(exc, f"sending to {record.topic}")
             else:
-                return delivery
+                return delivery, generation
+
+    def _generation(self) -> int:
+        return self._renewable.generation if self._renewable is not None else 0
+
+    async def _renew(self, generation: int, exc: KafkaError, what: str) -> None:
+        """The producer of `generation` lost its sequence: renew it, or stop the worker when
+        it cannot be renewed."""
+        if self._renewable is None:
+            raise BrokerError(f"{what} failed: {exc!r}") from exc
+        await self._renewable.renew(generation)
+
+    async def _after_refusal(self, generation: int) -> None:
+        """The broker refused a record: its partition's idempotent sequence is broken."""
+        if self._renew_on_refusal and self._renewable is not None:
+            await self._renewable.renew(generation)
+
+    def _redirect(self, ticket: Ticket, index: int, refused_by: str) -> None:
+        record: OutRecord = ticket.answer.records[index]
+        elsewhere = self._unwritable(ticket.answer, index, refused_by)
+        if elsewhere is None:
+            raise BrokerError(f"{refused_by} on {record.topic}")
+        logger.warning(
+            "%s on %s; answering job %s on %s instead",
+            refused_by,
+            record.topic,
+            ticket.answer.job_id,
+            elsewhere.records[index].topic,
+        )
+        ticket.answer = elsewhere
 
     def _shrink(self, ticket: Ticket, index: int, refused_by: str) -> None:
         record: OutRecord = ticket.answer.records[index]

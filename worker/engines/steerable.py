@@ -37,7 +37,13 @@ from schemas import (
     VersionSpan,
     WeightReload,
 )
-from worker.core.errors import EngineError, JobAbortedError, JobExpiredError
+from worker.core.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineLostToUpdateError,
+    JobAbortedError,
+    JobExpiredError,
+)
 from worker.engines.protocol import ControllableEngine, EngineOutput
 
 __all__ = ["SteerableEngine"]
@@ -80,6 +86,10 @@ class SteerableEngine:
         self._idle.set()
         # One control operation at a time, in the order the control topic gives them.
         self._control = asyncio.Lock()
+        # A weight load is under way (nothing of a job runs in the engine meanwhile), or one
+        # left the engine dead: every engine death from then on is the update's, not a job's.
+        self._loading = False
+        self._lost_to_update: EngineLostToUpdateError | None = None
         #: Tokens generated and then thrown away by `restart` updates.
         self.tokens_discarded = 0
         #: Tokens fed forward again to continue sequences after `keep` updates (prompt and
@@ -121,7 +131,10 @@ class SteerableEngine:
         await self._inner.start()
 
     async def check_health(self) -> None:
-        await self._inner.check_health()
+        try:
+            await self._inner.check_health()
+        except EngineDeadError as exc:
+            raise self._blamed(exc) from exc
 
     async def close(self) -> None:
         await self._inner.close()
@@ -143,6 +156,8 @@ class SteerableEngine:
             self._idle.clear()
             try:
                 output = await self._inner.generate(job, request_id)
+            except EngineDeadError as exc:
+                raise self._blamed(exc) from exc
             finally:
                 request.running = False
                 self._running -= 1
@@ -261,6 +276,33 @@ class SteerableEngine:
             mode, lambda: self._inner.transfer_weights(backend, init_info, update_info, version)
         )
 
+    def _blamed(self, exc: EngineDeadError) -> EngineDeadError:
+        """`exc` as what caused it: a weight update when one is loading or left the engine
+        dead (the jobs in flight are not to blame), else as it is."""
+        if isinstance(exc, EngineLostToUpdateError):
+            return exc
+        if self._lost_to_update is not None:
+            return self._lost_to_update
+        if self._loading:
+            return EngineLostToUpdateError(f"the engine died during a weight update: {exc}")
+        return exc
+
+    async def _load(self, load: Callable[[], Awaitable[None]]) -> None:
+        """Run `load`; an engine death it causes becomes `EngineLostToUpdateError`."""
+        self._loading = True
+        try:
+            await load()
+        except EngineDeadError as exc:
+            lost = (
+                exc
+                if isinstance(exc, EngineLostToUpdateError)
+                else EngineLostToUpdateError(f"a weight update left no engine: {exc}")
+            )
+            self._lost_to_update = lost
+            raise lost from exc
+        finally:
+            self._loading = False
+
     async def _update(self, mode: InflightMode, load: Callable[[], Awaitable[None]]) -> None:
         async with self._control:
             self._open.clear()
@@ -269,7 +311,7 @@ class SteerableEngine:
                     if not self._frozen:
                         await self._inner.freeze()
                     try:
-                        await load()
+                        await self._load(load)
                     finally:
                         if not self._frozen:
                             await self._inner.thaw()
@@ -283,7 +325,7 @@ class SteerableEngine:
                     await self._inner.thaw()
                     self._frozen = False
                 await self._idle.wait()
-                await load()
+                await self._load(load)
             finally:
                 if not self._paused:
                     self._open.set()

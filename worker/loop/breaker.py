@@ -18,12 +18,13 @@ map. Serial runs cost a drain per suspect, paid only after a death.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from typing import NamedTuple, TypeAlias
+from typing import Final, NamedTuple, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from worker.core.errors import BrokerError, FatalError
+from worker.core.errors import FatalError
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
@@ -33,13 +34,19 @@ logger = logging.getLogger(__name__)
 
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 
+#: After the commit that was to name a suspect alone did not land, how long every partition
+#: stays held before the suspect is fetched and tried again: a coordinator that refuses
+#: commits at once must not turn the loop into a spin of fetches, rewinds and commits.
+RETRY_ALONE_S: Final = 0.5
+
 
 def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
     """Whether a stop on `fatal` (None: asked to stop) may have been caused by a job in flight,
     so its final commit must not be a clean hand-over. The one place that decides what a stop
-    blames: a stop asked for (SIGTERM, revoke) and a broker that cannot be reached are no job's
-    doing; an engine that died under its jobs may be."""
-    return fatal is not None and not isinstance(fatal, BrokerError)
+    blames: a stop asked for (SIGTERM, revoke), a broker that cannot be reached and an engine
+    a weight update left dead are no job's doing (`FatalError.blames_jobs`); an engine that
+    died under its jobs may be."""
+    return fatal is not None and fatal.blames_jobs
 
 
 class Taken(NamedTuple):
@@ -68,6 +75,8 @@ class CrashLoopBreaker:
         metrics: Metrics,
         tracker: OffsetTracker,
         assignment: Callable[[], set[TopicPartition]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._limit = max(max_crash_attempts, 2) if max_crash_attempts else 0
         self._metrics = metrics
@@ -79,6 +88,9 @@ class CrashLoopBreaker:
         self._unconfirmed = False
         # Partitions whose next record is a suspect waiting for the worker to be quiet.
         self._waiting: set[TopicPartition] = set()
+        self._clock = clock
+        # Until then, a suspect whose commit did not land waits with every partition held.
+        self._retry_at = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -151,6 +163,7 @@ class CrashLoopBreaker:
             self._alone = None
             self._unconfirmed = False
             self._waiting.add(alone.tp)
+            self._retry_at = self._clock() + RETRY_ALONE_S
 
     def held(self) -> set[TopicPartition]:
         """Every partition while a suspect runs alone and until a commit past it lands; while
@@ -167,7 +180,7 @@ class CrashLoopBreaker:
             }
         if not self._waiting:
             return set()
-        if self._quiet():
+        if self._quiet() and self._clock() >= self._retry_at:
             return self._assignment() - {min(self._waiting)}
         return self._assignment()
 

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -19,16 +20,17 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
-from worker.answering.topics import TopicLookup
+from worker.answering.topics import TopicLimitLookup, TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
-from worker.core.kafka import broker_has_topic
+from worker.core.kafka import broker_has_topic, topic_max_message_bytes
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
 from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
+from worker.delivery.renewal import RenewableProducer
 from worker.engines.protocol import Engine
 from worker.loop.breaker import CrashLoopBreaker, stop_blames_running_jobs
 from worker.loop.gate import Batch, PartitionGate
@@ -56,9 +58,12 @@ class Worker:
     announces `incarnation`; see `worker.core.incarnation`). The engine
     is started and closed by its owner; `topic_lookup` says whether the broker has a job's
     `reply_to` (default: one metadata request on the producer's connections; tests of
-    reply topics with fakes pass their own). `run()` starts the clients, serves until
-    `request_stop()` or a fatal error, drains, closes the clients, and returns the exit status
-    (0 clean, 1 fatal).
+    reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
+    (default, with the default `topic_lookup`: one DescribeConfigs request).
+    `producer_factory` makes a producer like `producer`, to take over when a refused record
+    broke its idempotent sequence (without it, the worker stops then). `run()` starts
+    the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
+    and returns the exit status (0 clean, 1 fatal).
     """
 
     def __init__(
@@ -74,8 +79,13 @@ class Worker:
         live_incarnations: LiveIncarnations | None = None,
         incarnation: int | None = None,
         topic_lookup: TopicLookup | None = None,
+        topic_limit_lookup: TopicLimitLookup | None = None,
+        producer_factory: Callable[[], AIOKafkaProducer] | None = None,
     ) -> None:
         self._settings = settings
+        if producer_factory is not None:
+            # A refusal that breaks the idempotent sequence renews the producer, not the process.
+            producer = RenewableProducer(producer, producer_factory)
         self._producer = producer
         self._engine = engine
         self.metrics = metrics or Metrics()
@@ -90,8 +100,19 @@ class Worker:
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
         self._serving = False
-        lookup = topic_lookup or functools.partial(broker_has_topic, producer)
-        self._answers = AnswerBuilder(settings, engine, limits, self.metrics, lookup)
+        if topic_lookup is None:
+            topic_lookup = functools.partial(broker_has_topic, producer)
+            topic_limit_lookup = topic_limit_lookup or functools.partial(
+                topic_max_message_bytes, settings
+            )
+        self._answers = AnswerBuilder(
+            settings,
+            engine,
+            limits,
+            self.metrics,
+            topic_lookup,
+            topic_limit_lookup=topic_limit_lookup,
+        )
         self._committer = Committer(
             consumer,
             settings,
@@ -129,6 +150,7 @@ class Worker:
             limits,
             self.metrics,
             smaller=self._answers.smaller,
+            unwritable=self._answers.unwritable,
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
             on_acknowledged=self._wake_breaker,

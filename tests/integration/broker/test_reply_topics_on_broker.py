@@ -8,10 +8,12 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from schemas import Completed, Job, SamplingSpec
+from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec
+from tests.fakes import ScriptedEngine
 from worker.core.kafka import broker_has_topic
 from worker.dev.harness.clients import job_record, produce, results
 from worker.dev.harness.topics import make_topics
+from worker.engines.mock import MockEngineSettings
 
 
 def job(job_id: str, reply_to: str | None = None) -> Job:
@@ -43,4 +45,33 @@ async def test_on_a_real_broker_the_lookup_finds_a_topic_and_the_answer_goes_the
     )
     assert isinstance((await results(bs, existing, 1))["mine"], Completed)
     assert isinstance((await results(bs, created, 1))["new"], Completed)
+    assert await run.stop() == 0
+
+
+@pytest.mark.broker
+async def test_a_reply_topic_smaller_than_a_result_is_read_and_its_answer_fits_it(
+    kafka_bootstrap_servers, new_topic, start_worker, caplog
+):
+    # A trainer's reply topic created with a small max.message.bytes and a long rollout: the
+    # result was sized for the results topic, refused, and the worker stopped on every restart.
+    bs = kafka_bootstrap_servers
+    reply = await new_topic(1, configs={"max.message.bytes": "65536"})
+    topics = await make_topics(new_topic)
+    engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
+    run = await start_worker(topics, engine, reply_topics=reply, compression_type="none")
+    await run.serving()
+    long = Job(
+        job_id="long",
+        prompt="hi",
+        sampling=SamplingSpec(max_tokens=400),
+        return_routed_experts=True,
+        reply_to=reply,
+    )
+    await produce(bs, topics.jobs, [job_record(long), job_record(job("short", reply_to=reply))])
+    answered = await results(bs, reply, 2)
+    assert isinstance(answered["short"], Completed)
+    failed = answered["long"]
+    assert isinstance(failed, Failed) and failed.error.code == ErrorCode.RESULT_TOO_LARGE
+    assert "65536" in failed.error.detail  # the reply topic's own limit, read up front
+    assert "refused" not in caplog.text  # shaped to fit before it was sent
     assert await run.stop() == 0

@@ -1,0 +1,89 @@
+"""Whether the last owner is alive, asked while the group rebalances again.
+
+Apache Kafka's coordinator returns the members' metadata (where each worker announces its
+incarnation) in DescribeGroups only while the group is Stable; during back-to-back rebalances
+every member comes back without it. Read as "no live member announces that incarnation", a live
+member whose hand-over had not landed yet counted as dead, and its jobs in flight as present at
+a death: they then ran one at a time, as suspects of a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.protocol.admin import DescribeGroupsResponse_v1
+
+from tests.fakes import FakeConsumer
+from worker.core.config import settings_from
+from worker.core.incarnation import incarnation_assignor, incarnations_of_members, new_incarnation
+from worker.core.metrics import Metrics
+from worker.delivery.commits import Committer
+from worker.delivery.offset_map import encode_offset_map
+
+TP = TopicPartition("jobs", 0)
+
+
+def _description(state: str, members: list[bytes]) -> Any:
+    return DescribeGroupsResponse_v1(
+        throttle_time_ms=0,
+        groups=[
+            (
+                0,
+                "g",
+                state,
+                "consumer",
+                "roundrobin" if state == "Stable" else "",
+                [(f"m{i}", "client", "/127.0.0.1", m, b"") for i, m in enumerate(members)],
+            )
+        ],
+    )
+
+
+def test_a_group_that_is_rebalancing_says_nothing_about_who_is_alive():
+    ours = new_incarnation()
+    announced = incarnation_assignor(ours).metadata(["jobs"]).encode()
+    assert incarnations_of_members([_description("Stable", [announced])], "g") == {ours}
+    # Kafka's summaryNoMetadata: the members, none of their metadata.
+    assert incarnations_of_members([_description("PreparingRebalance", [b""])], "g") is None
+    assert incarnations_of_members([_description("CompletingRebalance", [b""])], "g") is None
+
+
+def _committer(reads: list[str], live: set[int] | None) -> Committer:
+    consumer = FakeConsumer()
+    for _ in range(10):
+        consumer.add(TP, b"{}")
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {TP: (0, reads.pop(0) if len(reads) > 1 else reads[0])}
+
+    async def live_incarnations() -> set[int] | None:
+        return live
+
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    return Committer(
+        consumer, settings, Metrics(), read_committed, live_incarnations=live_incarnations
+    )
+
+
+async def test_a_live_member_whose_hand_over_lands_while_the_group_rebalances_blames_nobody():
+    writer = new_incarnation()
+    reads = [
+        encode_offset_map(0, [2], running=[0, 1, 3], writer=writer),
+        encode_offset_map(0, [2], running=[0, 1, 3], writer=writer),
+        encode_offset_map(0, [0, 1, 2, 3], clean=True, writer=writer),
+    ]
+    committer = _committer(reads, live=None)
+    await committer.assigned({TP})
+    partition = committer.partition(TP)
+    assert partition.deaths == {}
+    assert partition.answered_before == {0, 1, 2, 3}
+
+
+async def test_a_member_whose_hand_over_never_lands_while_the_group_rebalances_counts_as_dead():
+    # Nothing tells a dead writer from a live one then but its hand-over, which a live member
+    # makes as soon as it rejoins: without it, the breaker stays on the safe side.
+    writer = new_incarnation()
+    committer = _committer([encode_offset_map(0, [2], running=[1, 3], writer=writer)], live=None)
+    await committer.assigned({TP})
+    assert committer.partition(TP).deaths == {1: 1, 3: 1}
