@@ -1,6 +1,6 @@
 """The fleet simulation (`worker.dev.sim`): the cluster's rules, determinism, seeds that must
-pass, the checker catching planted defects, and seeds that find known defects (strict xfail:
-when the fix lands, the xfail fails and is flipped)."""
+pass, the checker catching planted defects, and the seeds that found defects, each now the
+regression test of its fix."""
 
 from __future__ import annotations
 
@@ -231,7 +231,8 @@ def test_the_checker_flags_a_worker_that_commits_before_the_acknowledgement() ->
     assert "unanswered" in {v.invariant for v in outcome.violations}
 
 
-KNOWN_DEFECTS = {
+#: Each seed found a defect (the key says what the checker saw), and now guards its fix.
+FOUND_DEFECTS = {
     "refused offset maps, then a partition carrying a death count: no job of that worker's "
     "partitions runs again (the loop spins fetch-and-rewind)": Scenario(
         seed=44,
@@ -265,14 +266,9 @@ KNOWN_DEFECTS = {
 
 @pytest.mark.parametrize(
     "scenario",
-    [
-        pytest.param(
-            scenario, id=f"seed{scenario.seed}", marks=pytest.mark.xfail(strict=True, reason=defect)
-        )
-        for defect, scenario in KNOWN_DEFECTS.items()
-    ],
+    [pytest.param(scenario, id=f"seed{scenario.seed}") for scenario in FOUND_DEFECTS.values()],
 )
-def test_known_defect(scenario: Scenario) -> None:
+def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> None:
     outcome = run(scenario)
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
