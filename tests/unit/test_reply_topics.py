@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import TopicAuthorizationFailedError, UnknownTopicOrPartitionError
+from aiokafka.protocol.metadata import MetadataRequest_v4
 
 from schemas import Job, SamplingSpec
+from worker.answering.topics import AnswerTopics
+from worker.core.config import settings_from
 from worker.core.kafka import broker_has_topic
 
 
@@ -50,3 +53,30 @@ async def test_the_lookup_reads_the_brokers_answer_for_that_one_topic(
     assert await broker_has_topic(producer, "trainer-x") is present
     (request,) = client.requests
     assert request._topics == ["trainer-x"]
+    # Looking a topic up never creates it, whatever the broker's auto.create.topics.enable.
+    assert request.build(MetadataRequest_v4).allow_auto_topic_creation is False
+
+
+async def test_jobs_naming_ever_new_reply_topics_leave_what_is_remembered_bounded() -> None:
+    settings = settings_from(
+        {"jobs_topic": "jobs", "results_topic": "results", "reply_topics": r"trainer-\d+"}, {}
+    )
+    looked_up: list[str] = []
+
+    async def lookup(topic: str) -> bool:
+        looked_up.append(topic)
+        return True
+
+    topics = AnswerTopics(settings, lookup, limit_lookup=lambda _: _limit())
+    for n in range(5000):
+        await topics.check(f"trainer-{n}")
+        assert topics.answer_topic(f"trainer-{n}") == f"trainer-{n}"
+    assert len(topics._limits) <= 1024 and len(topics._missing) == 0
+    # The most recent are still known; the first is looked up again when named again.
+    await topics.check("trainer-4999")
+    await topics.check("trainer-0")
+    assert looked_up.count("trainer-4999") == 1 and looked_up.count("trainer-0") == 2
+
+
+async def _limit() -> int:
+    return 1_048_576

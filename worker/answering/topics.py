@@ -34,11 +34,12 @@ TopicLimitLookup = Callable[[str], Awaitable[int | None]]
 #: The longest a job waits for the metadata of its reply topic.
 REPLY_TOPIC_CHECK_S: Final = 5.0
 #: How long a topic found missing stays refused before it is looked up again (it may be
-#: created meanwhile); a topic found is kept for good.
+#: created meanwhile); a topic found is kept while it is among the last `_MAX_PRESENT` found.
 MISSING_TOPIC_TTL_S: Final = 60.0
-# Topics found missing that are remembered at once; hostile jobs naming ever new topics the
-# pattern allows cost a lookup each beyond it, not memory.
+# Topics found missing, and topics found present, that are remembered at once; hostile jobs
+# naming ever new topics the pattern allows cost a lookup each beyond it, not memory.
 _MAX_MISSING: Final = 1024
+_MAX_PRESENT: Final = 1024
 
 
 class AnswerTopics:
@@ -68,8 +69,7 @@ class AnswerTopics:
         self._lookup = lookup
         self._limit_lookup = limit_lookup
         self._clock = clock
-        self._present: set[str] = set()
-        # Reply topics found, by their max.message.bytes (None: not read).
+        # Reply topics found, by their max.message.bytes (None: not read), oldest first.
         self._limits: dict[str, int | None] = {}
         # Topic -> (when it may be looked up again, why it is refused meanwhile).
         self._missing: dict[str, tuple[float, str]] = {}
@@ -93,7 +93,7 @@ class AnswerTopics:
         `REPLY_TOPIC_CHECK_S`. Jobs asking for the same topic at once share one lookup."""
         if self._lookup is None or reply_to is None or not self.allowed(reply_to):
             return
-        if reply_to in self._present or self._missing_reason(reply_to) is not None:
+        if reply_to in self._limits or self._missing_reason(reply_to) is not None:
             return
         task = self._checks.get(reply_to)
         if task is None:
@@ -121,7 +121,7 @@ class AnswerTopics:
                 f"reply_to {reply_to!r} is not a topic this worker answers to "
                 f"(--reply-topics {self.allowed_replies})"
             )
-        if self._lookup is None or reply_to in self._present:
+        if self._lookup is None or reply_to in self._limits:
             return None
         reason = self._missing_reason(reply_to)
         if reason is None:
@@ -132,7 +132,6 @@ class AnswerTopics:
     def refuse_writes(self, topic: str, reason: str) -> None:
         """The broker refused this worker's write to reply topic `topic`: its jobs are answered
         on the results topic instead, until it is looked up again."""
-        self._present.discard(topic)
         self._limits.pop(topic, None)
         self._refuse(topic, reason)
 
@@ -166,8 +165,10 @@ class AnswerTopics:
             return
         if present:
             limit = await self._read_limit(topic)
+            if len(self._limits) >= _MAX_PRESENT:
+                # The topic found first is looked up again when a job next names it.
+                del self._limits[next(iter(self._limits))]
             self._limits[topic] = limit
-            self._present.add(topic)
             logger.info(
                 "reply topic %s exists: answering jobs on it (max.message.bytes %s)",
                 topic,

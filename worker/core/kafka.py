@@ -108,15 +108,18 @@ async def broker_has_topic(producer: AIOKafkaProducer, topic: str) -> bool:
     request for that topic alone; KafkaError when no broker answers.
 
     Not `producer.partitions_for`: that adds the topic to those the producer tracks for good
-    and, for a topic that does not exist, retries until `request_timeout_ms`. On a broker that
-    creates topics on first use this request creates it too, as the producer's first send
-    would (its metadata then comes back `LEADER_NOT_AVAILABLE`: present).
+    and, for a topic that does not exist, retries until `request_timeout_ms`. The request asks
+    the broker not to create the topic (`allow_auto_topic_creation`, Metadata v4+, KIP-204):
+    on Apache Kafka's default `auto.create.topics.enable=true`, a job naming a new `reply_to`
+    each time would otherwise create a topic each time, which the producer would then track
+    for good. (A broker older than v4 may still create it: that is its own setting.)
     """
     client = producer.client
     node = client.get_random_node()
     if node is None:
         raise KafkaConnectionError("no broker is known to ask for topic metadata")
-    response = await client.send(node, MetadataRequest([topic]))
+    request = MetadataRequest([topic], allow_auto_topic_creation=False)
+    response = await client.send(node, request)
     for error_code, name, *_ in response.topics:
         if name == topic:
             return error_code not in _NO_SUCH_TOPIC
