@@ -8,37 +8,17 @@ import pytest
 
 from schemas import (
     Completed,
-    Failed,
-    Job,
-    Part,
-    SamplingSpec,
     decode_result,
 )
-from worker.core.config import MiB
+from tests.integration.broker.test_large_results_on_broker import (
+    ONE_MIB,
+    group_job,
+    part_of,
+)
 from worker.dev.harness.clients import assembled, collect, job_record, produce
 from worker.dev.harness.topics import Topics
-from worker.engines.mock import MockEngineSettings
 
 pytestmark = [pytest.mark.broker, pytest.mark.chaos]
-
-ONE_MIB = {"max.message.bytes": str(1 * MiB)}
-QWEN3_30B = MockEngineSettings(num_layers=48, top_k=8, num_experts=128)
-
-
-def group_job(job_id: str, n: int, tokens: int) -> Job:
-    return Job(
-        job_id=job_id,
-        prompt_token_ids=[11, 12, 13, 14, 15],
-        sampling=SamplingSpec(n=n, max_tokens=tokens, seed=3),
-        return_routed_experts=True,
-        routed_experts_prompt_start=5,
-        metadata={"step": "4"},
-    )
-
-
-def part_of(result: Completed | Failed) -> Part:
-    assert isinstance(result, Completed) and isinstance(result.part, Part), result
-    return result.part
 
 
 @pytest.mark.chaos
