@@ -4,7 +4,9 @@ worker's implementation (as Jepsen's Kafka checker judges sends and polls).
 Invariants (each violation names one):
 
 - `unanswered`: every valid job has an answer (completed, or failed with its code) by the end,
-  which comes `settle_s` after the last fault;
+  which comes `settle_s` after the last fault or process death (a job that kills the engine
+  goes on killing after the faults end, up to the breaker's limit), at most three settle
+  periods after the faults;
 - `wrongly_dead_lettered`: nothing is dead-lettered or answered as crash-looped unless it kills
   the process or is invalid input;
 - `stalled`: after the faults, no partition with work stays without a commit advance for longer
