@@ -21,7 +21,7 @@ def job(job_id: str, reply_to: str | None = None) -> Job:
 
 
 @pytest.mark.broker
-async def test_on_a_real_broker_the_lookup_finds_a_topic_and_the_answer_goes_there(
+async def test_on_a_real_broker_the_lookup_finds_a_topic_and_creates_none(
     kafka_bootstrap_servers, new_topic, start_worker
 ):
     bs = kafka_bootstrap_servers
@@ -34,7 +34,8 @@ async def test_on_a_real_broker_the_lookup_finds_a_topic_and_the_answer_goes_the
         await producer.stop()
     topics = await make_topics(new_topic)
     # The brokers the tests run on create a topic on first use, as Kafka does with
-    # auto.create.topics.enable: a reply topic they create is answered on.
+    # auto.create.topics.enable; the worker's lookup asks them not to: a reply topic nobody
+    # created is answered invalid_job on the results topic, and no topic comes of it.
     created = f"trainer-{uuid.uuid4().hex[:8]}"
     run = await start_worker(topics, reply_topics=f"trainer-.*|{existing}")
     await run.serving()
@@ -44,7 +45,15 @@ async def test_on_a_real_broker_the_lookup_finds_a_topic_and_the_answer_goes_the
         [job_record(job("mine", reply_to=existing)), job_record(job("new", reply_to=created))],
     )
     assert isinstance((await results(bs, existing, 1))["mine"], Completed)
-    assert isinstance((await results(bs, created, 1))["new"], Completed)
+    refused = (await results(bs, topics.results, 1))["new"]
+    assert isinstance(refused, Failed) and refused.error.code is ErrorCode.INVALID_JOB
+    assert "no such topic" in refused.error.detail
+    producer = AIOKafkaProducer(bootstrap_servers=bs)
+    await producer.start()
+    try:
+        assert not await broker_has_topic(producer, created)
+    finally:
+        await producer.stop()
     assert await run.stop() == 0
 
 
