@@ -23,12 +23,13 @@ from typing import Final
 REPO: Final = Path(__file__).resolve().parents[1]
 
 #: Lane name -> (folder, extra pytest arguments). Unit tests wait on no process but their own, so
-#: they run on four pytest workers (most of their time is asyncio waits, not CPU); integration
-#: lanes start brokers, engines and worker processes whose timing a second pytest would disturb.
+#: they run on four pytest workers (most of their time is asyncio waits, not CPU); broker tests
+#: mostly wait on the broker, and run on three, each with a broker of its own. The vLLM and
+#: chaos lanes run alone: engines use the cores, and kills and restarts are timed.
 LANES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
     "unit": ("tests/unit", ("-n", "4")),
     "frameworks": ("tests/integration/frameworks", ()),
-    "broker": ("tests/integration/broker", ()),
+    "broker": ("tests/integration/broker", ("-n", "3")),
     "vllm": ("tests/integration/vllm", ()),
     "chaos": ("tests/integration/chaos", ()),
 }
