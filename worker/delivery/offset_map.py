@@ -241,7 +241,6 @@ def decode_offset_map(position: int, metadata: str, *, end: int | None = None) -
 
 #: A run: [start, stop) and, for deaths, the count (else 0).
 Run = tuple[int, int, int]
-_Run = Run
 
 
 class _Header(NamedTuple):
@@ -250,7 +249,7 @@ class _Header(NamedTuple):
 
 
 def _encode(
-    position: int, answered: list[_Run], running: list[_Run], deaths: list[_Run], header: _Header
+    position: int, answered: list[Run], running: list[Run], deaths: list[Run], header: _Header
 ) -> str:
     if not answered and not running and not deaths:
         return ""
@@ -271,9 +270,9 @@ def _encode(
     return PREFIX + base64.urlsafe_b64encode(bytes(out)).decode("ascii").rstrip("=")
 
 
-def _runs(position: int, offsets: Iterable[int]) -> list[_Run]:
+def _runs(position: int, offsets: Iterable[int]) -> list[Run]:
     """The runs of consecutive offsets in `offsets`, in order."""
-    out: list[_Run] = []
+    out: list[Run] = []
     for offset in sorted(set(offsets)):
         if offset < position:
             raise ValueError(f"offset {offset} is below the committed position {position}")
@@ -284,9 +283,9 @@ def _runs(position: int, offsets: Iterable[int]) -> list[_Run]:
     return out
 
 
-def _death_runs(position: int, deaths: Mapping[int, int]) -> list[_Run]:
+def _death_runs(position: int, deaths: Mapping[int, int]) -> list[Run]:
     """Runs of consecutive offsets with the same death count, in order."""
-    out: list[_Run] = []
+    out: list[Run] = []
     for offset, count in sorted(deaths.items()):
         if offset < position or count <= 0:
             continue  # committed past: no longer a suspect
@@ -297,11 +296,11 @@ def _death_runs(position: int, deaths: Mapping[int, int]) -> list[_Run]:
     return out
 
 
-def _section(numbers: Iterator[int], anchor: int, width: int) -> list[_Run]:
+def _section(numbers: Iterator[int], anchor: int, width: int) -> list[Run]:
     count = next(numbers)
     if count > MAX_DECODED_OFFSETS:
         raise OffsetMapError(f"offset map claims over {MAX_DECODED_OFFSETS} runs")
-    runs: list[_Run] = []
+    runs: list[Run] = []
     cursor = anchor
     for _ in range(count):
         start = cursor + next(numbers)
@@ -316,7 +315,7 @@ def _section(numbers: Iterator[int], anchor: int, width: int) -> list[_Run]:
     return runs
 
 
-def _overlap(one: list[_Run], other: list[_Run]) -> bool:
+def _overlap(one: list[Run], other: list[Run]) -> bool:
     """Whether two ordered, disjoint lists of runs share an offset (a merge, no expansion)."""
     i = j = 0
     while i < len(one) and j < len(other):
@@ -329,7 +328,7 @@ def _overlap(one: list[_Run], other: list[_Run]) -> bool:
     return False
 
 
-def _expand(runs: list[_Run], end: int | None, limit: int) -> list[int]:
+def _expand(runs: list[Run], end: int | None, limit: int) -> list[int]:
     """The offsets of `runs` below `end`; refused past `limit` offsets."""
     offsets: list[int] = []
     for start, run_stop, _ in runs:
