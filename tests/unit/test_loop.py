@@ -500,14 +500,14 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
     loop = await start_loop(consumer, engine)
     await wait_for(lambda: "j0" in loop.answered(), what="the first job")
     committer = loop.worker._committer
-    hand_over = committer.commit_now
+    hand_over = committer.revoked
 
     async def hand_over_while_a_record_is_fetched(*args: Any, **kwargs: Any) -> None:
         consumer.add(P0, job("late"))
         await wait_for(lambda: consumer._positions[P0] == 2, 10, "the late record fetched")
         await hand_over(*args, **kwargs)
 
-    committer.commit_now = hand_over_while_a_record_is_fetched
+    committer.revoked = hand_over_while_a_record_is_fetched
     await loop.worker.on_partitions_revoked({P0})
     await polls_pass(consumer)
     assert "late" not in loop.answered()

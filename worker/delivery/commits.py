@@ -124,6 +124,7 @@ class Committer:
         )
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._one_at_a_time = asyncio.Lock()
         # Partitions whose offset map was near its cap at their last commit.
         self._near_cap: set[TopicPartition] = set()
         self._maps_refused = False
@@ -235,6 +236,23 @@ class Committer:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
 
+    async def revoked(self, partitions: set[TopicPartition]) -> None:
+        """Hand `partitions` over (a clean commit, within `commit_timeout_s`) and forget them,
+        with no commit of this member's planned in between: one planned while they were still
+        held would otherwise go out after the hand-over, and aiokafka retries a commit through
+        a coordinator outage in whatever generation the member holds by then, so it can land
+        after this member rejoined, over what the partitions' new owner read."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                async with self._one_at_a_time:
+                    await self._commit_planned(partitions, clean=True)
+                    self.forget(partitions)
+        except TimeoutError:
+            self._metrics.commits.labels("retry").inc()
+            logger.warning("hand-over commit did not finish in %.1fs; going on", self._timeout_s)
+        finally:
+            self.forget(partitions)
+
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after
         landing this member's own refused hand-overs; the partitions whose position moved
@@ -267,6 +285,17 @@ class Committer:
         self._on_background_done()
 
     async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
+        # One commit at a time, planned once the previous one ended: a commit planned while
+        # another is on its way could land after a revoke forgot the partition (the hand-over
+        # waits on a slow coordinator while the interval's commit goes out beside it), and the
+        # new owner, maybe this member again, would read the older position and commit
+        # behind it.
+        async with self._one_at_a_time:
+            await self._commit_planned(partitions, clean=clean)
+
+    async def _commit_planned(
+        self, partitions: set[TopicPartition] | None, *, clean: bool = False
+    ) -> None:
         offsets = self._plan(partitions, clean=clean or self._handing_over)
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
@@ -290,7 +319,7 @@ class Committer:
                 "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
             )
             self._maps_refused = True
-            await self._commit(partitions, clean=clean)
+            await self._commit_planned(partitions, clean=clean)
             return
         except (CommitFailedError, IllegalStateError) as exc:
             # The group rebalanced under us: these records will be redelivered to the new owner,

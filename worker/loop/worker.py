@@ -429,7 +429,7 @@ class Worker:
                     "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
                 )
             await self._settle(revoked, grace)
-            await self._committer.commit_now(revoked, clean=True)
+            await self._committer.revoked(revoked)
             self._gate.forget(revoked)
         finally:
             self._revoking -= revoked
