@@ -512,3 +512,30 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
     await polls_pass(consumer)
     assert "late" not in loop.answered()
     assert engine.peak_running <= 1
+
+
+async def test_a_stopping_worker_hands_over_once_the_coordinator_is_back_within_the_grace(
+    start_loop,
+):
+    # Found by the fleet simulation (`bench/sim.py --seed 5 --workers 3`): SIGTERM during a
+    # coordinator outage; the hand-over and the final commit each timed out once and the
+    # worker exited, so the next owner found its jobs named as running by a writer gone, and
+    # counted a death against each.
+    consumer = consumer_with_jobs(1)
+    consumer.add(P0, job("answered during the drain", gate="g"))
+    engine = ScriptedEngine()
+    loop = await start_loop(
+        consumer, engine, commit_timeout_s=0.2, close_timeout_s=0.2, shutdown_grace_s=5
+    )
+    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
+    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 1}, what="a commit")
+    consumer.commit_gate = asyncio.Event()  # the coordinator is away
+    tried = consumer.commits_started
+    loop.worker.request_stop()
+    engine.release("g")
+    await wait_for(lambda: len(loop.answered()) == 2, what="the second job")
+    await wait_for(lambda: consumer.commits_started >= tried + 3, what="the hand-over tried again")
+    assert not loop.task.done()
+    consumer.commit_gate.set()  # back
+    assert await asyncio.wait_for(loop.task, 10) == 0
+    assert consumer.commits[-1] == {P0: 2}

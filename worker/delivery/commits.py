@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 # them (they leave the map only as they are fetched).
 _HOLD_AT: Final = 0.75
 
+# How often a stopping worker tries its hand-over again while the coordinator does not take it.
+_HAND_OVER_RETRY_S: Final = 0.5
+
 # The longest a batch of jobs waits for the commit that names them as running.
 _WRITE_AHEAD_WAIT_S: Final = 1.0
 
@@ -220,6 +223,26 @@ class Committer:
         the drain blames no job; every later commit says the same."""
         self._handing_over = True
         await self.commit_now(clean=True)
+
+    async def hand_over_until(self, deadline: float) -> bool:
+        """Commit the clean hand-over, again and again, until the group holds it or
+        `deadline` (a `time.monotonic()` reading) passes; whether it landed.
+
+        A stopping worker whose hand-over never lands leaves a map that names its jobs as
+        running: the next owner, finding the writer gone, counts a death against each and
+        runs them one at a time. A coordinator that is away for a few seconds is common (a
+        broker restart, a coordinator moving); the shutdown grace is the time to wait it out.
+        """
+        self._handing_over = True
+        limit = self._map_max_bytes if self.maps_on else 0
+        while True:
+            await self.commit_now(clean=True)
+            if not self.tracker.plan(None, clean=True, limit=limit):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            await asyncio.sleep(min(_HAND_OVER_RETRY_S, remaining))
 
     async def commit_now(
         self, partitions: set[TopicPartition] | None = None, *, clean: bool = False

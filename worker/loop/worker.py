@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -448,6 +448,7 @@ class Worker:
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
+        grace_ends = time.monotonic() + grace
         # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
         clean = not stop_blames_running_jobs(self._fatal)
         if clean:
@@ -460,8 +461,20 @@ class Worker:
         await self._settle(None, grace)
         await bounded(self._producer.flush, "flush", self._settings.close_timeout_s)
         await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
-        final_commit = functools.partial(self._committer.commit_now, clean=clean)
-        await bounded(final_commit, "final commit", self._settings.close_timeout_s)
+        close_s = self._settings.close_timeout_s
+        final_commit: Callable[[], Awaitable[object]]
+        if clean:
+            # Tried again until the grace ends (and --close-timeout-s past what the drain
+            # took of it): a hand-over that never lands makes the next owner blame these jobs
+            # for a death, and the grace is there to wait out a coordinator that is away.
+            budget_s = max(grace_ends - time.monotonic(), 0.0) + close_s
+            final_commit = functools.partial(
+                self._committer.hand_over_until, time.monotonic() + budget_s
+            )
+        else:
+            budget_s = close_s
+            final_commit = functools.partial(self._committer.commit_now, clean=False)
+        await bounded(final_commit, "final commit", budget_s)
         self._delivery.stop_resending()
 
     async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
