@@ -261,6 +261,9 @@ FOUND_DEFECTS = {
     "rejoining; the new owner, which read the position before, commits it back below": (
         Scenario(seed=18, flavour=Flavour.NOIDA, static_members=True)
     ),
+    "SIGTERM during a coordinator outage: the hand-over and the final commit time out once "
+    "each and the worker exits with its grace unused; the next owner counts a death against "
+    "every job it had in flight": Scenario(seed=5, partitions=24, jobs_per_s=12),
 }
 
 
