@@ -264,6 +264,10 @@ FOUND_DEFECTS = {
     "SIGTERM during a coordinator outage: the hand-over and the final commit time out once "
     "each and the worker exits with its grace unused; the next owner counts a death against "
     "every job it had in flight": Scenario(seed=5, partitions=24, jobs_per_s=12),
+    "an acknowledgement lost, then broker outages: the produce request timed out exactly when "
+    "the worker's patience ran out (both publish_timeout_s), and the worker exited 1": Scenario(
+        seed=513, partitions=24, jobs_per_s=12
+    ),
 }
 
 

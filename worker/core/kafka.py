@@ -196,6 +196,15 @@ async def leave_group(consumer: AIOKafkaConsumer) -> None:
         logger.info("left the group %s", coordinator.group_id)
 
 
+def produce_request_timeout_ms(settings: Settings) -> int:
+    """How long one produce request waits for its acknowledgement: aiokafka's default (40 s),
+    or a third of `publish_timeout_s` when that is less. A lost acknowledgement costs one
+    request timeout before the answer is sent again, and the worker exits once an answer has
+    waited `publish_timeout_s`: three attempts fit in it, so one lost acknowledgement followed
+    by a broker restart does not stop the worker."""
+    return int(min(40.0, settings.publish_timeout_s / 3) * 1000)
+
+
 def make_producer(
     settings: Settings, limits: RecordLimits | None = None, **overrides: Any
 ) -> AIOKafkaProducer:
@@ -224,8 +233,7 @@ def make_producer(
         # Hundreds of jobs finish together; 16 KiB batches (the default) hold ~5 results and make
         # every other sender wait for a drain. A larger record still gets a batch of its own.
         "max_batch_size": limits.batch_bytes,
-        # One delivery attempt never outlasts the worker's own patience.
-        "request_timeout_ms": int(min(40.0, settings.publish_timeout_s) * 1000),
+        "request_timeout_ms": produce_request_timeout_ms(settings),
     }
     kwargs.update(overrides)
     return AIOKafkaProducer(**kwargs)

@@ -27,6 +27,7 @@ from worker.control import plane as plane_module
 from worker.core.config import Settings
 from worker.core.errors import EngineDeadError
 from worker.core.incarnation import incarnation_assignor
+from worker.core.kafka import produce_request_timeout_ms
 from worker.core.limits import RecordLimits
 from worker.delivery import commits as commits_module
 from worker.dev.sim.clients import Process, SimAdmin, SimConsumer, SimProducer
@@ -233,7 +234,7 @@ class Fleet:
                 enable_idempotence=settings.enable_idempotence,
                 max_request_size=limits.request_bytes,
                 max_batch_size=limits.batch_bytes,
-                request_timeout_ms=int(min(40.0, settings.publish_timeout_s) * 1000),
+                request_timeout_ms=produce_request_timeout_ms(settings),
             )
 
         def admin(**kwargs: Any) -> SimAdmin:
