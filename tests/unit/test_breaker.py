@@ -250,18 +250,22 @@ async def test_a_map_naming_an_offset_answered_and_suspect_is_ignored_and_commit
 
 
 async def test_records_at_offsets_reused_after_a_reset_are_not_skipped():
-    # The map was committed at 10 and names 12 and 13 answered; the log was truncated and
-    # refilled (an unclean leader election), so the consumer reads from 0.
+    # The map was committed at 10 and names 12 and 13 answered; the log was truncated to 8
+    # records (an unclean leader election), so the consumer's fetch at 10 was out of range and
+    # it reset to 0; then the log refilled past the offsets the map names.
     lives = Lives({P0: [job(f"j{i}") for i in range(16)]})
     lives.committed[P0] = (10, encode_offset_map(10, [12, 13]))
     process = Process(lives.committed)
-    for value in lives.records[P0]:
+    for value in lives.records[P0][:8]:
         process.consumer.add(P0, value)
     process.consumer.assign({P0})  # position 0: the reset, not the committed 10
     engine = ScriptedEngine()
     worker = worker_on(process, engine, process_settings(), lives.read_committed)
     task = run(worker)
     try:
+        await wait_for(lambda: lives.committed[P0][0] == 8, what="the commit of the first 8")
+        for value in lives.records[P0][8:]:
+            process.consumer.add(P0, value)
         await wait_for(lambda: lives.committed[P0][0] == 16, what="the commit of all 16")
     finally:
         worker.request_stop()

@@ -278,8 +278,8 @@ class Committer:
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after
-        landing this member's own refused hand-overs; the partitions whose position moved
-        meanwhile, and where to fetch them from (`Inheritance.assigned`)."""
+        landing this member's own refused hand-overs; where to fetch each partition read from
+        (`Inheritance.assigned`)."""
         return await self._inheritance.assigned(partitions)
 
     def forget(self, partitions: set[TopicPartition]) -> None:

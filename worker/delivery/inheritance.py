@@ -83,30 +83,36 @@ class Inheritance:
         """Read the assigned partitions' offset maps, so what they name is skipped. A map that
         cannot be read or decoded is ignored with a warning: plain at-least-once.
 
-        Returns the partitions whose committed position moved while this member joined: its
-        own refused hand-over, made again (`_land_hand_over`), or the last owner's, awaited
-        (`_await_hand_overs`). The consumer looked its positions up before, and would fetch
-        from below, so the loop fetches them from the position returned. Any other position
-        stays the consumer's (which may be a reset past a truncated log)."""
-        landed = await self._land_hand_over()
+        Returns where to fetch each partition read from: its committed position as read here,
+        where that lies within the log.
+        The consumer looked its positions up as it joined, and they may have moved since: this
+        member's own refused hand-over, made again (`_land_hand_over`), the last owner's,
+        awaited (`_await_hand_overs`) or landed as this member joined. Fetched from below, a
+        record would run again and its commit move the position back. A partition that could
+        not be read keeps the consumer's position.
+
+        The partitions are held from the first wait to the end: aiokafka fetches the new
+        assignment meanwhile, and the loop resumes every paused partition that nothing holds.
+        """
         # Partitions kept through the rebalance (an incremental one) are known here already:
         # their committed map is this worker's own, and reading it back would blame its own
         # jobs in flight for a death that did not happen.
         partitions = {tp for tp in partitions if not self._tracker.holds(tp)}
-        if self._read_committed is None or not partitions:
-            return {}
-        moved: dict[TopicPartition, int] = {}
-        # Held (paused by the loop) while the maps are read: aiokafka starts fetching the new
-        # assignment meanwhile, and a record started before its map is known would run again.
         self.reading |= partitions
-        alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
         try:
-            maps = await self._read_maps(partitions)
-            if maps is None:
-                return {}
-            moved = await self._await_hand_overs(maps, alive)
+            return await self._inherit(partitions)
         finally:
             self.reading -= partitions
+
+    async def _inherit(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
+        await self._land_hand_over()
+        if self._read_committed is None or not partitions:
+            return {}
+        alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
+        maps = await self._read_maps(partitions)
+        if maps is None:
+            return {}
+        await self._await_hand_overs(maps, alive)
         for tp, (position, previous) in sorted(maps.items()):
             if previous is None:
                 self._tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
@@ -143,10 +149,14 @@ class Inheritance:
                         in_flight,
                     )
             self._tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
-        for tp, position in landed.items():
-            if tp in maps and maps[tp][0] == position:
-                moved[tp] = position
-        return moved
+        # Within the log, where aiokafka itself fetches from once it looks the position up.
+        # Past its end, the log was truncated under the commit: the consumer's reset stands.
+        ends = await self._end_offsets(set(maps))
+        return {
+            tp: position
+            for tp, (position, _) in maps.items()
+            if tp in ends and position <= ends[tp]
+        }
 
     async def _read_maps(
         self, partitions: set[TopicPartition]
@@ -184,14 +194,13 @@ class Inheritance:
 
     async def _await_hand_overs(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
-    ) -> dict[TopicPartition, int]:
+    ) -> None:
         """Read again, for a little while, the maps of partitions whose last owner is alive but
         whose hand-over has not landed: that owner commits it again as soon as it rejoins
         (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
         running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
-        blaming nobody. Returns the partitions whose position moved, and where to."""
+        blaming nobody. What lands replaces the partition's entry in `maps`."""
         waiting = set()
-        moved: dict[TopicPartition, int] = {}
         for tp, (_, previous) in maps.items():
             if (
                 previous is not None
@@ -209,8 +218,6 @@ class Inheritance:
             again = await self._read_maps(waiting)
             for tp, (position, latest) in (again or {}).items():
                 if latest is not None and (latest.clean or position != maps[tp][0]):
-                    if position != maps[tp][0]:
-                        moved[tp] = position
                     maps[tp] = (position, latest)
                     waiting.discard(tp)
         if waiting:
@@ -219,9 +226,8 @@ class Inheritance:
                 ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
                 _HAND_OVER_WAIT_S,
             )
-        return moved
 
-    async def _land_hand_over(self) -> dict[TopicPartition, int]:
+    async def _land_hand_over(self) -> None:
         """Commit again, in the new generation, the hand-over of revoked partitions that the
         group refused in the old one, before anything else on rejoining.
 
@@ -234,12 +240,12 @@ class Inheritance:
         member starts anything, it cannot move back a position a new owner committed since.
         """
         if not self._unlanded:
-            return {}
+            return
         offsets, self._unlanded = self._unlanded, {}
         before, self._before = self._before, {}
         offsets = await self._not_overtaken(offsets, before)
         if not offsets:
-            return {}
+            return
         try:
             async with asyncio.timeout(self._timeout_s):
                 await commit_handed_over(self._consumer, offsets)
@@ -251,10 +257,9 @@ class Inheritance:
                 describe_commits(offsets),
                 exc,
             )
-            return {}
+            return
         self._metrics.commits.labels("ok").inc()
         logger.info("hand-over of %s landed after rejoining", describe_commits(offsets))
-        return {tp: position for tp, (position, _) in offsets.items()}
 
     async def _not_overtaken(
         self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
