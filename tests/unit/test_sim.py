@@ -318,10 +318,10 @@ def test_fleet_variants_break_no_invariant(scenario: Scenario) -> None:
 
 def test_answers_are_owed_settle_s_after_the_last_death_not_only_after_the_last_fault() -> None:
     """Jobs that kill the engine go on dying after the faults end, `max_crash_attempts` deaths
-    each, and each death is a rebalance: this seed's last killer first died a second before
-    the faults' settle period ran out, and its partition's valid jobs queued behind it."""
+    each, and each death is a rebalance: this seed's last death comes after the faults'
+    settle period would have ended, and valid jobs queue behind the killers."""
     scenario = Scenario(
-        seed=211,
+        seed=238,
         partitions=24,
         jobs_per_s=12.0,
         hostile={Kind.INVALID: 0.02, Kind.CRASH: 0.003, Kind.LONG: 0.005},
@@ -329,5 +329,5 @@ def test_answers_are_owed_settle_s_after_the_last_death_not_only_after_the_last_
     outcome = run(scenario)
     last_death = max(e.at for e in outcome.history.of("kill"))
     assert last_death > scenario.duration_s + scenario.settle_s - 5
-    assert outcome.virtual_s >= last_death + scenario.settle_s
+    assert outcome.virtual_s >= last_death + scenario.settle_s - 1e-6  # float sums
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
