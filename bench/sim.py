@@ -2,9 +2,10 @@
 
 Run `python bench/sim.py [--seeds N] [--first-seed S] [--workers 3,16,64] [--partitions 512]
 [--hostile invalid,crash,long,reply_small,reply_locked] [--weight-update-every-s S
-[--engine-killing-updates SHARE]] [--flavour kafka|noida|tansu]`: each seed runs the real
-worker code, N workers on a simulated Kafka cluster and a virtual clock, under a fault
-schedule drawn from the seed, and the checker judges the history. Printed per run: simulated
+[--engine-killing-updates SHARE]] [--flavour kafka|noida|tansu] [--processes P]`: each seed
+runs the real worker code, N workers on a simulated Kafka cluster and a virtual clock, under a
+fault schedule drawn from the seed, and the checker judges the history; P processes run seeds
+side by side. Printed per run: simulated
 jobs answered per wall-clock second, virtual seconds per wall second, the violations and the
 seed that found each; at the end, each invariant broken with the seeds that broke it.
 
@@ -15,7 +16,11 @@ first violation (all of it when none). Exit status 1 when any run broke an invar
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -88,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flavour", choices=[f.value for f in Flavour], default="kafka")
     parser.add_argument("--static", action="store_true", help="static group members")
     parser.add_argument("--offset-metadata-max-bytes", type=int, default=4096)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="seeds run side by side, one per process"
+    )
     args = parser.parse_args(argv)
     sizes = [int(n) for n in args.workers.split(",")]
     if args.seed is not None:
@@ -98,21 +106,58 @@ def main(argv: list[str] | None = None) -> int:
         for violation in outcome.violations:
             print(f"  {violation}")
         return 1 if outcome.violations else 0
+    runs = [(workers, seed) for workers in sizes for seed in seeds_of(args)]
     failed = 0
     broken: dict[str, list[int]] = {}
-    for workers in sizes:
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            outcome = run(scenario(args, seed, workers))
-            print(report(outcome), flush=True)
-            for violation in outcome.violations[:5]:
-                print(f"  seed {seed}: {violation}")
-            failed += bool(outcome.violations)
-            for invariant in sorted({v.invariant for v in outcome.violations}):
-                broken.setdefault(invariant, []).append(seed)
-    print(f"{failed} of {args.seeds * len(sizes)} runs broke an invariant")
+    rates: dict[int, list[float]] = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.processes) as pool:
+        for summary in pool.map(functools.partial(run_one, args), runs, chunksize=4):
+            print(summary.line, flush=True)
+            for described in summary.violations[:5]:
+                print(f"  seed {summary.seed}: {described}")
+            failed += bool(summary.violations)
+            rates.setdefault(summary.workers, []).append(summary.jobs_per_s)
+            for invariant in summary.invariants:
+                broken.setdefault(invariant, []).append(summary.seed)
+    print(f"{failed} of {len(runs)} runs broke an invariant")
+    for workers, per_run in sorted(rates.items()):
+        print(
+            f"  {workers} workers: {len(per_run)} seeds, simulated jobs per wall second "
+            f"min {min(per_run):.0f} mean {statistics.fmean(per_run):.0f} max {max(per_run):.0f}"
+            f" (per process)"
+        )
     for invariant, seeds in sorted(broken.items()):
         print(f"  {invariant}: seeds {', '.join(map(str, seeds))}")
     return 1 if failed else 0
+
+
+def seeds_of(args: argparse.Namespace) -> range:
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run in a pool process sends back (an `Outcome` holds the whole cluster)."""
+
+    workers: int
+    seed: int
+    line: str
+    jobs_per_s: float
+    violations: list[str]
+    invariants: list[str]
+
+
+def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summary:
+    workers, seed = workers_and_seed
+    outcome = run(scenario(args, seed, workers))
+    return Summary(
+        workers=workers,
+        seed=seed,
+        line=report(outcome),
+        jobs_per_s=outcome.answered / outcome.wall_s if outcome.wall_s else 0.0,
+        violations=[str(v) for v in outcome.violations],
+        invariants=sorted({v.invariant for v in outcome.violations}),
+    )
 
 
 if __name__ == "__main__":
