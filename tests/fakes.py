@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
@@ -30,7 +30,8 @@ class ScriptedEngine:
     - `gate`: wait until `release(name)` is called;
     - `fail`: `engine_error` | `engine_error_final` | `invalid` | `dead` | `bug`.
 
-    It records what the worker did to it: peak concurrency, cancelled request ids, calls.
+    It records what the worker did to it: peak concurrency, cancelled request ids, calls, the
+    trace headers each job's request came with.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class ScriptedEngine:
         self.peak_running = 0
         self.started: list[str] = []
         self.cancelled: list[str] = []
+        self.trace_headers: dict[str, Mapping[str, str] | None] = {}
         self.closed = False
         self.healthy = True
         self.on_start: Callable[[Job], None] | None = None
@@ -74,10 +76,13 @@ class ScriptedEngine:
     async def start(self) -> None:
         await self._inner.start()
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
         self.running += 1
         self.peak_running = max(self.peak_running, self.running)
         self.started.append(job.job_id)
+        self.trace_headers[job.job_id] = trace_headers
         if self.on_start is not None:
             self.on_start(job)
         try:
@@ -97,7 +102,7 @@ class ScriptedEngine:
                     raise EngineDeadError("scripted engine death")
                 case "bug":
                     raise RuntimeError("scripted bug")
-            return await self._inner.generate(job, request_id)
+            return await self._inner.generate(job, request_id, trace_headers=trace_headers)
         except asyncio.CancelledError:
             self.cancelled.append(job.job_id)
             raise

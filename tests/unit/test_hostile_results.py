@@ -48,7 +48,9 @@ class _Sink:
     def __init__(self) -> None:
         self.sent: list[bytes] = []
 
-    async def send(self, topic: str, value: bytes, key: bytes) -> asyncio.Future[None]:
+    async def send(
+        self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]] | None = None
+    ) -> asyncio.Future[None]:
         self.sent.append(value)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)

@@ -4,10 +4,11 @@ shaper shapes whatever it came to. No producer and no offsets here."""
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from schemas import ErrorCode, Job, peek_reply_to
+from schemas import ErrorCode, Job, peek_job_id, peek_reply_to
 from worker.answering.payload_store import open_payload_store
 from worker.answering.records import Answer, RecordShaper
 from worker.answering.runner import JobRunner, Ran, where
@@ -23,6 +24,7 @@ from worker.core.errors import (
 )
 from worker.core.limits import RecordLimits, ValueBudgets
 from worker.core.metrics import Metrics
+from worker.core.tracing import JobSpan, JobSpans, TraceContext, trace_context_from_headers
 from worker.engines.protocol import Engine
 
 __all__ = ["AnswerBuilder"]
@@ -38,6 +40,10 @@ class AnswerBuilder:
     refused for its size after all (its limit could not be read). `topic_lookup` says whether
     the broker has a job's `reply_to`, `topic_limit_lookup` its `max.message.bytes` (see
     `AnswerTopics`).
+
+    A record's trace headers (`worker.core.tracing`) go with its job to the engine and onto
+    every result record of its answer; `spans` starts a span per traced job when
+    OpenTelemetry records them.
     """
 
     def __init__(
@@ -49,7 +55,9 @@ class AnswerBuilder:
         topic_lookup: TopicLookup | None = None,
         *,
         topic_limit_lookup: TopicLimitLookup | None = None,
+        spans: JobSpans | None = None,
     ) -> None:
+        self._spans = spans if spans is not None else JobSpans()
         topics = AnswerTopics(settings, topic_lookup, limit_lookup=topic_limit_lookup)
         self._topics = topics
         self._metrics = metrics
@@ -68,20 +76,34 @@ class AnswerBuilder:
     ) -> Answer:
         """The answer to one record; raises only `FatalError` (and cancellation). `expired`:
         the job is not run but answered `expired` with this detail."""
+        with self._span(tp, record) as span:
+            answer = await self._answer(tp, record, span.context, expired)
+            span.answered(answer.job_id, answer.outcome.value, _code(answer))
+            return answer
+
+    async def _answer(
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        trace: TraceContext,
+        expired: str | None,
+    ) -> Answer:
         job: Job | None = None
         try:
             job = self._runner.read(record)
             await self._topics.check(job.reply_to)
-            ran = await self._runner.run(tp, record, job, expired=expired)
-            return await self._completed(tp, record, job, ran)
+            ran = await self._runner.run(tp, record, job, trace, expired=expired)
+            return await self._completed(tp, record, job, ran, trace)
         except InvalidRecordError as exc:
             await self._check_peeked_reply_to(record)
-            return self._shaper.rejected(tp, record, exc.code, exc.detail, dead_letter="always")
+            return self._shaper.rejected(
+                tp, record, exc.code, exc.detail, dead_letter="always", trace=trace
+            )
         except JobError as exc:
             assert job is not None  # noqa: S101 - only reading raises before there is a job
             partial = exc.partial if isinstance(exc, JobAbortedError) else None
             return self._shaper.failed(
-                job, exc.code, exc.detail, retryable=exc.retryable, partial=partial
+                job, exc.code, exc.detail, retryable=exc.retryable, partial=partial, trace=trace
             )
         except FatalError:
             raise
@@ -91,8 +113,31 @@ class AnswerBuilder:
             await self._check_peeked_reply_to(record)
             # A readable job gets a failed result; only an unreadable one needs the copy.
             return self._shaper.rejected(
-                tp, record, ErrorCode.INTERNAL_ERROR, detail, dead_letter="if_no_id"
+                tp, record, ErrorCode.INTERNAL_ERROR, detail, dead_letter="if_no_id", trace=trace
             )
+
+    def _span(
+        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]
+    ) -> AbstractContextManager[JobSpan]:
+        """The record's trace context, checked (what is dropped is counted and logged), in a
+        span of the job's when OpenTelemetry records spans."""
+        context, dropped = trace_context_from_headers(record.headers)
+        if dropped:
+            for header in dropped:
+                self._metrics.trace_headers_dropped.inc(labels=(header.header, header.reason.value))
+            job_id = peek_job_id(record.value) if record.value is not None else None
+            logger.warning(
+                "job %s at %s: trace headers dropped, the job runs without them: %s",
+                job_id,
+                where(tp, record),
+                ", ".join(f"{h.header} ({h.reason.value})" for h in dropped),
+            )
+        attributes = {
+            "messaging.destination.name": tp.topic,
+            "messaging.destination.partition.id": str(tp.partition),
+            "messaging.kafka.offset": record.offset,
+        }
+        return self._spans.job(context, tp.topic, attributes)
 
     async def crash_looped(
         self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], deaths: int
@@ -104,10 +149,13 @@ class AnswerBuilder:
             f"not run again: the job was in flight at {deaths} worker process deaths "
             "(--max-crash-attempts); it may crash the engine"
         )
-        await self._check_peeked_reply_to(record)
-        return self._shaper.rejected(
-            tp, record, ErrorCode.ENGINE_ERROR, detail, dead_letter="always"
-        )
+        with self._span(tp, record) as span:
+            await self._check_peeked_reply_to(record)
+            answer = self._shaper.rejected(
+                tp, record, ErrorCode.ENGINE_ERROR, detail, dead_letter="always", trace=span.context
+            )
+            span.answered(answer.job_id, answer.outcome.value, _code(answer))
+            return answer
 
     async def _check_peeked_reply_to(self, record: ConsumerRecord[bytes, bytes]) -> None:
         """Check the `reply_to` a record that did not become a job names, so its failed
@@ -125,10 +173,16 @@ class AnswerBuilder:
         return self._shaper.unwritable(answer, index, refused_by)
 
     async def _completed(
-        self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes], job: Job, ran: Ran
+        self,
+        tp: TopicPartition,
+        record: ConsumerRecord[bytes, bytes],
+        job: Job,
+        ran: Ran,
+        trace: TraceContext,
     ) -> Answer:
         result = ran.result
-        budget, limit = self._budgets.of(job.job_id, self._topics.of(job))
+        headers = trace.record_headers()
+        budget, limit = self._budgets.of(job.job_id, self._topics.of(job), headers)
         try:
             values = await self._splitter.encode(result, budget, limit)
         except ResultTooLargeError as exc:
@@ -140,4 +194,8 @@ class AnswerBuilder:
             if c.routed_experts is not None:
                 routed_bytes += len(c.routed_experts.data)
         self._metrics.job_generated(ran.queue_wait_s, ran.engine_s, tokens, routed_bytes)
-        return self._shaper.completed(job, values)
+        return self._shaper.completed(job, values, trace)
+
+
+def _code(answer: Answer) -> str | None:
+    return answer.code.value if answer.code is not None else None

@@ -21,6 +21,7 @@ from worker.answering.encoder import encode_result
 from worker.answering.topics import AnswerTopics
 from worker.core.config import Settings
 from worker.core.limits import RecordLimits, record_bytes
+from worker.core.tracing import NO_TRACE, TraceContext, trace_context_from_headers
 from worker.engines.protocol import EngineOutput
 
 __all__ = [
@@ -114,10 +115,12 @@ class RecordShaper:
         self._topics = topics
         self._worker_id = settings.worker_id
 
-    def completed(self, job: Job, values: list[bytes]) -> Answer:
-        """The answer of a completed job: its result records (one, or its parts in order)."""
+    def completed(self, job: Job, values: list[bytes], trace: TraceContext = NO_TRACE) -> Answer:
+        """The answer of a completed job: its result records (one, or its parts in order),
+        each carrying the job's `trace` headers."""
         topic = self._topics.of(job)
-        records = tuple(self._result_record(job.job_id, value, topic) for value in values)
+        headers = trace.record_headers()
+        records = tuple(self._result_record(job.job_id, value, topic, headers) for value in values)
         return Answer(job.job_id, records, Outcome.COMPLETED)
 
     def failed(
@@ -128,9 +131,10 @@ class RecordShaper:
         *,
         retryable: bool = False,
         partial: EngineOutput | None = None,
+        trace: TraceContext = NO_TRACE,
     ) -> Answer:
         """A failed result that echoes the job's metadata (and an aborted job's partial
-        completions), on the job's answer topic."""
+        completions), on the job's answer topic, carrying its `trace` headers."""
         failed = Failed(
             job_id=job.job_id,
             error=ErrorInfo(code=code, detail=detail, retryable=retryable),
@@ -144,7 +148,7 @@ class RecordShaper:
                 prompt_token_count=len(partial.prompt_token_ids),
                 weight_version=partial.weight_version,
             )
-        out = self._failed_record(failed, self._topics.of(job))
+        out = self._failed_record(failed, self._topics.of(job), trace.record_headers())
         return Answer(job.job_id, (out,), Outcome.FAILED, code)
 
     def rejected(
@@ -155,10 +159,12 @@ class RecordShaper:
         detail: str,
         *,
         dead_letter: Literal["always", "if_no_id"],
+        trace: TraceContext = NO_TRACE,
     ) -> Answer:
         """Answer a record that did not become a job: a failed result when its job_id can be
-        read (on its `reply_to` when that is answered on: `AnswerTopics.check` it first), and a
-        dead-letter copy of the original record as `dead_letter` says."""
+        read (on its `reply_to` when that is answered on: `AnswerTopics.check` it first),
+        carrying the record's `trace` headers, and a dead-letter copy of the original record
+        (its headers, trace headers among them, as they came) as `dead_letter` says."""
         job_id = peek_job_id(record.value) if record.value is not None else None
         logger.warning(
             "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
@@ -175,7 +181,7 @@ class RecordShaper:
         failed = Failed(
             job_id=job_id, error=ErrorInfo(code=code, detail=detail), worker=self._worker_id
         )
-        records.append(self._failed_record(failed, topic))
+        records.append(self._failed_record(failed, topic, trace.record_headers()))
         return Answer(job_id, tuple(records), Outcome.FAILED, code)
 
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
@@ -188,7 +194,9 @@ class RecordShaper:
             return _replace(answer, index, self._smaller_copy(record, force=True))
         detail = f"result is {len(record.value or b'')} bytes; {refused_by} refused it"
         code = ErrorCode.RESULT_TOO_LARGE
-        failed = self._minimal_failed(answer.job_id, code, detail, False, record.topic)
+        failed = self._minimal_failed(
+            answer.job_id, code, detail, False, record.topic, headers=record.headers
+        )
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
 
@@ -203,18 +211,22 @@ class RecordShaper:
         self._topics.refuse_writes(record.topic, refused_by)
         detail = f"reply_to {record.topic!r} cannot be answered on: {refused_by}"
         code = ErrorCode.INVALID_JOB
-        failed = self._minimal_failed(answer.job_id, code, detail, False, self._topics.results)
+        failed = self._minimal_failed(
+            answer.job_id, code, detail, False, self._topics.results, headers=record.headers
+        )
         updated = _replace(answer, index, failed)
         return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
 
-    def _failed_record(self, failed: Failed, topic: str) -> OutRecord:
+    def _failed_record(self, failed: Failed, topic: str, headers: Headers) -> OutRecord:
         """`failed` as a record, or the minimal failed result when that does not fit (metadata
         of up to 64 x 64 KiB can outgrow a topic's limit on its own)."""
-        out = self._result_record(failed.job_id, encode_result(failed), topic)
+        out = self._result_record(failed.job_id, encode_result(failed), topic, headers)
         if self._refusal_for_size(out) is None:
             return out
         error = failed.error
-        return self._minimal_failed(failed.job_id, error.code, error.detail, error.retryable, topic)
+        return self._minimal_failed(
+            failed.job_id, error.code, error.detail, error.retryable, topic, headers=headers
+        )
 
     def _refusal_for_size(self, record: OutRecord) -> str | None:
         """Why `record` would be refused for its size (None: it fits)."""
@@ -223,8 +235,17 @@ class RecordShaper:
         )
 
     def _minimal_failed(
-        self, job_id: str | None, code: ErrorCode, detail: str, retryable: bool, topic: str
+        self,
+        job_id: str | None,
+        code: ErrorCode,
+        detail: str,
+        retryable: bool,
+        topic: str,
+        *,
+        headers: Headers,
     ) -> OutRecord:
+        """The last fallback: a failed result with a short detail and nothing else of the job
+        but its trace headers (bounded: under 9 KiB together)."""
         if len(detail) > _MINIMAL_DETAIL_CHARS:
             detail = detail[: _MINIMAL_DETAIL_CHARS - 3] + "..."
         failed = Failed(
@@ -232,14 +253,20 @@ class RecordShaper:
             error=ErrorInfo(code=code, detail=detail, retryable=retryable),
             worker=self._worker_id,
         )
-        return self._result_record(job_id, encode_result(failed), topic, minimal=True)
+        return self._result_record(job_id, encode_result(failed), topic, headers, minimal=True)
 
     def _result_record(
-        self, job_id: str | None, value: bytes, topic: str, *, minimal: bool = False
+        self,
+        job_id: str | None,
+        value: bytes,
+        topic: str,
+        headers: Headers,
+        *,
+        minimal: bool = False,
     ) -> OutRecord:
         key = job_id.encode() if job_id is not None else None
-        size = record_bytes(key, value, [])
-        return OutRecord(RecordKind.RESULT, topic, key, value, [], size, minimal)
+        size = record_bytes(key, value, headers)
+        return OutRecord(RecordKind.RESULT, topic, key, value, headers, size, minimal)
 
     def _dead_letter(
         self,
@@ -286,6 +313,8 @@ class RecordShaper:
             if self._refusal_for_size(smaller) is None:
                 return smaller
         ours = [(k, v[:_MINIMAL_DETAIL_CHARS]) for k, v in headers if k.startswith("vkw.")]
+        # The record's trace headers that are valid, so the copy stays in its trace.
+        ours += trace_context_from_headers(headers)[0].record_headers()
         key = copy.key if copy.key is None else copy.key[:_MINIMAL_KEY_BYTES]
         size = record_bytes(key, None, ours)
         return OutRecord(RecordKind.DEAD_LETTER, copy.topic, key, None, ours, size, True)

@@ -19,6 +19,7 @@ from worker.core.errors import (
     JobExpiredError,
 )
 from worker.core.metrics import Metrics
+from worker.core.tracing import TraceContext
 from worker.engines.protocol import Engine
 
 __all__ = ["JobRunner", "Ran", "where"]
@@ -61,12 +62,13 @@ class JobRunner:
         tp: TopicPartition,
         record: ConsumerRecord[bytes, bytes],
         job: Job,
+        trace: TraceContext,
         *,
         expired: str | None = None,
     ) -> Ran:
-        """Run `job` (read from `record`) to completion; any `JobError` is its answer.
-        `expired`: it is not run but answered `expired` with this detail (its hold for a
-        weight version ran out)."""
+        """Run `job` (read from `record`) to completion, its engine request in `trace`; any
+        `JobError` is its answer. `expired`: it is not run but answered `expired` with this
+        detail (its hold for a weight version ran out)."""
         started = time.time()
         if expired is not None:
             raise JobExpiredError(expired)
@@ -74,7 +76,9 @@ class JobRunner:
         queue_wait = max(started - record.timestamp / 1000, 0.0)
         t0 = time.perf_counter()
         try:
-            output = await self._engine.generate(job, f"{job.job_id}@{where(tp, record)}")
+            output = await self._engine.generate(
+                job, f"{job.job_id}@{where(tp, record)}", trace_headers=trace.engine_headers
+            )
         except JobError as exc:
             self._metrics.queue_wait.observe(queue_wait)
             logger.info(

@@ -2,5 +2,6 @@
 the RL loop. Needs aiokafka and `schemas`, never vLLM."""
 
 from worker.client.rollout import RolloutClient, RolloutError
+from worker.core.tracing import TraceContextError
 
-__all__ = ["RolloutClient", "RolloutError"]
+__all__ = ["RolloutClient", "RolloutError", "TraceContextError"]

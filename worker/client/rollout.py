@@ -46,6 +46,7 @@ from schemas import (
 )
 from schemas.payloads import payload_root as to_payload_root
 from worker.client.fleet import Fleet, new_command_id
+from worker.core.tracing import TraceContext, current_trace_context, trace_context
 
 __all__ = ["RolloutClient", "RolloutError"]
 
@@ -66,10 +67,14 @@ class RolloutError(Exception):
 
 
 class _Pending:
-    __slots__ = ("deadline", "future", "job", "retries", "wire_id")
+    __slots__ = ("deadline", "future", "job", "retries", "trace", "wire_id")
 
-    def __init__(self, job: Job, future: asyncio.Future[Result], deadline: float) -> None:
+    def __init__(
+        self, job: Job, future: asyncio.Future[Result], deadline: float, trace: TraceContext
+    ) -> None:
         self.job = job
+        # Sent with the job, and with each resubmission of it: one trace for all its tries.
+        self.trace = trace
         self.future = future
         self.deadline = deadline
         self.retries = 0
@@ -200,11 +205,27 @@ class RolloutClient:
         """Jobs submitted and not yet answered."""
         return len(self._pending)
 
-    def submit(self, job: JobLike) -> asyncio.Future[Result]:
+    def submit(
+        self,
+        job: JobLike,
+        *,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        request_id: str | None = None,
+    ) -> asyncio.Future[Result]:
         """Send `job`; the returned future resolves to its result (its `job_id` as sent).
 
         `job` is checked as a worker checks it on the wire: a bad one raises `SchemaError`
-        naming the field, and nothing is sent."""
+        naming the field, and nothing is sent.
+
+        The job record carries a W3C trace context, which the workers pass to vLLM and copy
+        onto the job's result records: `traceparent` (and `tracestate`) when given, else the
+        current OpenTelemetry span's when OpenTelemetry is installed and a span is current;
+        `request_id` as `x-request-id`. A value not in the W3C format raises
+        `TraceContextError` (a `ValueError`) naming it, and nothing is sent."""
+        trace = trace_context(traceparent, tracestate, request_id)
+        if trace.traceparent is None:
+            trace = msgspec.structs.replace(current_trace_context(), request_id=trace.request_id)
         if self._producer is None:
             raise RolloutError("the client is not started (use `async with RolloutClient(...)`)")
         if self._stopped is not None:
@@ -215,7 +236,7 @@ class RolloutClient:
         deadline = time.time() + self._timeout_s
         if job.job_id in self._pending:
             raise RolloutError(f"job {job.job_id} is already in flight on this client")
-        pending = _Pending(job, future, deadline)
+        pending = _Pending(job, future, deadline, trace)
         self._pending[job.job_id] = pending
         # A caller that stops waiting (a cancelled `generate`, `wait_for` around the future)
         # cancels the future: the job is then forgotten, so `in_flight` drops and its id may be
@@ -225,16 +246,28 @@ class RolloutClient:
         self._track(asyncio.create_task(self._send(job.job_id, pending)))
         return future
 
-    async def generate(self, jobs: Iterable[JobLike]) -> list[Result]:
+    async def generate(
+        self,
+        jobs: Iterable[JobLike],
+        *,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> list[Result]:
         """Submit every job and return their results in job order. Every job is checked
-        before any is sent: a bad one raises `SchemaError` naming it and its field."""
+        before any is sent: a bad one raises `SchemaError` naming it and its field. Every job
+        is sent in the trace context `submit` takes (`traceparent`, or the current
+        OpenTelemetry span's)."""
         checked = []
         for index, job in enumerate(jobs):
             try:
                 checked.append(as_job(job))
             except SchemaError as exc:
                 raise SchemaError(f"job {index}: {exc.message}", exc.path) from None
-        futures = [self.submit(job) for job in checked]
+        trace = trace_context(traceparent, tracestate)  # checked before any job is sent
+        futures = [
+            self.submit(job, traceparent=trace.traceparent, tracestate=trace.tracestate)
+            for job in checked
+        ]
         return list(await asyncio.gather(*futures))
 
     async def update_weights(
@@ -297,7 +330,10 @@ class RolloutClient:
         try:
             async with self._send_lock:
                 delivery = await self._producer.send(
-                    self._jobs_topic, value=encode(wire), key=wire_id.encode()
+                    self._jobs_topic,
+                    value=encode(wire),
+                    key=wire_id.encode(),
+                    headers=pending.trace.record_headers(),
                 )
             await delivery
         except KafkaError as exc:

@@ -115,8 +115,9 @@ _VALUE_LENGTH_VARINT_BYTES: Final = 5
 
 class ValueBudgets:
     """The largest result value a record may carry on each answer topic, and the limit that
-    sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key and
-    framing. The framing depends only on the key's length: one computation per length."""
+    sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key, the
+    headers and the framing. The limit is found once per topic; the framing is measured per
+    record (aiokafka's own C function)."""
 
     def __init__(
         self,
@@ -134,18 +135,21 @@ class ValueBudgets:
             for limit in (limits.topic_bytes.get(results_topic), limits.request_bytes)
             if limit is not None
         )
-        self._known: dict[tuple[str, int], tuple[int, str]] = {}
+        # Per topic: the largest record that fits it, and the limit that sets that size.
+        self._fits: dict[str, tuple[int, str]] = {}
 
-    def of(self, job_id: str, topic: str) -> tuple[int, str]:
-        """(bytes, what sets them) for a value keyed `job_id` on `topic`."""
-        key = (topic, len(job_id))
-        budget = self._known.get(key)
-        if budget is None:
-            budget = self._known[key] = self._compute(job_id, topic)
-        return budget
+    def of(self, job_id: str, topic: str, headers: Headers | None = None) -> tuple[int, str]:
+        """(bytes, what sets them) for a value keyed `job_id` on `topic`, with `headers`."""
+        framing = record_bytes(job_id.encode(), b"", headers or []) + _VALUE_LENGTH_VARINT_BYTES
+        fit = self._fits.get(topic)
+        if fit is None:
+            fit = self._fits[topic] = self._fit(topic)
+        budget = self._limits.max_result_bytes
+        if fit[0] - framing >= budget:
+            return budget, f"max_result_bytes ({budget})"
+        return fit[0] - framing, fit[1]
 
-    def _compute(self, job_id: str, topic: str) -> tuple[int, str]:
-        framing = record_bytes(job_id.encode(), b"", []) + _VALUE_LENGTH_VARINT_BYTES
+    def _fit(self, topic: str) -> tuple[int, str]:
         fit = self._results_fit
         topic_limit = None
         if topic != self._results_topic:
@@ -155,11 +159,8 @@ class ValueBudgets:
             fit = self._limits.request_bytes
             if topic_limit is not None:
                 fit = min(fit, topic_limit)
-        budget = self._limits.max_result_bytes
-        if fit - framing >= budget:
-            return budget, f"max_result_bytes ({budget})"
         reason = self._limits.limit_exceeded(topic, fit + 1, topic_limit=topic_limit) or ""
-        return fit - framing, reason.removeprefix("the limit is ")
+        return fit, reason.removeprefix("the limit is ")
 
 
 def producer_batch_bytes(topic_limits: list[int | None]) -> int:

@@ -119,6 +119,12 @@ class Metrics:
             "vkw_records_skipped",
             "Records not run again: answered before a crash or rebalance (the offset map)",
         )
+        self.trace_headers_dropped = LoopCounter(
+            "vkw_trace_headers_dropped",
+            "Trace headers of job records not passed on (the job runs without them), by header "
+            "and reason (malformed, too_long, repeated, orphaned)",
+            ["header", "reason"],
+        )
         r.register(
             _LoopMetrics(
                 [
@@ -131,6 +137,7 @@ class Metrics:
                     self.result_parts,
                     self.payload_bytes,
                     self.skipped,
+                    self.trace_headers_dropped,
                 ]
             )
         )

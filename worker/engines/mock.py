@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -164,7 +165,9 @@ class MockEngine:
     async def start(self) -> None:
         logger.info("mock engine ready: %s", self.model_name)
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
         if self._dead:
             raise EngineDeadError("mock engine was closed")
         s = self._settings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
@@ -58,8 +59,11 @@ class Engine(Protocol):
         """Load the model and become ready; called inside the worker's event loop."""
         ...
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
-        """Run one job to completion."""
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
+        """Run one job to completion. `trace_headers`: the job's W3C trace context
+        (`traceparent`, `tracestate`), checked, for the engine's own request spans."""
         ...
 
     async def check_health(self) -> None:

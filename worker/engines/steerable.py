@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
 import msgspec
@@ -139,15 +139,19 @@ class SteerableEngine:
     async def close(self) -> None:
         await self._inner.close()
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
         request = _Request(job)
         self._requests[request_id] = request
         try:
-            return await self._generate(request, request_id)
+            return await self._generate(request, request_id, trace_headers)
         finally:
             del self._requests[request_id]
 
-    async def _generate(self, request: _Request, request_id: str) -> EngineOutput:
+    async def _generate(
+        self, request: _Request, request_id: str, trace_headers: Mapping[str, str] | None
+    ) -> EngineOutput:
         job = request.job
         while True:
             await self._pass_gate(request)
@@ -155,7 +159,7 @@ class SteerableEngine:
             self._running += 1
             self._idle.clear()
             try:
-                output = await self._inner.generate(job, request_id)
+                output = await self._inner.generate(job, request_id, trace_headers=trace_headers)
             except EngineDeadError as exc:
                 raise self._blamed(exc) from exc
             finally:
@@ -177,7 +181,7 @@ class SteerableEngine:
                 logger.info("job %s: running again on the new weights", job.job_id)
                 self.tokens_discarded += sum(len(c.token_ids) for c in output.completions)
                 continue
-            return await self._continue(job, request_id, output)
+            return await self._continue(job, request_id, output, trace_headers)
 
     async def _pass_gate(self, request: _Request) -> None:
         if not self._open.is_set() and request.reason != "abort":
@@ -202,8 +206,15 @@ class SteerableEngine:
         if request.reason == "abort":
             raise JobAbortedError("aborted by the control plane before it started", None)
 
-    async def _continue(self, job: Job, request_id: str, first: EngineOutput) -> EngineOutput:
-        """Each unfinished completion of `first`, continued on the new weights and joined."""
+    async def _continue(
+        self,
+        job: Job,
+        request_id: str,
+        first: EngineOutput,
+        trace_headers: Mapping[str, str] | None,
+    ) -> EngineOutput:
+        """Each unfinished completion of `first`, continued on the new weights (in the job's
+        trace) and joined."""
         prompt = first.prompt_token_ids
 
         async def finish(c: Completion) -> Completion:
@@ -226,7 +237,9 @@ class SteerableEngine:
                 metadata=job.metadata,
                 deadline=job.deadline,
             )
-            continued = await self.generate(rest, f"{request_id}/{c.index}")
+            continued = await self.generate(
+                rest, f"{request_id}/{c.index}", trace_headers=trace_headers
+            )
             return _join(c, continued.completions[0], whole=done == 0)
 
         completions = await asyncio.gather(*(finish(c) for c in first.completions))

@@ -250,7 +250,9 @@ class VllmEngine:
         )
         return checked
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
         from vllm.exceptions import VLLMError  # noqa: PLC0415
         from vllm.inputs import TextPrompt, TokensPrompt  # noqa: PLC0415
 
@@ -270,7 +272,9 @@ class VllmEngine:
         request_output: Any = None
         self._running += 1
         try:
-            async for out in llm.generate(prompt, params, request_id):
+            # vLLM drops the trace headers (logging once) unless it was started with
+            # --otlp-traces-endpoint; then its request spans continue the job's trace.
+            async for out in llm.generate(prompt, params, request_id, trace_headers=trace_headers):
                 request_output = out
                 for child in out.outputs:
                     latest[child.index] = child

@@ -406,6 +406,36 @@ async def test_cancelling_generate_and_abort_both_stop_the_request(engine):
     assert len(after.completions[0].token_ids) == 1
 
 
+async def test_a_jobs_trace_headers_reach_vllms_generate_and_its_request(engine, monkeypatch):
+    """The job's W3C context goes to `AsyncLLM.generate(trace_headers=...)` (vLLM 0.32,
+    `v1/engine/async_llm.py`), which hands it to `add_request`: with `--otlp-traces-endpoint`
+    vLLM's request span continues it; without, vLLM drops it there (logging once)."""
+    llm = engine.async_llm
+    generate, add_request = llm.generate, llm.add_request
+    seen: dict[str, list[Any]] = {"generate": [], "add_request": []}
+
+    def spy_generate(*args: Any, **kwargs: Any) -> Any:
+        seen["generate"].append(kwargs.get("trace_headers"))
+        return generate(*args, **kwargs)
+
+    async def spy_add_request(*args: Any, **kwargs: Any) -> Any:
+        seen["add_request"].append(kwargs.get("trace_headers"))
+        return await add_request(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", spy_generate)
+    monkeypatch.setattr(llm, "add_request", spy_add_request)
+    headers = {
+        "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "tracestate": "rojo=00f067aa0ba902b7",
+    }
+    traced = await engine.generate(greedy_job("traced", 3), "traced", trace_headers=headers)
+    untraced = await engine.generate(greedy_job("untraced", 3), "untraced")
+    assert seen == {"generate": [headers, None], "add_request": [headers, None]}
+    # The trace changes nothing of the generation.
+    assert traced.completions[0].token_ids == untraced.completions[0].token_ids
+    assert_real_routing(routed(traced))
+
+
 async def test_prompt_longer_than_the_context_is_an_invalid_job(engine):
     job = Job(job_id="too-long", prompt_token_ids=[5] * 600, sampling=SamplingSpec(max_tokens=1))
     with pytest.raises(InvalidJobError, match="maximum context length is 512 tokens"):

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Final
 from unittest import mock
 
@@ -55,7 +55,9 @@ class SimEngine(MockEngine):
         self._fleet = fleet
         self._worker_id = worker_id
 
-    async def generate(self, job: Job, request_id: str) -> EngineOutput:
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
         crash = self._settings.crash_token_id
         if crash is not None and job.prompt_token_ids and crash in job.prompt_token_ids:
             fleet = self._fleet
@@ -63,7 +65,7 @@ class SimEngine(MockEngine):
             # The supervisor (Kubernetes, systemd) starts the process again after a back-off.
             fleet.restart_later(self._worker_id, fleet.rng.uniform(1.0, 5.0))
             await asyncio.get_running_loop().create_future()  # the process is gone
-        return await super().generate(job, request_id)
+        return await super().generate(job, request_id, trace_headers=trace_headers)
 
     async def load_weights(self, path: str, version: int) -> None:
         if path.endswith(KILLS_ENGINE):
