@@ -513,6 +513,38 @@ def test_junk_on_the_control_topic_costs_at_most_one_status_record(weights, sign
     asyncio.run(run())
 
 
+def test_heartbeats_claim_a_command_answered_only_once_it_is_applied(weights):
+    # A worker starting while an update is being applied must apply it itself: the
+    # heartbeats it reads the fleet's state from may not count it as answered before then.
+    async def run() -> None:
+        update = UpdateWeights(command_id="slow", version=3, path=str(weights / "good"))
+        plane, status, _ = await caught_up_plane({"weights_root": [str(weights)]}, [])
+        assert plane.status().control_offset == 0
+        loading, release = asyncio.Event(), asyncio.Event()
+        real_run = plane._runner.run
+
+        async def slow_run(command: Command, **kwargs: Any) -> str:
+            loading.set()
+            await release.wait()
+            return await real_run(command, **kwargs)
+
+        with mock.patch.object(plane._runner, "run", slow_run):
+            following = asyncio.create_task(plane.run())
+            plane._consumer.add(encode(update))
+            await asyncio.wait_for(loading.wait(), 5)
+            assert plane.status().control_offset == 0
+            release.set()
+            while "slow" not in status.acks():  # noqa: ASYNC110 - the fake has no event
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
+            beat = plane.status()
+            assert (beat.control_offset, beat.weights_command_id) == (1, "slow")
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+
+    asyncio.run(run())
+
+
 # ---- the Fleet reading hostile status records ------------------------------------------------
 
 

@@ -307,17 +307,19 @@ class ControlPlane:
                     self._follow_from_beginning()
                 continue
             for record in await self._fetch():
-                command, reason, detail = take_command(record.value or b"", self._key)
+                await self._take(record)
+                # Only once it is done: a worker starting meanwhile applies it itself.
                 self._next_offset = record.offset + 1
-                if command is None:
-                    self._drop(record, reason, detail)
-                    continue
-                if command.command_id in self._applied:
-                    continue
-                self._applied.add(command.command_id)
-                if self._addressed(command):
-                    await self._apply(command, offset=record.offset)
             await self._report_dropped()
+
+    async def _take(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        command, reason, detail = take_command(record.value or b"", self._key)
+        if command is None:
+            self._drop(record, reason, detail)
+        elif command.command_id not in self._applied:
+            self._applied.add(command.command_id)
+            if self._addressed(command):
+                await self._apply(command, offset=record.offset)
 
     def _follow_from_beginning(self) -> None:
         self._consumer.assign([self._tp])
