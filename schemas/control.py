@@ -63,7 +63,10 @@ class Target(msgspec.Struct, frozen=True, kw_only=True):
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     command_id: CommandId
     target: Target = msgspec.field(default_factory=Target)
-    #: Unix seconds when it was issued (informational).
+    #: Unix seconds when it was issued. Workers refuse a command issued longer ago than their
+    #: `--command-max-age-s` (or ahead of their clock by more than `--max-clock-skew-s`), so a
+    #: record produced again after the topic was trimmed is not obeyed. Required under a key,
+    #: and for a rollback (`force`).
     issued_at: float | None = None
     #: HMAC-SHA256 (hex) of the command under the fleet's key (see `command_signature`); a
     #: fleet started with `--control-hmac-key` applies no command without a good one.
@@ -143,6 +146,8 @@ class CommandAck(msgspec.Struct, frozen=True, kw_only=True, tag="ack", tag_field
     #: The worker's weight version after the command.
     weight_version: int
     at: float
+    #: The command's offset in the control topic (None from workers that predate it).
+    offset: int | None = None
 
 
 class WeightReload(msgspec.Struct, frozen=True, kw_only=True):
@@ -177,18 +182,29 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_
     needs_weights: bool = False
     #: How the engine takes a checkpoint, and why; None from workers that predate it.
     weight_reload: WeightReload | None = None
+    #: The `update_weights` whose weights it serves (None: the weights it started on).
+    weights_command_id: str | None = None
+    #: The fleet's `pause` in force on it (None: not paused by the fleet).
+    pause_command_id: str | None = None
+    #: The control topic's offset it has applied every command below (None: not following).
+    #: A worker starting later takes the state of the commands below it from what the fleet
+    #: said, and applies the ones at or above it itself.
+    control_offset: int | None = None
 
 
 class ControlRecordError(
     msgspec.Struct, frozen=True, kw_only=True, tag="control_error", tag_field="type"
 ):
-    """A control record a worker could not read (skipped; the worker goes on)."""
+    """Control records a worker could not read (skipped; the worker goes on): the latest
+    at `offset`, standing for `count` skipped since its previous report (one report per
+    heartbeat interval at most)."""
 
     worker: str
     group: str
     offset: int
     detail: str
     at: float
+    count: int = 1
 
 
 StatusMessage = CommandAck | WorkerStatus | ControlRecordError

@@ -115,6 +115,7 @@ async def build_worker(
     on_serving: Callable[[], None] | None = None,
     owns_engine: bool = True,
     built_on: str | None = None,
+    passed_over: dict[str, str] | None = None,
 ) -> Service:
     """Build the worker `settings` describe around `engine`.
 
@@ -125,7 +126,8 @@ async def build_worker(
     engine is running already and outlives this worker (one expensive engine shared by several
     workers in tests and benchmarks): it is neither started nor closed here. `built_on`: the
     control command whose checkpoint `engine` was built on (see
-    `worker.control.catch_up.checkpoint_to_start_on`), acknowledged at catch-up without a load.
+    `worker.control.catch_up.checkpoints_to_start_on`), acknowledged at catch-up without a load;
+    `passed_over`: the fleet's newer checkpoints that did not start an engine, with why.
     """
     served: Engine = engine
     if steered:
@@ -161,7 +163,7 @@ async def build_worker(
         producer_factory=new_producer,
     )
     control = (
-        ControlPlane(settings, served, metrics, worker, built_on=built_on)
+        ControlPlane(settings, served, metrics, worker, built_on=built_on, passed_over=passed_over)
         if isinstance(served, SteerableEngine)
         else None
     )

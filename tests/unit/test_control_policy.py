@@ -24,7 +24,8 @@ from schemas import (
     sign_command,
     signature_problem,
 )
-from worker.control.catch_up import CatchUpPlanner
+from worker.control.catch_up import CatchUpPlan, ControlLog, FleetState, plan_catch_up
+from worker.control.commands import staleness
 from worker.control.policy import WeightsPolicy
 from worker.core.config import SECRET_FIELDS, settings_from
 from worker.core.errors import ConfigError, WeightUpdateError
@@ -145,11 +146,20 @@ def test_weight_transfers_are_refused_unless_allowed():
 # ---- catch-up plan ---------------------------------------------------------------------------
 
 
-def plan(start: int, *commands: Any) -> Any:
-    planner = CatchUpPlanner(start)
-    for command in commands:
-        planner.add(command)
-    return planner.plan(set(), 0)
+def plan(
+    start: int, *commands: Any, applied: set[str] | None = None, answered_below: int | None = None
+) -> CatchUpPlan:
+    """The plan for `commands` (offsets 0, 1, ...), all addressed to the worker; by default the
+    fleet answered all of them and applied those in `applied` (all when None)."""
+    log = ControlLog(end=len(commands))
+    for offset, command in enumerate(commands):
+        log.addressed.append((offset, command))
+        log.ids[command.command_id] = offset
+    state = FleetState(
+        applied={c.command_id for c in commands} if applied is None else applied,
+        answered_below=len(commands) if answered_below is None else answered_below,
+    )
+    return plan_catch_up(log, state, start)
 
 
 def transfer(version: int) -> UpdateWeights:
@@ -158,14 +168,28 @@ def transfer(version: int) -> UpdateWeights:
     )
 
 
-def test_the_plan_replays_versions_as_the_fleet_applied_them():
-    # v3 after v5 was refused by the fleet; the forced v2 was a rollback it applied.
-    got = plan(0, update("/a", 5), update("/b", 3), update("/c", 7), update("/d", 2, force=True))
+def test_the_plan_takes_what_the_fleet_applied_not_what_it_was_told():
+    # The issue's case: v9 named a path the fleet refused (acknowledged failed everywhere),
+    # v7 came after it and was applied. Replaying commands made v9 "applied", refused v7 as
+    # older, and every restarted worker fell back to v5 while the fleet served 7.
+    got = plan(0, update("/a", 5), update("/typo", 9), update("/c", 7), applied={"u5", "u7"})
+    assert [c.version for c in got.checkpoints] == [7, 5]
+    # A forced rollback the fleet applied is the state; what it rolled back from a fall-back.
+    got = plan(0, update("/a", 5), update("/c", 7), update("/d", 2, force=True))
     assert [c.version for c in got.checkpoints] == [2, 7, 5]
-    assert got.transfer is None
-    # A later update after the rollback moves forward from 2.
-    got = plan(0, update("/a", 5), update("/d", 2, force=True), update("/e", 4))
-    assert [c.version for c in got.checkpoints] == [4, 2, 5]
+    # A cut-short checkpoint every worker acknowledged failed is nobody's state.
+    got = plan(0, update("/a", 5), update("/cut", 6), applied={"u5"})
+    assert [c.version for c in got.checkpoints] == [5]
+    assert got.unanswered == [] and got.seen == {"u5", "u6"}
+
+
+def test_commands_nobody_answered_are_applied_as_live_ones():
+    got = plan(0, update("/a", 5), update("/b", 6), Pause(command_id="p"), answered_below=1)
+    assert [c.version for c in got.checkpoints] == [5]
+    assert [(o, c.command_id) for o, c in got.unanswered] == [(1, "u6"), (2, "p")]
+    assert got.seen == {"u5"} and got.pause is None
+    # A fleet that never answered anything: every command is for the worker to judge.
+    assert len(plan(0, update("/a", 5), answered_below=0).unanswered) == 1
 
 
 def test_the_plan_takes_nothing_older_than_the_start_version():
@@ -181,13 +205,38 @@ def test_a_latest_transfer_is_not_replayed_but_reported():
     # A checkpoint after the transfer is the state again.
     got = plan(0, update("/a", 3), transfer(5), update("/b", 6))
     assert got.transfer is None and got.checkpoints[0].version == 6
-    # A stale checkpoint after the transfer was refused by the fleet: the transfer stands.
-    assert plan(0, transfer(5), update("/b", 4)).transfer is not None
+    # A checkpoint after the transfer that the fleet refused: the transfer stands.
+    assert plan(0, transfer(5), update("/b", 4), applied={"t5"}).transfer is not None
 
 
-def test_the_plan_keeps_the_latest_pause_or_resume():
+def test_the_plan_keeps_the_latest_pause_or_resume_the_fleet_applied():
     assert isinstance(plan(0, Pause(command_id="p"), Resume(command_id="r")).pause, Resume)
     assert isinstance(plan(0, Resume(command_id="r"), Pause(command_id="p")).pause, Pause)
+    # A pause nobody applied (produced again after a trim, skipped as a duplicate) is none.
+    replayed = plan(0, Resume(command_id="r"), Pause(command_id="p"), applied={"r"})
+    assert isinstance(replayed.pause, Resume)
+
+
+# ---- freshness -------------------------------------------------------------------------------
+
+
+def test_a_command_is_fresh_only_within_the_window_around_now():
+    settings = settings_from({"command_max_age_s": 600, "max_clock_skew_s": 60}, {})
+    now = 1_000_000.0
+
+    def at(issued: float | None, **kwargs: Any) -> str | None:
+        return staleness(update("/a", 3, issued_at=issued, **kwargs), now, settings)
+
+    assert at(now) is None
+    assert at(now - 650) is None  # older than the window, within the skew allowed
+    assert at(now + 50) is None
+    assert "stale: issued 700 s ago" in (at(now - 700) or "")
+    assert "in the future" in (at(now + 120) or "")
+    # Without a key a command need not say when it was issued; a rollback must.
+    assert at(None) is None
+    assert "rollback (force) must say" in (at(None, force=True) or "")
+    keyed = settings_from({"control_hmac_key": "k" * 20}, {})
+    assert "signed command must say" in (staleness(update("/a"), now, keyed) or "")
 
 
 # ---- signatures ------------------------------------------------------------------------------

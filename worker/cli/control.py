@@ -51,7 +51,10 @@ def add_control_parsers(
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--wait", action="store_true", help="wait for the acknowledgements")
     common.add_argument(
-        "--timeout-s", type=float, default=600.0, help="how long --wait waits (default 600)"
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="how long the whole command may take, --wait included (default 600)",
     )
     common.add_argument(
         "--target-worker",
@@ -92,6 +95,9 @@ def add_control_parsers(
         "status", help="one line per live worker", description="The fleet's latest heartbeats."
     )
     status.add_argument("--all-groups", action="store_true", help="not only --group-id")
+    status.add_argument(
+        "--timeout-s", type=float, default=60.0, help="how long reading may take (default 60)"
+    )
     add_settings_arguments(status, (*connection, *FLEET_SETTINGS))
 
 
@@ -137,19 +143,32 @@ def build_command(args: argparse.Namespace, settings: Settings) -> Command:
 
 
 async def run_control(args: argparse.Namespace, settings: Settings) -> int:
+    """Send the command; with --wait, collect the acknowledgements. `--timeout-s` bounds the
+    whole of it: a status partition that cannot be read ends it with exit 1, not a hang."""
     command = build_command(args, settings)
-    async with Fleet.from_settings(settings) as fleet:
-        live = await fleet.live_workers(command.target) if args.wait else {}
-        since = await fleet.status_end()
-        await fleet.send(command)
-        print(f"sent {command.command_id} to {settings.control_topic}", file=sys.stderr)
-        if not args.wait:
-            print(command.command_id)
-            return EXIT_OK
-        if not live:
-            print("no live worker of the target to wait for", file=sys.stderr)
-            return EXIT_FAILED
-        acks = await fleet.acks(command.command_id, live, since, args.timeout_s)
+    deadline: float = time.monotonic() + args.timeout_s
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.0)
+
+    sent = False
+    try:
+        async with Fleet.from_settings(settings) as fleet:
+            live = await fleet.live_workers(command.target, timeout_s=left()) if args.wait else {}
+            since = await fleet.status_end(timeout_s=left()) if args.wait else {}
+            await fleet.send(command, timeout_s=left())
+            sent = True
+            print(f"sent {command.command_id} to {settings.control_topic}", file=sys.stderr)
+            if not args.wait:
+                print(command.command_id)
+                return EXIT_OK
+            if not live:
+                print("no live worker of the target to wait for", file=sys.stderr)
+                return EXIT_FAILED
+            acks = await fleet.acks(command.command_id, live, since, left())
+    except TimeoutError as exc:
+        print(f"{exc} ({'sent' if sent else 'not sent'})", file=sys.stderr)
+        return EXIT_FAILED
     print(ack_table(sorted(live), acks))
     failed = [w for w in live if w not in acks or acks[w].outcome != "ok"]
     return EXIT_FAILED if failed else EXIT_OK
@@ -176,8 +195,12 @@ def ack_table(workers: list[str], acks: dict[str, CommandAck]) -> str:
 
 async def run_status(args: argparse.Namespace, settings: Settings) -> int:
     target = None if args.all_groups else Target(group=settings.group_id)
-    async with Fleet.from_settings(settings) as fleet:
-        live = await fleet.live_workers(target)
+    try:
+        async with Fleet.from_settings(settings) as fleet:
+            live = await fleet.live_workers(target, timeout_s=args.timeout_s)
+    except TimeoutError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_FAILED
     print(status_table(list(live.values())))
     return EXIT_OK
 

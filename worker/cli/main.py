@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from worker.answering.encoder import encode_result
 from worker.cli.control import add_control_parsers, run_control, run_status
 from worker.cli.replay_out import ReplayWriter
 from worker.core.config import Settings, add_settings_arguments, settings_from
-from worker.core.errors import BrokerError, ConfigError, WorkerError
+from worker.core.errors import BrokerError, ConfigError, FatalError, WorkerError
 
 __all__ = ["main"]
 
@@ -260,18 +261,26 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
         engine = build_engine(settings, engine_args)  # bad arguments fail before Kafka
         if settings.create_topics:
             await create_topics(settings)
-        settings, moved_args, built_on = await _start_on_the_fleets_checkpoint(
-            settings, engine_args
-        )
-        if built_on is not None:
-            engine = build_engine(settings, moved_args)
-        service = await build_worker(
-            settings, engine, metrics=metrics, on_serving=tune_gc_for_serving, built_on=built_on
-        )
-        if server is not None:
-            server.is_ready = lambda: service.ready
-        with _stop_on_signals(service):
-            return await service.run()
+        start = await _start_on_the_fleets_checkpoint(settings, engine_args)
+        if start.engine is not None:
+            settings, engine = start.settings, start.engine
+        try:
+            service = await build_worker(
+                settings,
+                engine,
+                metrics=metrics,
+                on_serving=tune_gc_for_serving,
+                built_on=start.built_on,
+                passed_over=start.passed_over,
+                owns_engine=start.engine is None,
+            )
+            if server is not None:
+                server.is_ready = lambda: service.ready
+            with _stop_on_signals(service):
+                return await service.run()
+        finally:
+            if start.engine is not None:  # started here, so closed here, after the service
+                await start.engine.close()
     except KafkaError as exc:
         raise BrokerError(f"Kafka at {settings.bootstrap_servers}: {exc!r}") from exc
     finally:
@@ -279,29 +288,62 @@ async def _serve(settings: Settings, engine_args: list[str]) -> int:
             server.stop()
 
 
-async def _start_on_the_fleets_checkpoint(
-    settings: Settings, engine_args: list[str]
-) -> tuple[Settings, list[str], str | None]:
-    """A vLLM worker joining a fleet that the control topic moved to a newer checkpoint builds
-    its engine on that one (and version) directly: one engine build instead of two. The update
-    it came from, for the control plane to acknowledge without loading it again."""
+@dataclasses.dataclass
+class _Start:
+    """What a worker joining a fleet starts on: an engine already started on the fleet's
+    checkpoint (None: the configured one, started by the service), the update it came from,
+    and the fleet's newer checkpoints that did not start, with why."""
+
+    settings: Settings
+    engine: Any = None
+    built_on: str | None = None
+    passed_over: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+async def _start_on_the_fleets_checkpoint(settings: Settings, engine_args: list[str]) -> _Start:
+    """A vLLM worker joining a fleet that moved to a newer checkpoint builds its engine on
+    that one (and version) directly: one engine build instead of two. A checkpoint the fleet
+    applied that no longer starts an engine (cut short since, still being written) is passed
+    over, loudly, for the next older one the fleet applied, then the configured one."""
+    start = _Start(settings)
     if settings.engine != "vllm":
-        return settings, engine_args, None
-    from worker.control.catch_up import checkpoint_to_start_on  # noqa: PLC0415
+        return start
+    from worker.build import build_engine  # noqa: PLC0415
+    from worker.control.catch_up import checkpoints_to_start_on  # noqa: PLC0415
     from worker.engines.vllm_weights import model_of, with_model  # noqa: PLC0415
 
     model = model_of(engine_args)
-    start = await checkpoint_to_start_on(settings, None if model is None else Path(model))
-    if start is None:
-        return settings, engine_args, None
-    logger.info(
-        "the control topic names %s (version %d, command %s): building the engine on it",
-        start.path,
-        start.update.version,
-        start.update.command_id,
-    )
-    settings = msgspec.structs.replace(settings, weight_version=start.update.version)
-    return settings, with_model(engine_args, start.path), start.update.command_id
+    candidates = await checkpoints_to_start_on(settings, None if model is None else Path(model))
+    for candidate in candidates:
+        update = candidate.update
+        logger.info(
+            "the control topic names %s (version %d, command %s): building the engine on it",
+            candidate.path,
+            update.version,
+            update.command_id,
+        )
+        moved = msgspec.structs.replace(settings, weight_version=update.version)
+        engine = build_engine(moved, with_model(engine_args, candidate.path))
+        try:
+            await engine.start()
+        except FatalError as exc:
+            logger.error(  # noqa: TRY400 - vLLM has logged the traceback; this says what follows
+                "the fleet's checkpoint %s (version %d, command %s) does not start an engine "
+                "here: %s; falling back to %s",
+                candidate.path,
+                update.version,
+                update.command_id,
+                exc,
+                "the next older one the fleet applied"
+                if candidate is not candidates[-1]
+                else f"the configured checkpoint {model} (version {settings.weight_version})",
+            )
+            start.passed_over[update.command_id] = str(exc)[:500]
+            await engine.close()
+            continue
+        start.settings, start.engine, start.built_on = moved, engine, update.command_id
+        return start
+    return start
 
 
 @contextlib.contextmanager

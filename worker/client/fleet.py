@@ -1,16 +1,20 @@
 """The fleet as a controller sees it: send a command, find the live workers, collect acks.
 
 Used by `vllm-kafka-worker control` and `status`, and usable from a trainer's own code. Only
-aiokafka: no engine here.
+aiokafka: no engine here. Every call that reads or writes takes a `timeout_s` and raises
+`TimeoutError` past it: a status partition without a leader would otherwise keep a reader
+waiting for records that never come.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any, Final
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from typing import Any, Final, TypeVar
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import (
@@ -28,6 +32,8 @@ from worker.core.errors import BrokerError
 from worker.core.kafka import client_kwargs
 
 __all__ = ["Fleet", "new_command_id"]
+
+T = TypeVar("T")
 
 #: How far back, in records per partition, the status topic is read for live workers.
 STATUS_TAIL_RECORDS: Final = 5000
@@ -104,12 +110,21 @@ class Fleet:
         await self._consumer.stop()
         await self._producer.stop()
 
-    async def status_end(self) -> dict[TopicPartition, int]:
-        return dict(await self._consumer.end_offsets(self._partitions))
+    async def status_end(self, *, timeout_s: float | None = None) -> dict[TopicPartition, int]:
+        """The status topic's end offsets (where acknowledgements of a command sent now
+        start)."""
+        return await self._within(
+            self._consumer.end_offsets(self._partitions), timeout_s, "the status topic's end"
+        )
 
-    async def live_workers(self, target: Target | None = None) -> dict[str, WorkerStatus]:
+    async def live_workers(
+        self, target: Target | None = None, *, timeout_s: float | None = None
+    ) -> dict[str, WorkerStatus]:
         """The latest heartbeat of each worker heard from within a few of its intervals."""
-        end = await self.status_end()
+        return await self._within(self._live_workers(target), timeout_s, "the live workers")
+
+    async def _live_workers(self, target: Target | None) -> dict[str, WorkerStatus]:
+        end = dict(await self._consumer.end_offsets(self._partitions))
         begin = await self._consumer.beginning_offsets(self._partitions)
         latest: dict[str, WorkerStatus] = {}
         for tp in self._partitions:
@@ -125,13 +140,30 @@ class Fleet:
             if target is None or target.matches(status.group, status.worker)
         }
 
-    async def send(self, command: Command) -> None:
-        """Produce `command` to the control topic and wait for the broker's acknowledgement."""
+    async def send(self, command: Command, *, timeout_s: float | None = None) -> None:
+        """Produce `command` to the control topic and wait for the broker's acknowledgement.
+        It is stamped `issued_at` now when it has none: workers refuse stale commands."""
+        if command.issued_at is None:
+            command = msgspec.structs.replace(command, issued_at=time.time())
         if self._key is not None:
             command = sign_command(command, self._key)
-        await self._producer.send_and_wait(
-            self._control_topic, value=encode(command), key=command.command_id.encode()
+        await self._within(
+            self._producer.send_and_wait(
+                self._control_topic, value=encode(command), key=command.command_id.encode()
+            ),
+            timeout_s,
+            f"the broker's acknowledgement of {command.command_id}",
         )
+
+    async def _within(self, call: Awaitable[T], timeout_s: float | None, what: str) -> T:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await call
+        except TimeoutError:
+            raise TimeoutError(
+                f"{what}: nothing within {timeout_s:.1f} s (a partition of {self._status_topic} "
+                f"or {self._control_topic} without a leader, or the broker unreachable?)"
+            ) from None
 
     async def acks(
         self,
@@ -148,7 +180,12 @@ class Fleet:
             self._consumer.seek(tp, offset)
         deadline = time.monotonic() + timeout_s
         while wanted - set(got) and time.monotonic() < deadline:
-            batch = await self._consumer.getmany(timeout_ms=200)
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                async with asyncio.timeout(max(left_ms, 1) / 1000 + 1.0):
+                    batch = await self._consumer.getmany(timeout_ms=min(200, max(left_ms, 0)))
+            except TimeoutError:
+                break
             for records in batch.values():
                 for record in records:
                     message = _decode(record.value)

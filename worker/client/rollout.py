@@ -282,7 +282,9 @@ class RolloutClient:
     ) -> dict[str, CommandAck]:
         """Have every live worker of `target` (default: `group_id`) serve `path` as `version`;
         their acknowledgements (RolloutError if one failed or did not answer). Workers refuse
-        a version older than the one they serve unless `force` (a rollback)."""
+        a version older than the one they serve unless `force` (a rollback). `timeout_s`
+        bounds the whole call, the reads of the status topic before the send included: past
+        it, RolloutError (saying whether the command was sent)."""
         command = UpdateWeights(
             command_id=new_command_id(),
             target=target or Target(group=self._group_id),
@@ -292,18 +294,39 @@ class RolloutClient:
             issued_at=time.time(),
             force=force,
         )
-        async with self._fleet() as fleet:
-            live = await fleet.live_workers(command.target)
-            since = await fleet.status_end()
-            await fleet.send(command)
-            acks = await fleet.acks(command.command_id, live, since, timeout_s)
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.0)
+
+        sent = False
+        try:
+            async with self._fleet() as fleet:
+                live = await fleet.live_workers(command.target, timeout_s=left())
+                since = await fleet.status_end(timeout_s=left())
+                await fleet.send(command, timeout_s=left())
+                sent = True
+                acks = await fleet.acks(command.command_id, live, since, left())
+        except TimeoutError as exc:
+            raise RolloutError(
+                f"update to version {version}: {exc} "
+                f"({'sent, acknowledgements not read' if sent else 'not sent'})"
+            ) from None
         _check_every_worker_updated(version, live, acks, timeout_s)
         return acks
 
-    async def status(self, target: Target | None = None) -> dict[str, WorkerStatus]:
-        """The latest heartbeat of every live worker of `target` (default: `group_id`)."""
-        async with self._fleet() as fleet:
-            return await fleet.live_workers(target or Target(group=self._group_id))
+    async def status(
+        self, target: Target | None = None, *, timeout_s: float = 60.0
+    ) -> dict[str, WorkerStatus]:
+        """The latest heartbeat of every live worker of `target` (default: `group_id`);
+        RolloutError when the status topic cannot be read within `timeout_s`."""
+        try:
+            async with self._fleet() as fleet:
+                return await fleet.live_workers(
+                    target or Target(group=self._group_id), timeout_s=timeout_s
+                )
+        except TimeoutError as exc:
+            raise RolloutError(f"fleet status: {exc}") from None
 
     @contextlib.asynccontextmanager
     async def _fleet(self) -> AsyncIterator[Fleet]:

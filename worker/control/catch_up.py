@@ -1,41 +1,52 @@
 """What a worker starting on a fleet takes from the control topic before it serves.
 
-The topic holds every command the fleet was sent (one partition, kept for ever: see
-`create_topics`). Of those addressed to this worker and properly signed, the catch-up keeps:
+The control topic holds every command the fleet was sent (one partition, kept for ever: see
+`create_topics`); the status topic holds what the fleet did with them. A command says what the
+trainer asked for, not what happened: an update the fleet refused (a path outside the root, a
+checkpoint cut short) or a record produced again after a trim is in the topic just the same.
+So the state comes from the fleet's own answers:
 
-- the weight updates the running fleet applied, replayed as the fleet saw them: an update
-  older than the version before it was refused unless it said `force`, and nothing older than
-  the version the worker starts with counts (an update from an earlier run on the same topic);
-- of those, only checkpoint-path updates can be repeated: a `nccl` / `ipc` transfer needs the
-  trainer at the rendezvous, which it left long ago. When the latest update was a transfer,
-  the plan says so (`transfer`): the worker then reports `needs_weights` and holds its jobs
-  (or serves the newest checkpoint, `--stale-weights-at-start serve`) until the next update;
-- the latest pause or resume.
+- **answered commands** (below the offset up to which a worker of this group has acknowledged
+  or reported, `WorkerStatus.control_offset`): their outcome is the fleet's. An update counts
+  when a worker of the group acknowledged it `ok` or reports serving it (`weights_command_id`);
+  the newest of those, in topic order, is the state, the older ones the fallbacks when it no
+  longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
+  version the worker starts with counts (an update from an earlier run on the same topic).
+  A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
+  plan says so (`transfer`) and the worker reports `needs_weights`.
+- **unanswered commands** (at or above that offset: sent while no worker of the group was
+  there to apply them): the worker applies them itself, in order, as it would live, with every
+  check (freshness among them, so an old record nobody answered is not obeyed now).
 
-`read_catch_up_plan` reads the topic with a consumer of its own, so a caller can learn the
-checkpoint to build an engine on before the engine (and the control plane) exists.
+`read_catch_up_plan` reads both topics with a consumer of its own, so a caller can learn the
+checkpoints to build an engine on before the engine (and the control plane) exists.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Final
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
 from schemas import (
     Command,
+    CommandAck,
     Pause,
     Resume,
     SchemaError,
     UpdateWeights,
+    WorkerStatus,
     decode_command,
+    decode_status,
     signature_problem,
 )
 from worker.control.policy import WeightsPolicy
@@ -46,64 +57,89 @@ from worker.engines.vllm_weights import check_checkpoint, tensor_shapes
 
 __all__ = [
     "CatchUpPlan",
-    "CatchUpPlanner",
+    "ControlLog",
+    "FleetState",
     "StartingCheckpoint",
     "check_control_partitions",
-    "checkpoint_to_start_on",
+    "checkpoints_to_start_on",
+    "plan_catch_up",
     "read_catch_up_plan",
     "read_control_topic",
+    "read_fleet_state",
 ]
 
 logger = logging.getLogger(__name__)
 
-OnUnreadable = Callable[[ConsumerRecord[bytes, bytes], SchemaError], Awaitable[None]]
+#: How far back, in records per partition, the status topic is read for the fleet's answers.
+#: Every heartbeat repeats the state (weights, pause, offset), so the newest ones suffice.
+STATUS_TAIL_RECORDS: Final = 20_000
+#: A status record larger than this is not one a worker wrote: skipped unread.
+MAX_STATUS_RECORD_BYTES: Final = 64 * 1024
+#: How long reading either topic at start may take before the worker goes on without it.
+READ_TIMEOUT_S: Final = 120.0
+
+OnDropped = Callable[[ConsumerRecord[bytes, bytes], str, str], None]
+
+
+@dataclass
+class ControlLog:
+    """The control topic as a worker may take it: readable, signed (under a key) commands."""
+
+    #: (offset, command) for every command addressed to this worker, in topic order.
+    addressed: list[tuple[int, Command]] = field(default_factory=list)
+    #: The id and offset of every such command, addressed to this worker or not.
+    ids: dict[str, int] = field(default_factory=dict)
+    #: The offset the topic was read up to.
+    end: int = 0
+
+
+@dataclass
+class FleetState:
+    """What the status topic says this worker's group did with the control topic."""
+
+    #: Ids of commands a worker of the group acknowledged `ok` or reports in force.
+    applied: set[str] = field(default_factory=set)
+    #: Commands below this offset were answered by a worker of the group.
+    answered_below: int = 0
 
 
 @dataclass
 class CatchUpPlan:
-    """The state the control topic holds for one worker."""
+    """The state the control topic and the fleet's answers hold for one worker."""
 
     #: Checkpoint-path updates the fleet applied, newest first: the first that loads is the
-    #: worker's state (one that failed for this worker failed for the fleet too, which went on
-    #: with the weights before it).
+    #: worker's state, the others fall-backs.
     checkpoints: list[UpdateWeights] = field(default_factory=list)
-    #: The latest update, when it was a weight transfer (newer than every checkpoint).
+    #: The newest applied update, when it was a weight transfer (newer than every checkpoint).
     transfer: UpdateWeights | None = None
-    #: The latest pause or resume.
+    #: The latest pause or resume the fleet applied.
     pause: Pause | Resume | None = None
-    #: Every command id in the topic (signed ones, under a key): none is applied again.
+    #: Commands no worker of the group has answered: applied now, in order, as live.
+    unanswered: list[tuple[int, Command]] = field(default_factory=list)
+    #: Ids of the commands answered already: none is applied again.
     seen: set[str] = field(default_factory=set)
     #: The offset the plan was read up to.
     end: int = 0
 
 
-class CatchUpPlanner:
-    """Builds a `CatchUpPlan` from the commands addressed to a worker, in topic order."""
-
-    def __init__(self, start_version: int) -> None:
-        self._start = start_version
-        self._version = start_version
-        self._plan = CatchUpPlan()
-
-    def add(self, command: Command) -> None:
-        if isinstance(command, Pause | Resume):
-            self._plan.pause = command
-        if not isinstance(command, UpdateWeights):
-            return
-        if command.version < self._start:
-            return  # older than what this worker was started on: another run's state
-        if command.version < self._version and not command.force:
-            return  # the fleet refused it: versions only move forward
-        self._version = command.version
-        if command.backend == "checkpoint":
-            self._plan.checkpoints.insert(0, command)
-            self._plan.transfer = None
-        else:
-            self._plan.transfer = command
-
-    def plan(self, seen: set[str], end: int) -> CatchUpPlan:
-        self._plan.seen, self._plan.end = seen, end
-        return self._plan
+def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> CatchUpPlan:
+    """The plan for a worker that starts on `start_version` (see the module's docstring)."""
+    plan = CatchUpPlan(end=log.end)
+    plan.seen = {cid for cid, offset in log.ids.items() if offset < state.answered_below}
+    updates: list[UpdateWeights] = []
+    for offset, command in log.addressed:
+        if offset >= state.answered_below:
+            plan.unanswered.append((offset, command))
+        elif command.command_id not in state.applied:
+            continue  # the fleet refused it, or it was never the fleet's to apply
+        elif isinstance(command, Pause | Resume):
+            plan.pause = command
+        elif isinstance(command, UpdateWeights) and command.version >= start_version:
+            updates.append(command)
+    if updates and updates[-1].backend != "checkpoint":
+        plan.transfer = updates[-1]
+    plan.checkpoints = [u for u in reversed(updates) if u.backend == "checkpoint"]
+    return plan
 
 
 async def check_control_partitions(consumer: AIOKafkaConsumer, topic: str) -> None:
@@ -117,19 +153,31 @@ async def check_control_partitions(consumer: AIOKafkaConsumer, topic: str) -> No
         )
 
 
+def take_command(value: bytes, key: bytes | None) -> tuple[Command | None, str, str]:
+    """The command a control record holds, or None with why it is dropped (`unreadable` or
+    `unsigned`) and the detail: under a key, an unsigned or badly signed record is nobody's
+    command, so not even its id is taken (a forgery must not shadow the real command that
+    comes later under the same id)."""
+    try:
+        command = decode_command(value)
+    except SchemaError as exc:
+        return None, "unreadable", str(exc)
+    if key is not None and (problem := signature_problem(value, key)) is not None:
+        return None, "unsigned", problem
+    return command, "", ""
+
+
 async def read_control_topic(
     consumer: AIOKafkaConsumer,
     settings: Settings,
-    start_version: int,
     *,
-    on_unreadable: OnUnreadable | None = None,
-) -> CatchUpPlan:
+    on_dropped: OnDropped | None = None,
+) -> ControlLog:
     """Read the control topic (assigned to `consumer`, positioned at 0) up to its end."""
     tp = TopicPartition(settings.control_topic, 0)
     end = (await consumer.end_offsets([tp]))[tp]
     key = None if settings.control_hmac_key is None else settings.control_hmac_key.encode()
-    planner = CatchUpPlanner(start_version)
-    seen: set[str] = set()
+    log = ControlLog(end=end)
     while await consumer.position(tp) < end:
         try:
             batch = await consumer.getmany(tp, timeout_ms=500)
@@ -138,30 +186,99 @@ async def read_control_topic(
             await asyncio.sleep(1.0)
             continue
         for record in batch.get(tp, []):
-            value = record.value or b""
-            try:
-                command = decode_command(value)
-            except SchemaError as exc:
-                if on_unreadable is not None:
-                    await on_unreadable(record, exc)
+            command, reason, detail = take_command(record.value or b"", key)
+            if command is None:
+                if on_dropped is not None:
+                    on_dropped(record, reason, detail)
                 continue
-            if key is not None and (problem := signature_problem(value, key)) is not None:
-                # Not even its id is taken: a forged record must not shadow the real command
-                # that comes later under the same id.
-                logger.warning(
-                    "control record at offset %d not taken at catch-up: %s", record.offset, problem
-                )
-                continue
-            seen.add(command.command_id)
+            log.ids[command.command_id] = record.offset
             if command.target.matches(settings.group_id, settings.worker_id):
-                planner.add(command)
-    return planner.plan(seen, end)
+                log.addressed.append((record.offset, command))
+    return log
+
+
+async def read_fleet_state(consumer: AIOKafkaConsumer, settings: Settings) -> FleetState:
+    """What the tail of the status topic says this worker's group did with the control
+    topic; `consumer` is assigned the status topic's partitions for it."""
+    state = FleetState()
+    topic = settings.status_topic
+    partitions = consumer.partitions_for_topic(topic)
+    if partitions is None:
+        await consumer.topics()
+        partitions = consumer.partitions_for_topic(topic)
+    if not partitions:
+        return state
+    tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+    consumer.assign(tps)
+    end = await consumer.end_offsets(tps)
+    begin = await consumer.beginning_offsets(tps)
+    for tp in tps:
+        consumer.seek(tp, max(end[tp] - STATUS_TAIL_RECORDS, begin[tp]))
+    while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
+        try:
+            batch = await consumer.getmany(*tps, timeout_ms=500)
+        except KafkaError as exc:
+            logger.warning("status topic fetch failed (%r); retrying", exc)
+            await asyncio.sleep(1.0)
+            continue
+        for records in batch.values():
+            for record in records:
+                _take_answer(state, record.value, settings.group_id)
+    return state
+
+
+def _take_answer(state: FleetState, value: bytes | None, group: str) -> None:
+    if value is None or len(value) > MAX_STATUS_RECORD_BYTES:
+        return
+    try:
+        message = decode_status(value)
+    except SchemaError:
+        return
+    if message.group != group:
+        return
+    if isinstance(message, CommandAck):
+        if message.offset is not None:
+            # Acknowledged in topic order: everything before it was answered too.
+            state.answered_below = max(state.answered_below, message.offset + 1)
+        if message.outcome == "ok":
+            state.applied.add(message.command_id)
+    elif isinstance(message, WorkerStatus):
+        if message.control_offset is not None:
+            state.answered_below = max(state.answered_below, message.control_offset)
+        state.applied |= {
+            cid for cid in (message.weights_command_id, message.pause_command_id) if cid
+        }
 
 
 async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpPlan:
-    """The plan for the worker `settings` describe, read with a consumer of its own (an empty
-    plan when the control topic does not exist). The checkpoint to build an engine on is the
-    first of `plan.checkpoints` that `WeightsPolicy(settings).check` lets through."""
+    """The plan for the worker `settings` describe, read with consumers of its own (an empty
+    plan when the control topic does not exist, or cannot be read in `READ_TIMEOUT_S`)."""
+    try:
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            async with _reader(settings) as consumer:
+                if settings.control_topic not in await consumer.topics():
+                    return CatchUpPlan()
+                await check_control_partitions(consumer, settings.control_topic)
+                tp = TopicPartition(settings.control_topic, 0)
+                consumer.assign([tp])
+                consumer.seek(tp, 0)
+                log = await read_control_topic(consumer, settings)
+            state = FleetState()
+            if log.addressed:
+                async with _reader(settings) as consumer:
+                    state = await read_fleet_state(consumer, settings)
+        return plan_catch_up(log, state, start_version)
+    except TimeoutError:
+        logger.warning(
+            "the control and status topics could not be read in %.0f s: starting on the "
+            "configured checkpoint (the control plane catches up once it runs)",
+            READ_TIMEOUT_S,
+        )
+        return CatchUpPlan()
+
+
+@contextlib.asynccontextmanager
+async def _reader(settings: Settings) -> AsyncIterator[AIOKafkaConsumer]:
     consumer = AIOKafkaConsumer(
         **client_kwargs(settings),
         group_id=None,
@@ -170,43 +287,39 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
     )
     await consumer.start()
     try:
-        if settings.control_topic not in await consumer.topics():
-            return CatchUpPlan()
-        await check_control_partitions(consumer, settings.control_topic)
-        tp = TopicPartition(settings.control_topic, 0)
-        consumer.assign([tp])
-        consumer.seek(tp, 0)
-        return await read_control_topic(consumer, settings, start_version)
+        yield consumer
     finally:
         await consumer.stop()
 
 
 @dataclass(frozen=True)
 class StartingCheckpoint:
-    """The checkpoint the control topic names for a worker that has not built its engine."""
+    """A checkpoint the fleet applied, for a worker that has not built its engine."""
 
     update: UpdateWeights
     path: str
 
 
-async def checkpoint_to_start_on(
+async def checkpoints_to_start_on(
     settings: Settings, served: Path | None
-) -> StartingCheckpoint | None:
-    """The newest checkpoint-path update the control topic holds for this worker that passes
-    every check made before a load (the update policy, and against the start-up checkpoint
-    `served`: architecture and tensor shapes); None when there is none. A worker builds its
-    engine on it directly instead of on its start-up checkpoint and then again on this one."""
+) -> list[StartingCheckpoint]:
+    """The checkpoint-path updates the fleet applied for this worker that pass every check
+    made before a load (the update policy, and against the start-up checkpoint `served`:
+    architecture and tensor shapes), newest first. A worker builds its engine on the first
+    that starts, instead of on its start-up checkpoint and then again on that one; when none
+    starts, on its start-up checkpoint."""
     if served is None:
-        return None
+        return []
     plan = await read_catch_up_plan(settings, settings.weight_version)
     if not plan.checkpoints:
-        return None
+        return []
     policy = WeightsPolicy(settings)
     try:
         config = json.loads((served / "config.json").read_text(encoding="utf-8"))
         shapes = await asyncio.to_thread(tensor_shapes, served)
     except (OSError, ValueError, WeightUpdateError):
-        return None  # the engine's own start reports what is wrong with it
+        return []  # the engine's own start reports what is wrong with it
+    starts = []
     for update in plan.checkpoints:
         assert update.path is not None  # noqa: S101 - checkpoint updates carry a path
         try:
@@ -215,7 +328,14 @@ async def checkpoint_to_start_on(
                 check_checkpoint, Path(update.path), SimpleNamespace(**config), shapes
             )
         except WeightUpdateError as exc:
-            logger.info("not starting on %s: %s", update.path, exc)
+            logger.error(  # noqa: TRY400 - the reason is the message; no traceback to show
+                "the fleet applied %s (version %d, command %s) but it no longer passes the "
+                "checks: %s",
+                update.path,
+                update.version,
+                update.command_id,
+                exc,
+            )
             continue
-        return StartingCheckpoint(update=update, path=str(checked))
-    return None
+        starts.append(StartingCheckpoint(update=update, path=str(checked)))
+    return starts

@@ -1,17 +1,20 @@
 """One control command applied to the engine, after the checks that it may be.
 
-Checked before anything changes: the command's signature (given by the control plane, which
-reads the record), that a weight update moves the version forward (`force` rolls back), and
-what it may load (`worker.control.policy`). Besides the engine's own pause, the runner keeps
-the `needs_weights` hold of a worker whose latest update at start was a weight transfer: a
-`resume` leaves its jobs held; the next update that loads releases them (unless the fleet is
-paused).
+Checked before anything changes: that the command is fresh (`staleness`: its signed
+`issued_at` within `--command-max-age-s` of now, so a record produced again after a trim of the
+topic is not obeyed), that a weight update moves the version forward (only a fresh `force`
+rolls back), and what it may load (`worker.control.policy`). The signature is checked by the
+control plane, which reads the record and drops what is not signed. Besides the engine's own
+pause, the runner keeps the `needs_weights` hold of a worker whose latest update at start was
+a weight transfer: a `resume` leaves its jobs held; the next update that loads releases them
+(unless the fleet is paused).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Final, Protocol
 
 from schemas import Abort, Command, Pause, ResetPrefixCache, Resume, UpdateWeights
@@ -21,13 +24,38 @@ from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.metrics import Metrics
 from worker.engines.steerable import SteerableEngine
 
-__all__ = ["CommandRunner", "WorkerView"]
+__all__ = ["CommandRunner", "WorkerView", "staleness"]
 
 # How long a `restart` update waits for the answers of jobs that finished on the old weights to
 # be acknowledged before it acknowledges itself.
 _SETTLE_TIMEOUT_S: Final = 30.0
 # How long the checks of a checkpoint directory may take (storage that hangs is refused).
 _POLICY_TIMEOUT_S: Final = 30.0
+
+
+def staleness(command: Command, now: float, settings: Settings) -> str | None:
+    """Why `command` is too old (or dated too far ahead) to be obeyed at `now`; None when it
+    is fresh. Under a key every command must say when it was issued; without one, a command
+    that does not say is taken, except a rollback (`force`), which must be fresh."""
+    issued = command.issued_at
+    if issued is None:
+        if settings.control_hmac_key is not None:
+            return "no issued_at: a signed command must say when it was issued"
+        if isinstance(command, UpdateWeights) and command.force:
+            return "no issued_at: a rollback (force) must say when it was issued"
+        return None
+    skew, max_age = settings.max_clock_skew_s, settings.command_max_age_s
+    if issued > now + skew:
+        return (
+            f"issued {issued - now:.0f} s in the future, more than the {skew:.0f} s of clock "
+            "skew allowed (--max-clock-skew-s)"
+        )
+    if issued < now - max_age - skew:
+        return (
+            f"stale: issued {now - issued:.0f} s ago, more than --command-max-age-s "
+            f"{max_age:.0f} (a record produced again is not obeyed)"
+        )
+    return None
 
 
 class WorkerView(Protocol):
@@ -47,9 +75,16 @@ class CommandRunner:
     """Applies commands to `engine` (see the module's docstring)."""
 
     def __init__(
-        self, settings: Settings, engine: SteerableEngine, metrics: Metrics, worker: WorkerView
+        self,
+        settings: Settings,
+        engine: SteerableEngine,
+        metrics: Metrics,
+        worker: WorkerView,
+        *,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._engine = engine
         self._metrics = metrics
         self._worker = worker
@@ -59,13 +94,12 @@ class CommandRunner:
         # The fleet's own pause state (a `needs_weights` hold keeps the gate closed anyway).
         self._fleet_paused = False
 
-    async def run(
-        self, command: Command, *, catching_up: bool = False, unauthorized: str | None = None
-    ) -> str:
+    async def run(self, command: Command, *, catching_up: bool = False) -> str:
         """Apply one command; a detail for the acknowledgement. `WeightUpdateError` (nothing
-        changed, or the old weights still serve) says why it failed."""
-        if unauthorized is not None:
-            raise WeightUpdateError(f"unauthorized: {unauthorized}")
+        changed, or the old weights still serve) says why it failed. `catching_up`: the fleet
+        applied it before this worker started, so it is not checked for freshness again."""
+        if not catching_up and (stale := staleness(command, self._clock(), self._settings)):
+            raise WeightUpdateError(stale)
         engine = self._engine
         if isinstance(command, Pause):
             self._fleet_paused = True
@@ -85,7 +119,7 @@ class CommandRunner:
             return f"aborted {len(matched)} jobs in flight" + (
                 f": {', '.join(sorted(matched)[:20])}" if matched else ""
             )
-        await self._check_update(command)
+        await self._check_update(command, catching_up=catching_up)
         t0 = time.monotonic()
         if command.backend == "checkpoint":
             assert command.path is not None  # noqa: S101 - the schema requires it
@@ -127,10 +161,11 @@ class CommandRunner:
             await self._engine.pause("wait")
         return self._holding
 
-    async def _check_update(self, command: UpdateWeights) -> None:
-        """Raise `WeightUpdateError` when `command` may not be applied; nothing has changed."""
+    async def _check_update(self, command: UpdateWeights, *, catching_up: bool) -> None:
+        """Raise `WeightUpdateError` when `command` may not be applied; nothing has changed.
+        At catch-up the fleet's own outcome stands (a rollback it applied included)."""
         served = self._engine.weight_version
-        if command.version < served and not command.force:
+        if not catching_up and command.version < served and not command.force:
             raise WeightUpdateError(
                 f"version {command.version} is older than the served version {served}: "
                 "refused (an update with `force` rolls back)"

@@ -7,15 +7,19 @@ for the fleet, not for one member), applies each command addressed to it once (b
 weight version after it. A heartbeat says what the worker is doing every `status_interval_s`.
 
 At start, before any job is fetched, the worker catches up (`worker.control.catch_up`): of the
-commands already in the topic it applies the latest checkpoint update addressed to it that
-loads (so a restarted worker never serves weights older than the fleet's) and the latest pause
-or resume, and only marks the rest as done. A latest update it cannot repeat (a weight
-transfer) leaves it `needs_weights` until the next update, holding its jobs unless told to
-serve.
+commands the fleet answered it takes the fleet's outcome (the newest checkpoint the fleet
+applied that loads here, falling back to older applied ones, then to its start-up weights;
+the latest pause or resume the fleet applied), and it applies the commands nobody answered
+itself, as it would live. A newest update it cannot repeat (a weight transfer) leaves it
+`needs_weights` until the next update, holding its jobs unless told to serve. Heartbeats say
+which update's weights it serves, which pause holds it and how far it has read the control
+topic, so the next worker to start can do the same.
 
-Every command is checked before anything changes: its signature (`--control-hmac-key`), what
-an update may load (`worker.control.policy`), and that versions move forward (`force` rolls
-back). A refused command is acknowledged `failed` with the reason.
+Every command is checked before anything changes: its signature (`--control-hmac-key`: a
+record that is not signed is dropped unanswered, counted in `vkw_control_records_dropped`),
+that it is fresh (`issued_at`), what an update may load (`worker.control.policy`), and that
+versions move forward (a fresh `force` rolls back). A refused command is acknowledged `failed`
+with the reason. Unreadable records cost one status record per heartbeat interval at most.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
@@ -37,16 +42,21 @@ from schemas import (
     Pause,
     ResetPrefixCache,
     Resume,
-    SchemaError,
     StatusMessage,
     UpdateWeights,
     WorkerStatus,
-    decode_command,
     encode,
-    signature_problem,
 )
-from worker.control.catch_up import check_control_partitions, read_control_topic
-from worker.control.commands import CommandRunner, WorkerView
+from worker.control.catch_up import (
+    CatchUpPlan,
+    FleetState,
+    check_control_partitions,
+    plan_catch_up,
+    read_control_topic,
+    read_fleet_state,
+    take_command,
+)
+from worker.control.commands import CommandRunner, WorkerView, staleness
 from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
@@ -62,6 +72,9 @@ _SEND_TIMEOUT_S: Final = 10.0
 # A command is returned the moment it is fetched, and a stop cancels the wait: the timeout only
 # ends an empty wait, and each such end is a wake-up with nothing to do.
 _FOLLOW_WAIT_MS: Final = 10_000
+# How long the status topic's tail may take to read at start before the worker goes on as if
+# the fleet had answered nothing.
+_FLEET_STATE_TIMEOUT_S: Final = 60.0
 
 
 class ControlPlane:
@@ -76,13 +89,20 @@ class ControlPlane:
         *,
         consumer: AIOKafkaConsumer | None = None,
         producer: AIOKafkaProducer | None = None,
+        status_consumer: AIOKafkaConsumer | None = None,
         clock: Callable[[], float] = time.time,
         built_on: str | None = None,
+        passed_over: dict[str, str] | None = None,
     ) -> None:
         """`built_on`: the id of the update whose checkpoint the engine was built on
-        (`worker.control.catch_up.checkpoint_to_start_on`): acknowledged, not loaded again."""
+        (`worker.control.catch_up.checkpoints_to_start_on`): acknowledged, not loaded again.
+        `passed_over`: updates the fleet applied whose checkpoint failed to start an engine
+        here, with why: acknowledged `failed`, not tried again. `status_consumer` reads the
+        fleet's answers at catch-up (built and closed there when not given)."""
         self._settings = settings
         self._built_on = built_on
+        self._passed_over = passed_over or {}
+        self._status_consumer = status_consumer
         self._engine = engine
         self._metrics = metrics
         self._clock = clock
@@ -97,9 +117,18 @@ class ControlPlane:
         self._worker = worker
         self._started = time.monotonic()
         self._started_clients = False
-        self._runner = CommandRunner(settings, engine, metrics, worker)
+        self._runner = CommandRunner(settings, engine, metrics, worker, clock=clock)
         key = settings.control_hmac_key
         self._key = None if key is None else key.encode()
+        # The control topic's offset every command below has been applied or passed over.
+        self._next_offset = 0
+        # What heartbeats report as in force: the update served, the fleet's pause.
+        self._weights_command_id: str | None = None
+        self._pause_command_id: str | None = None
+        # Records dropped since the last report, by reason, and the latest unreadable one.
+        self._dropped: dict[str, int] = {}
+        self._unreadable: ControlRecordError | None = None
+        self._dropped_reported = -float("inf")
 
     async def start(self) -> None:
         consumer, producer = self._given
@@ -139,37 +168,53 @@ class ControlPlane:
         await bounded(self._producer.stop, "status producer stop", timeout)
 
     async def catch_up(self) -> None:
-        """Apply the state the control topic holds for this worker; before jobs are fetched."""
+        """Apply the state the control topic and the fleet's answers hold for this worker;
+        before jobs are fetched."""
         self._publish_version()
         if not self._following:
             return
-        plan = await read_control_topic(
-            self._consumer,
-            self._settings,
-            self._engine.weight_version,
-            on_unreadable=self._report_unreadable,
-        )
+        log = await read_control_topic(self._consumer, self._settings, on_dropped=self._drop)
+        # No command for this worker: nothing the fleet's answers could say about it.
+        state = await self._fleet_state() if log.addressed else FleetState()
+        plan = plan_catch_up(log, state, self._engine.weight_version)
         self._applied |= plan.seen
-        for update in plan.checkpoints:
+        await self._take_checkpoint(plan, log.ids)
+        if isinstance(plan.pause, Pause):
             ack = await self._apply(
-                update, catching_up=True, loaded=update.command_id == self._built_on
+                Pause(command_id=plan.pause.command_id, mode="wait"),
+                catching_up=True,
+                offset=log.ids.get(plan.pause.command_id),
             )
             if ack.outcome == "ok":
-                break
-        if isinstance(plan.pause, Pause):
-            await self._apply(
-                Pause(command_id=plan.pause.command_id, mode="wait"), catching_up=True
-            )
+                self._pause_command_id = plan.pause.command_id
         if plan.transfer is not None:
             hold = await self._runner.lack_weights()
             logger.warning(
-                "the control topic's latest update (%s, version %d over %s) cannot be repeated "
-                "after a restart: %s until the next update_weights",
+                "the fleet's latest update (%s, version %d over %s) cannot be repeated after a "
+                "restart: %s until the next update_weights",
                 plan.transfer.command_id,
                 plan.transfer.version,
                 plan.transfer.backend,
                 "jobs are held" if hold else f"serving version {self._engine.weight_version}",
             )
+        stale = 0
+        for offset, command in plan.unanswered:
+            if command.command_id in self._applied:
+                continue
+            self._applied.add(command.command_id)
+            if staleness(command, self._clock(), self._settings) is not None:
+                stale += 1  # nobody answered it when it was fresh: not obeyed now
+                continue
+            await self._apply(command, offset=offset)
+        if stale:
+            logger.warning(
+                "%d commands nobody in group %s answered are older than --command-max-age-s "
+                "(or dated ahead): not applied",
+                stale,
+                self._settings.group_id,
+            )
+        self._next_offset = plan.end
+        await self._report_dropped(force=True)
         logger.info(
             "control plane caught up at %s-0@%d: weight version %d%s",
             self._settings.control_topic,
@@ -177,6 +222,63 @@ class ControlPlane:
             self._engine.weight_version,
             ", paused" if self._engine.paused else "",
         )
+
+    async def _fleet_state(self) -> FleetState:
+        """The status topic's word on the control topic, read with a consumer used for this
+        only; nothing (every command unanswered) when it cannot be read in time."""
+        if not self._status_on:
+            return FleetState()
+        consumer = self._status_consumer or AIOKafkaConsumer(
+            **client_kwargs(self._settings),
+            group_id=None,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )
+        await consumer.start()
+        try:
+            async with asyncio.timeout(_FLEET_STATE_TIMEOUT_S):
+                return await read_fleet_state(consumer, self._settings)
+        except TimeoutError:
+            logger.warning(
+                "status topic %s could not be read in %.0f s: every command in the control "
+                "topic is taken as unanswered",
+                self._settings.status_topic,
+                _FLEET_STATE_TIMEOUT_S,
+            )
+            return FleetState()
+        finally:
+            await bounded(consumer.stop, "status consumer stop", self._settings.close_timeout_s)
+
+    async def _take_checkpoint(self, plan: CatchUpPlan, offsets: dict[str, int]) -> None:
+        """Serve the newest checkpoint the fleet applied that loads here, saying so loudly
+        when that is not the newest one."""
+        failed: list[str] = []
+        for update in plan.checkpoints:
+            offset = offsets.get(update.command_id)
+            reason = self._passed_over.get(update.command_id)
+            if reason is not None:
+                failed.append(update.command_id)
+                await self._acknowledge(
+                    update, "failed", f"did not start an engine here: {reason}", 0.0, offset
+                )
+                continue
+            ack = await self._apply(
+                update,
+                catching_up=True,
+                loaded=update.command_id == self._built_on,
+                offset=offset,
+            )
+            if ack.outcome == "ok":
+                break
+            failed.append(update.command_id)
+        if failed:
+            logger.error(
+                "the fleet's checkpoint updates %s do not load on this worker: serving %s "
+                "(version %d), older than the fleet's",
+                ", ".join(failed),
+                self._weights_command_id or "the start-up checkpoint",
+                self._engine.weight_version,
+            )
 
     async def run(self) -> None:
         """Follow the control topic and send heartbeats, until cancelled. Neither ends by
@@ -205,19 +307,24 @@ class ControlPlane:
                     self._follow_from_beginning()
                 continue
             for record in await self._fetch():
-                command = await self._decode(record)
-                if command is None or command.command_id in self._applied:
-                    continue
-                unauthorized = self._unauthorized(record)
-                if unauthorized is None:
-                    # A forged record's id is not taken: it must not shadow the real command.
-                    self._applied.add(command.command_id)
-                if self._addressed(command):
-                    await self._apply(command, unauthorized=unauthorized)
+                await self._take(record)
+                # Only once it is done: a worker starting meanwhile applies it itself.
+                self._next_offset = record.offset + 1
+            await self._report_dropped()
+
+    async def _take(self, record: ConsumerRecord[bytes, bytes]) -> None:
+        command, reason, detail = take_command(record.value or b"", self._key)
+        if command is None:
+            self._drop(record, reason, detail)
+        elif command.command_id not in self._applied:
+            self._applied.add(command.command_id)
+            if self._addressed(command):
+                await self._apply(command, offset=record.offset)
 
     def _follow_from_beginning(self) -> None:
         self._consumer.assign([self._tp])
         self._consumer.seek(self._tp, 0)
+        self._next_offset = 0
         self._following = True
 
     async def _fetch(self) -> list[ConsumerRecord[bytes, bytes]]:
@@ -229,33 +336,38 @@ class ControlPlane:
             return []
         return list(batch.get(self._tp, []))
 
-    async def _decode(self, record: ConsumerRecord[bytes, bytes]) -> Command | None:
-        try:
-            return decode_command(record.value or b"")
-        except SchemaError as exc:
-            await self._report_unreadable(record, exc)
-            return None
-
-    async def _report_unreadable(
-        self, record: ConsumerRecord[bytes, bytes], exc: SchemaError
-    ) -> None:
-        where = f"{record.topic}-{record.partition}@{record.offset}"
-        logger.warning("unreadable control record at %s skipped: %s", where, exc)
-        await self._send(
-            ControlRecordError(
+    def _drop(self, record: ConsumerRecord[bytes, bytes], reason: str, detail: str) -> None:
+        """Count a record that is nobody's command; reported once per heartbeat interval at
+        most, so a flood of them costs no send each (and, under a key, no send at all)."""
+        self._metrics.control_records_dropped.labels(reason).inc()
+        self._dropped[reason] = self._dropped.get(reason, 0) + 1
+        if reason == "unreadable" and self._key is None:
+            count = 1 if self._unreadable is None else self._unreadable.count + 1
+            self._unreadable = ControlRecordError(
                 worker=self._settings.worker_id,
                 group=self._settings.group_id,
                 offset=record.offset,
-                detail=str(exc)[:1000],
-                at=self._clock(),
+                detail=detail[:1000],
+                at=0.0,
+                count=count,
             )
-        )
 
-    def _unauthorized(self, record: ConsumerRecord[bytes, bytes]) -> str | None:
-        """Why `record` may not be applied under the fleet's key (None: it may)."""
-        if self._key is None:
-            return None
-        return signature_problem(record.value or b"", self._key)
+    async def _report_dropped(self, *, force: bool = False) -> None:
+        if not self._dropped:
+            return
+        now = time.monotonic()
+        if not force and now - self._dropped_reported < self._settings.status_interval_s:
+            return
+        self._dropped_reported = now
+        dropped, self._dropped = self._dropped, {}
+        report, self._unreadable = self._unreadable, None
+        logger.warning(
+            "control records dropped unanswered since the last report: %s%s",
+            ", ".join(f"{count} {reason}" for reason, count in sorted(dropped.items())),
+            "" if report is None else f" (latest at offset {report.offset}: {report.detail})",
+        )
+        if report is not None:
+            await self._send(msgspec.structs.replace(report, at=self._clock()))
 
     def _addressed(self, command: Command) -> bool:
         return command.target.matches(self._settings.group_id, self._settings.worker_id)
@@ -265,37 +377,53 @@ class ControlPlane:
         command: Command,
         *,
         catching_up: bool = False,
-        unauthorized: str | None = None,
         loaded: bool = False,
+        offset: int | None = None,
     ) -> CommandAck:
-        """Run `command` and acknowledge it; `loaded`: the engine was built on its checkpoint,
-        so there is nothing to run."""
-        kind = type(command).__name__
+        """Run `command` (at `offset` in the control topic) and acknowledge it; `loaded`: the
+        engine was built on its checkpoint, so there is nothing to run."""
         t0 = time.monotonic()
-        outcome, detail = "ok", ""
+        outcome: Literal["ok", "failed"] = "ok"
+        detail = ""
         try:
             if loaded:
                 detail = "the engine was built on this checkpoint at start"
             else:
-                detail = await self._runner.run(
-                    command, catching_up=catching_up, unauthorized=unauthorized
-                )
+                detail = await self._runner.run(command, catching_up=catching_up)
         except WeightUpdateError as exc:
             outcome, detail = "failed", str(exc)
         except FatalError as exc:
             outcome, detail = "failed", f"the engine stopped: {exc}"
             self._worker.fail(exc, f"control command {command.command_id}")
-        duration = time.monotonic() - t0
+        if outcome == "ok":
+            if isinstance(command, UpdateWeights):
+                self._weights_command_id = command.command_id
+            elif isinstance(command, Pause):
+                self._pause_command_id = command.command_id
+            elif isinstance(command, Resume):
+                self._pause_command_id = None
+        return await self._acknowledge(command, outcome, detail, time.monotonic() - t0, offset)
+
+    async def _acknowledge(
+        self,
+        command: Command,
+        outcome: Literal["ok", "failed"],
+        detail: str,
+        duration: float,
+        offset: int | None,
+    ) -> CommandAck:
+        kind = type(command).__name__
         ack = CommandAck(
             worker=self._settings.worker_id,
             group=self._settings.group_id,
             command_id=command.command_id,
             kind=_KINDS.get(type(command), kind),
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
             detail=detail[:2000],
             duration_s=duration,
             weight_version=self._engine.weight_version,
             at=self._clock(),
+            offset=offset,
         )
         log = logger.info if outcome == "ok" else logger.warning
         log(
@@ -323,6 +451,7 @@ class ControlPlane:
             except FatalError:
                 healthy = False  # the worker's own check stops it; the status says why first
             await self._send(self.status(engine_healthy=healthy))
+            await self._report_dropped()
             await asyncio.sleep(self._settings.status_interval_s)
 
     def status(self, *, engine_healthy: bool = True) -> WorkerStatus:
@@ -342,6 +471,9 @@ class ControlPlane:
             interval_s=s.status_interval_s,
             weight_reload=self._engine.weight_reload,
             needs_weights=self._runner.needs_weights,
+            weights_command_id=self._weights_command_id,
+            pause_command_id=self._pause_command_id if self._engine.paused else None,
+            control_offset=self._next_offset if self._following else None,
         )
 
     async def _send(self, message: StatusMessage) -> None:

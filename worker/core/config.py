@@ -177,6 +177,19 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             "signed commands are refused (secret: prefer the env var)"
         ),
     ] = None
+    command_max_age_s: Annotated[
+        float,
+        Meta(gt=0),
+        _d(
+            "refuse a control command issued (its issued_at) longer ago than this: a record "
+            "produced again after the topic was trimmed is not obeyed"
+        ),
+    ] = 3600.0
+    max_clock_skew_s: Annotated[
+        float,
+        Meta(ge=0, le=3600),
+        _d("how far the trainer's clock may be off this worker's when issued_at is checked"),
+    ] = 300.0
     stale_weights_at_start: Annotated[
         Literal["hold", "serve"],
         _d(

@@ -190,6 +190,12 @@ class Metrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.control_records_dropped = prom.Counter(
+            "vkw_control_records_dropped",
+            "Control records dropped unanswered, by reason (unreadable; unsigned under a key)",
+            ["reason"],
+            registry=r,
+        )
         self.weight_update_time = prom.Histogram(
             "vkw_weight_update_seconds",
             "Time from a weight update's start to the new weights serving",

@@ -163,10 +163,12 @@ async def test_duplicate_and_malformed_commands_are_skipped_and_serving_goes_on(
             UpdateWeights(command_id="u", version=3, path=b),  # the same command again
         )
         await status.wait_acks("u", 1)
-        await wait_for(lambda: len(status.errors()) == 3, 10, "three control errors")
-        offsets = sorted(e.offset for e in status.errors())
-        assert offsets == [0, 1, 2]
-        assert "needs `path`" in status.errors()[1].detail
+        # Reported, not answered one by one: at most one report a heartbeat interval.
+        await wait_for(
+            lambda: sum(e.count for e in status.errors()) == 3, 10, "three unreadable records"
+        )
+        assert max(e.offset for e in status.errors()) == 2
+        assert len(status.errors()) <= 3
         await produce(bs, fleet.topics.jobs, [job_record(job("served"))])
         assert completed((await results.wait("served"))["served"]).weight_version == 3
         await fence(bs, fleet, status, "w1")
@@ -263,13 +265,13 @@ async def test_a_restarted_worker_serves_the_latest_good_update_from_its_first_j
             second = await start_steered(fleet, "w1-again")
             got = completed((await results.wait("first-after-restart"))["first-after-restart"])
         assert got.weight_version == 7
-        # It caught up: the bad update was tried (and failed) before the good one under it.
+        # It caught up on what the fleet did: the update the fleet refused is not tried again.
         catch_up = [
             a
             for a in status.records
             if isinstance(m := decode_status(a[1]), CommandAck) and m.worker == "w1-again"
         ]
-        assert [decode_status(v).command_id for _, v in catch_up] == ["bad", "v7"]  # type: ignore[union-attr]
+        assert [decode_status(v).command_id for _, v in catch_up] == ["v7"]  # type: ignore[union-attr]
         assert not second.engine.paused
     assert await second.stop() == 0
 

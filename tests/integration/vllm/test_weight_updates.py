@@ -10,6 +10,7 @@ that the captured routing is HF transformers' router top-k on the new weights.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import sys
 import time
@@ -34,7 +35,7 @@ from schemas import (
 )
 from tests.vllm_support import capture_environment
 from worker.dev.harness.clients import job_record, produce
-from worker.dev.harness.fleet import Results, Status, completed, send
+from worker.dev.harness.fleet import Results, Status, answered, completed, send
 from worker.dev.harness.topics import Fleet, make_fleet
 from worker.dev.harness.waiting import wait_for, wait_generating
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
@@ -443,27 +444,18 @@ async def test_a_restarted_worker_builds_its_engine_once_on_the_fleets_checkpoin
     bs = kafka_bootstrap_servers
     fleet = await make_fleet(new_topic)
     await send(bs, fleet, UpdateWeights(command_id="fleet-b", version=9, path=str(b)))
+    await answered(bs, fleet, ("fleet-b", 0, "ok"))
     await produce(bs, fleet.topics.jobs, [job_record(greedy("first", 16))])
-    t = fleet.topics
-    command = [
-        sys.executable,
-        *("-m", "worker", "serve"),
-        *("--bootstrap-servers", bs, "--jobs-topic", t.jobs, "--results-topic", t.results),
-        *("--dead-letter-topic", t.dlq, "--group-id", t.group, "--shutdown-grace-s", "5"),
-        *("--control-topic", fleet.control, "--status-topic", fleet.status),
-        *("--weights-root", str(b.parent), "--weight-reload", "rebuild"),
-        "--",
-        *tiny_model_engine_args(a),
-    ]
+    command = serve_command(bs, fleet, a, b.parent)
     log_path = tmp_path / "serve.log"
-    async with Status(bs, fleet.status) as status, Results(bs, t.results) as results:
+    async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
         with log_path.open("wb") as log:
             serve = await asyncio.create_subprocess_exec(
                 *command, stdout=log, stderr=asyncio.subprocess.STDOUT
             )
             try:
                 first = completed((await results.wait("first", timeout_s=750))["first"])
-                (ack,) = await status.wait_acks("fleet-b", 1, timeout_s=60)
+                (_, ack) = await status.wait_acks("fleet-b", 2, timeout_s=60)
             finally:
                 serve.send_signal(signal.SIGTERM)
                 returncode = await asyncio.wait_for(serve.wait(), 60)
@@ -476,6 +468,80 @@ async def test_a_restarted_worker_builds_its_engine_once_on_the_fleets_checkpoin
     assert first.weight_version == 9
     (reference,) = fresh(b, greedy("first", 16))
     assert_same_answer(first, reference)
+
+
+def serve_command(bs: str, fleet: Fleet, model: Path, weights_root: Path) -> list[str]:
+    t = fleet.topics
+    return [
+        sys.executable,
+        *("-m", "worker", "serve"),
+        *("--bootstrap-servers", bs, "--jobs-topic", t.jobs, "--results-topic", t.results),
+        *("--dead-letter-topic", t.dlq, "--group-id", t.group, "--shutdown-grace-s", "5"),
+        *("--control-topic", fleet.control, "--status-topic", fleet.status),
+        *("--weights-root", str(weights_root), "--weight-reload", "rebuild"),
+        "--",
+        *tiny_model_engine_args(model),
+    ]
+
+
+def cut_short(checkpoint: Path, into: Path) -> Path:
+    """A copy of `checkpoint` whose tensor data ends early: header, config and shapes pass
+    every check made before a load; the load fails part-way."""
+    shutil.copytree(checkpoint, into)
+    (shard,) = into.glob("*.safetensors")
+    size = shard.stat().st_size
+    with shard.open("r+b") as f:
+        f.truncate(size - size // 4)
+    return into
+
+
+# Two engine builds in one process (one that fails, one that starts): 100-200 s idle here.
+@pytest.mark.timeout(900)
+async def test_a_restart_falls_back_to_the_newest_applied_checkpoint_that_still_loads(
+    kafka_bootstrap_servers, new_topic, checkpoints, tmp_path
+):
+    """The fleet applied B (version 3), then C (version 9), which has since been cut short
+    (a trainer still writing it, a file truncated); D (version 12, also cut short) the fleet
+    refused. Before, a restart built its engine on the newest update that passed the checks
+    before a load, failed, and exited 1, every time. Now: D is not tried (refused), C does not
+    start an engine (said loudly, acknowledged failed), the engine is built on B."""
+    a, b = checkpoints
+    root = b.parent
+    c = cut_short(b, root / "c-cut-short")
+    d = cut_short(b, root / "d-cut-short")
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    await send(
+        bs,
+        fleet,
+        UpdateWeights(command_id="fleet-b", version=3, path=str(b)),
+        UpdateWeights(command_id="fleet-c", version=9, path=str(c)),
+        UpdateWeights(command_id="fleet-d", version=12, path=str(d)),
+    )
+    await answered(bs, fleet, ("fleet-b", 0, "ok"), ("fleet-c", 1, "ok"), ("fleet-d", 2, "failed"))
+    await produce(bs, fleet.topics.jobs, [job_record(greedy("first", 8))])
+    log_path = tmp_path / "serve.log"
+    async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        with log_path.open("wb") as log:
+            serve = await asyncio.create_subprocess_exec(
+                *serve_command(bs, fleet, a, root), stdout=log, stderr=asyncio.subprocess.STDOUT
+            )
+            try:
+                first = completed((await results.wait("first", timeout_s=750))["first"])
+                (_, on_b) = await status.wait_acks("fleet-b", 2, timeout_s=60)
+                (_, on_c) = await status.wait_acks("fleet-c", 2, timeout_s=60)
+            finally:
+                serve.send_signal(signal.SIGTERM)
+                returncode = await asyncio.wait_for(serve.wait(), 60)
+    text = log_path.read_text(errors="replace")
+    assert returncode == 0, text[-3000:]
+    assert first.weight_version == 3
+    assert (on_b.outcome, on_b.weight_version) == ("ok", 3), on_b
+    assert on_b.detail == "the engine was built on this checkpoint at start"
+    assert on_c.outcome == "failed" and on_c.detail.startswith("did not start an engine here")
+    assert f"checkpoint {c.resolve()} (version 9, command fleet-c) does not start" in text
+    assert str(d) not in text and str(d.resolve()) not in text  # refused by the fleet
+    assert text.count("vLLM engine ready") == 1, text[-3000:]
 
 
 async def test_a_restarted_worker_serves_the_updated_weights_from_its_first_job(

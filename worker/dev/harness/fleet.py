@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Self
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -29,6 +30,27 @@ async def send(bs: str, fleet: Fleet, *commands: Command | bytes) -> None:
         fleet.control,
         [(None, c if isinstance(c, bytes) else encode(c), []) for c in commands],
     )
+
+
+async def answered(bs: str, fleet: Fleet, *answers: tuple[str, int, str]) -> None:
+    """What a worker of the fleet that ran earlier wrote on the status topic: its
+    acknowledgement of each (command id, control-topic offset, outcome), as a worker
+    starting now reads the fleet's state from."""
+    acks = [
+        CommandAck(
+            worker="earlier-worker",
+            group=fleet.topics.group,
+            command_id=command_id,
+            kind="update_weights",
+            outcome=outcome,  # type: ignore[arg-type]
+            duration_s=0.1,
+            weight_version=0,
+            at=time.time(),
+            offset=offset,
+        )
+        for command_id, offset, outcome in answers
+    ]
+    await produce(bs, fleet.status, [(b"earlier-worker", encode(a), []) for a in acks])
 
 
 class Topic(InBackground):

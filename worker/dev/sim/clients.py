@@ -358,6 +358,12 @@ class SimConsumer:
             lambda: {tp: self.cluster.end_offset(tp) for tp in partitions}
         )
 
+    async def beginning_offsets(
+        self, partitions: list[TopicPartition]
+    ) -> dict[TopicPartition, int]:
+        # The simulated cluster keeps every record: each log begins at 0.
+        return await self.process.request(lambda: dict.fromkeys(partitions, 0))
+
     async def topics(self) -> set[str]:
         return await self.process.request(lambda: set(self.cluster.topics))
 
