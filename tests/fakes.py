@@ -11,6 +11,7 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import (
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OffsetMetadataTooLargeError,
     UnknownTopicOrPartitionError,
@@ -157,6 +158,9 @@ class MemoryProducer(BatchProducer):
         self.broker_limit = broker_limit
         self.sent: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
         self.refusals = 0
+        #: Deliveries still to expire unacknowledged, as aiokafka expires a batch whose
+        #: acknowledgement does not come within request_timeout_ms (KafkaTimeoutError).
+        self.expire_next = 0
 
     async def start(self) -> None:
         return
@@ -191,6 +195,10 @@ class MemoryProducer(BatchProducer):
         delivery: asyncio.Future[Any],
         records: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]],
     ) -> None:
+        if self.expire_next:
+            self.expire_next -= 1
+            delivery.set_exception(KafkaTimeoutError())
+            return
         limit = self.broker_limit
         if limit is not None and any(len(r[2] or b"") > limit for r in records):
             self.refusals += 1

@@ -98,3 +98,19 @@ async def test_a_broker_that_refuses_even_the_smallest_answer_is_fatal_not_a_los
     assert h.offsets.commit_position() == 0  # unanswered: left for redelivery
     await asyncio.sleep(0)
     await h.delivery.close()
+
+
+async def test_a_batch_that_expires_unacknowledged_is_sent_again_not_fatal():
+    # aiokafka fails a batch whose acknowledgement did not come within request_timeout_ms
+    # with KafkaTimeoutError, which it marks not retriable; the broker may well be back for
+    # the next attempt. Found by the fleet simulation (`bench/sim.py --seeds 20 --first-seed 300
+    # --workers 16 --hostile invalid,crash,long,reply_small,reply_locked`, seed 302): a lost
+    # acknowledgement made the worker exit 1.
+    h = Harness(broker_limit=None)
+    h.producer.expire_next = 2  # the batch, then its first attempt alone
+    h.delivery.start()
+    await h.post(0, job("j0"))
+    await wait_for(lambda: h.offsets.commit_position() == 1, 10, "the answer acknowledged")
+    assert h.fatal == []
+    assert [key for _, key, _, _ in h.producer.sent] == [b"j0"]
+    await h.delivery.close()

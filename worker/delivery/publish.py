@@ -20,6 +20,7 @@ from typing import Any, Final
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import (
     KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
     TopicAuthorizationFailedError,
@@ -265,6 +266,12 @@ class Delivery:
                 except OutOfOrderSequenceNumber as exc:
                     await self._renew(generation, exc, where)
                     continue
+                except KafkaTimeoutError as exc:
+                    # The batch expired unacknowledged (a lost acknowledgement, a broker or a
+                    # leader away): aiokafka marks that not retriable, but the next attempt may
+                    # well land; publish_timeout_s bounds the patience as for other errors.
+                    await backoff.after(exc, f"delivery to {where}", transient=True)
+                    continue
                 except KafkaError as exc:
                     await backoff.after(exc, f"delivery to {where}")
                     continue
@@ -376,8 +383,8 @@ class _Backoff:
         self._deadline = time.monotonic() + timeout_s
         self._delay = 0.1
 
-    async def after(self, exc: KafkaError, what: str) -> None:
-        if not exc.retriable or time.monotonic() > self._deadline:
+    async def after(self, exc: KafkaError, what: str, *, transient: bool = False) -> None:
+        if not (exc.retriable or transient) or time.monotonic() > self._deadline:
             raise BrokerError(f"{what} failed: {exc!r}") from exc
         logger.warning("%s failed (%r); retrying in %.1fs", what, exc, self._delay)
         await asyncio.sleep(self._delay)
