@@ -124,6 +124,12 @@ class _Resumed:
         while True:
             try:
                 yield awaited
+            except GeneratorExit:
+                # Closed, not thrown into: the task was dropped unfinished (its process killed
+                # in the simulation, a loop closed) and the garbage collector closes both
+                # coroutines, in no set order; throwing into one it closed first raises.
+                coro.close()
+                raise
             except BaseException as exc:  # noqa: BLE001 - thrown in by the task: passed on
                 try:
                     awaited = coro.throw(exc)
