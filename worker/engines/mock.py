@@ -96,9 +96,17 @@ class _PrefixCache:
             cached += MOCK_BLOCK_SIZE
         return cached
 
-    def add(self, salt: int, sequence: Sequence[int]) -> None:
-        """The KV of `sequence` but its last token (sampled, never fed forward) is cached."""
-        for name in _block_names(salt, sequence[: len(sequence) - 1]):
+    def add(self, salt: int, prompt: Sequence[int], outputs: Sequence[Sequence[int]]) -> None:
+        """The KV of the prompt and each output but its last token (sampled, never fed
+        forward) is cached. The prompt's blocks are named once for all the outputs."""
+        whole = len(prompt) // MOCK_BLOCK_SIZE * MOCK_BLOCK_SIZE
+        shared = _block_names(salt, prompt[:whole])
+        head = shared[-1] if shared else salt
+        names = list(shared)
+        for output in outputs:
+            rest = [*prompt[whole:], *output][:-1]
+            names += _block_names(head, rest)
+        for name in names:
             self._blocks[name] = None
             self._blocks.move_to_end(name)
         while len(self._blocks) > _CACHED_BLOCKS:
@@ -106,6 +114,8 @@ class _PrefixCache:
 
 
 def _block_names(salt: int, tokens: Sequence[int]) -> list[int]:
+    """Each whole block's name: its tokens and the name of the block before it (`salt` for
+    the first)."""
     names = []
     name = salt
     for end in range(MOCK_BLOCK_SIZE, len(tokens) + 1, MOCK_BLOCK_SIZE):
@@ -257,8 +267,7 @@ class MockEngine:
             )
             for index in range(sampling.n)
         ]
-        for completion in completions:
-            self._prefix_cache.add(self._weights_seed, [*prompt_ids, *completion.token_ids])
+        self._prefix_cache.add(self._weights_seed, prompt_ids, [c.token_ids for c in completions])
         return EngineOutput(
             prompt_token_ids=prompt_ids,
             completions=completions,
