@@ -26,6 +26,7 @@ from schemas import (
 )
 from tests.fakes import ScriptedEngine
 from worker.answering.answers import AnswerBuilder
+from worker.cli.main import summarize
 from worker.client.conversation import Conversation, ConversationError
 from worker.core.config import settings_from
 from worker.core.limits import RecordLimits
@@ -295,3 +296,11 @@ def test_a_conversation_continues_one_sequence() -> None:
     with pytest.raises(SchemaError) as caught:
         conversation.next_job([-1])
     assert caught.value.path == "$.prompt_token_ids[0]"
+
+
+def test_results_summary_says_what_was_cached_when_the_engine_said() -> None:
+    said = Completed(job_id="t1", completions=[], prompt_token_count=300, cached_prompt_tokens=256)
+    silent = Completed(job_id="t1", completions=[], prompt_token_count=300)
+
+    assert summarize(said) == "t1 completed prompt=300 cached=256"
+    assert summarize(silent) == "t1 completed prompt=300"

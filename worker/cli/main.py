@@ -445,6 +445,8 @@ def summarize(result: Completed | Failed) -> str:
     if isinstance(result, Failed):
         return f"{result.job_id} failed {result.error.code}: {result.error.detail}"
     parts = [f"{result.job_id} completed prompt={result.prompt_token_count}"]
+    if isinstance(result.cached_prompt_tokens, int):
+        parts.append(f"cached={result.cached_prompt_tokens}")
     if isinstance(result.weight_version, int):
         parts.append(f"version={result.weight_version}")
     if isinstance(result.part, Part):
