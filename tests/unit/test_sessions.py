@@ -99,6 +99,9 @@ async def test_a_turn_finds_the_full_blocks_of_the_turn_before_it_cached() -> No
 
 
 async def test_a_prompt_all_cached_still_computes_its_last_token() -> None:
+    # vLLM's rule: a hit covers at most the prompt's tokens but its last, whose logits must be
+    # computed (`vllm/v1/core/kv_cache_manager.py`, `KVCacheManager.get_computed_blocks`:
+    # max_cache_hit_length = request.num_tokens - 1), in whole blocks.
     engine = MockEngine(SETTINGS)
     prompt = tokens(BLOCK * 4 + 1)
     await engine.generate(job("a", prompt), "a")

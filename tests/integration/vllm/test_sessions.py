@@ -83,7 +83,9 @@ async def test_a_keyed_second_turn_is_served_from_the_cache_and_stitches_to_a_fr
     assert {r.key for r in records} == {conversation.session_id.encode()}
     assert len({r.partition for r in records}) == 1
     assert first.cached_prompt_tokens == 0
-    # The first turn's KV but its last, never fed forward token: whole blocks of 263 tokens.
+    # The first turn's KV but its last, never fed forward token: whole blocks of 263 tokens
+    # (vLLM's `KVCacheManager.get_computed_blocks`, vllm/v1/core/kv_cache_manager.py, hits
+    # whole blocks of at most the prompt less its last token).
     assert len(history) == 2 * CPU_BLOCK + 4 + 4
     assert second.cached_prompt_tokens == (len(history) - 1) // CPU_BLOCK * CPU_BLOCK == 256
     assert second.prompt_token_count == len(history) + len(second_new)
