@@ -1,6 +1,7 @@
 """Benchmark: multi-turn conversations keyed by session against the same keyed by job id.
 
-Run `python bench/sessions.py [--conversations N] [--turns N] [--partitions N] [--engine vllm|mock]`.
+Run `python bench/sessions.py [--conversations N] [--turns N] [--partitions N] [--rounds N]
+[--engine vllm|mock]`.
 Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 Two worker processes (`python -m worker serve`, real vLLM on the tiny MoE by default: eager,
@@ -8,7 +9,8 @@ prefix caching on, CPU block size 128) share a jobs topic of `--partitions` (4) 
 `--conversations` conversations of `--turns` turns each run through `RolloutClient.turn`, all at
 once: the first turn is a fresh prompt of `--prompt-tokens`, each later one adds
 `--new-tokens` to the previous prompt and output. The same load runs twice in one fleet, on
-fresh prompts each time (no run finds the other's prefixes cached):
+fresh prompts each time (no run finds another's prefixes cached), `--rounds` (2) times each, in
+ABBA order:
 
 - unkeyed (the baseline): every turn keyed by its job id, so it lands on a partition by chance;
 - keyed: every turn keyed by its conversation's session id, so it lands where the turns before
@@ -90,6 +92,26 @@ class RunFigures:
             f"{self.prompt_tokens / self.seconds:.0f} prompt tokens/s "
             f"({(self.prompt_tokens - self.cached) / self.seconds:.0f} of them computed)",
         ]
+
+    def plus(self, other: RunFigures) -> RunFigures:
+        """Both runs' figures together (the seconds added: tokens/s over both)."""
+        return RunFigures(
+            self.name,
+            *(
+                getattr(self, f) + getattr(other, f)
+                for f in (
+                    "seconds",
+                    "turns",
+                    "failed",
+                    "prompt_tokens",
+                    "cached",
+                    "ideal",
+                    "generated",
+                    "same_worker",
+                    "later_turns",
+                )
+            ),
+        )
 
     @property
     def share(self) -> float:
@@ -248,8 +270,16 @@ async def bench(args: argparse.Namespace, bootstrap: str, logs: Path) -> None:
             timeout_s=900,
             max_retries=0,
         ) as client:
-            figures = []
-            for seed, (name, keyed) in enumerate((("unkeyed", False), ("keyed", True))):
+            totals: dict[str, RunFigures] = {}
+            # Rounds in ABBA order, so a machine that gets busier or quieter over the run
+            # weighs on both keyings alike.
+            schedule = [
+                mode
+                for r in range(args.rounds)
+                for mode in ((False, True) if r % 2 == 0 else (True, False))
+            ]
+            for seed, keyed in enumerate(schedule):
+                name = "keyed" if keyed else "unkeyed"
                 before = [await _counters(w) for w in workers]
                 run = await run_conversations(
                     client,
@@ -268,8 +298,11 @@ async def bench(args: argparse.Namespace, bootstrap: str, logs: Path) -> None:
                 for worker, b, a in zip(workers, before, after, strict=True):
                     delta = {k: int(a.get(k, 0) - b.get(k, 0)) for k in ("cached", "computed")}
                     print(f"  {worker.log.stem}: vkw_prompt_tokens_total {delta}", flush=True)
-                figures.append(run)
-        unkeyed, keyed_run = figures
+                totals[name] = run if name not in totals else totals[name].plus(run)
+        unkeyed, keyed_run = totals["unkeyed"], totals["keyed"]
+        if args.rounds > 1:
+            print(f"over {args.rounds} rounds:")
+            print("\n".join([*unkeyed.lines(), *keyed_run.lines()]))
         print(
             f"keyed / unkeyed: cached share {keyed_run.share:.3f} / {unkeyed.share:.3f} = "
             f"{keyed_run.share / max(unkeyed.share, 1e-9):.2f}x; generated tokens/s "
@@ -293,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="unkeyed and keyed runs each")
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="vkw-sessions-"))
     print(f"worker logs in {logs}", flush=True)
