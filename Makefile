@@ -7,7 +7,7 @@ SHIM := tests/support/triton_cpu_backend
 # The RL frameworks' releases the `frameworks` lane runs replay arrays through (pins in that file).
 FRAMEWORKS := tests/integration/frameworks/requirements.txt
 
-.PHONY: setup demo rl-demo test lint unit lanes bench clean
+.PHONY: setup demo rl-demo rl-demo-turns test lint unit lanes bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ demo: setup
 
 rl-demo: setup
 	$(BIN)/python -m worker.dev.rl_demo
+
+rl-demo-turns: setup
+	$(BIN)/python -m worker.dev.rl_demo --turns 3
 
 lint: setup
 	$(BIN)/ruff check .
@@ -58,6 +61,7 @@ bench: setup
 	$(BIN)/python bench/split.py
 	$(BIN)/python bench/weight_update.py
 	$(BIN)/python bench/client.py
+	$(BIN)/python bench/sessions.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -13,11 +13,13 @@ __all__ = [
     "MAX_N",
     "MAX_PROMPT_CHARS",
     "MAX_PROMPT_TOKENS",
+    "MAX_SESSION_ID_CHARS",
     "Job",
     "SamplingSpec",
 ]
 
 MAX_JOB_ID_CHARS: Final = 256
+MAX_SESSION_ID_CHARS: Final = 256
 MAX_PROMPT_CHARS: Final = 4 * 1024 * 1024
 MAX_PROMPT_TOKENS: Final = 1024 * 1024
 MAX_N: Final = 128
@@ -78,6 +80,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     `routed_experts_prompt_start` skips that many leading prompt rows (vLLM's parameter of the
     same name): in a multi-turn rollout, turn 2 sets it to the length of turn 1's prompt plus
     output minus one, so turn 1's rows followed by turn 2's rows equal a fresh full run.
+    Its turns share a `session_id`, so they are served where the earlier turns are cached.
     """
 
     job_id: Annotated[str, Meta(min_length=1, max_length=MAX_JOB_ID_CHARS)]
@@ -86,6 +89,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     return_routed_experts: bool = False
     routed_experts_prompt_start: Annotated[int, Meta(ge=0, le=MAX_PROMPT_TOKENS)] = 0
+    # The conversation this job is a turn of: the record key when set, so every turn of it goes
+    # to one partition and so to the worker whose prefix cache holds the turns before it.
+    session_id: Annotated[str, Meta(min_length=1, max_length=MAX_SESSION_ID_CHARS)] | None = None
     metadata: Metadata = msgspec.field(default_factory=dict)
     # Unix seconds; a job still queued past it is answered `expired` instead of being run.
     deadline: float | None = None
@@ -95,6 +101,14 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # The topic the answer goes to instead of the worker's results topic (many trainers, one
     # fleet); the worker answers it only if its --reply-topics allows it.
     reply_to: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,249}$")] | None = None
+
+    @property
+    def record_key(self) -> bytes:
+        """The Kafka key this job is produced with: its `session_id`, else its `job_id`.
+
+        A key picks the partition, and a partition has one owner in the group: the turns of a
+        session reach the same worker, and after a rebalance the partition's next owner."""
+        return (self.session_id or self.job_id).encode()
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_token_ids is None):

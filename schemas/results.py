@@ -122,6 +122,10 @@ class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_
     part: Part | UnsetType = UNSET
     # The weight version the engine served when the job finished.
     weight_version: int | UnsetType = UNSET
+    # Prompt tokens whose KV came from the engine's prefix cache instead of being computed
+    # (vLLM's `RequestOutput.num_cached_tokens`): a turn served where the turns before it ran
+    # has them cached. Absent when the engine does not say.
+    cached_prompt_tokens: Annotated[int, Meta(ge=0)] | UnsetType = UNSET
 
     @property
     def is_part(self) -> bool:

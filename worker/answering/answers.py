@@ -194,6 +194,8 @@ class AnswerBuilder:
             if c.routed_experts is not None:
                 routed_bytes += len(c.routed_experts.data)
         self._metrics.job_generated(ran.queue_wait_s, ran.engine_s, tokens, routed_bytes)
+        if isinstance(result.cached_prompt_tokens, int):
+            self._metrics.prompt_prefilled(result.prompt_token_count, result.cached_prompt_tokens)
         return self._shaper.completed(job, values, trace)
 
 

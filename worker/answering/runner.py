@@ -9,6 +9,7 @@ import time
 
 import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
+from msgspec import UNSET
 
 from schemas import Completed, Job, SchemaError, Timings, decode_job
 from worker.answering.topics import AnswerTopics
@@ -96,6 +97,9 @@ class JobRunner:
             worker=self._worker_id,
             timings=Timings(queue_wait_s=queue_wait, engine_s=engine_s),
             weight_version=output.weight_version,
+            cached_prompt_tokens=(
+                UNSET if output.cached_prompt_tokens is None else output.cached_prompt_tokens
+            ),
         )
         return Ran(result, queue_wait, engine_s)
 

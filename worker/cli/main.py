@@ -21,6 +21,7 @@ from schemas import (
     RECIPES,
     Completed,
     Failed,
+    Job,
     Part,
     ResultAssembler,
     SchemaError,
@@ -373,12 +374,12 @@ def _stop_on_signals(worker: Any) -> Iterator[None]:
             loop.remove_signal_handler(signum)
 
 
-def _read_jobs(path: Path) -> list[tuple[str, bytes]]:
+def _read_jobs(path: Path) -> list[Job]:
     """Validate every line first, so a bad file produces nothing and names its bad line."""
     stream: IO[str]
     with contextlib.ExitStack() as stack:
         stream = sys.stdin if str(path) == "-" else stack.enter_context(path.open(encoding="utf-8"))
-        jobs: list[tuple[str, bytes]] = []
+        jobs: list[Job] = []
         for number, line in enumerate(stream, 1):
             if not line.strip():
                 continue
@@ -389,7 +390,7 @@ def _read_jobs(path: Path) -> list[tuple[str, bytes]]:
                 job = decode_job(encode(raw))
             except (msgspec.DecodeError, SchemaError) as exc:
                 raise ConfigError(f"{path}:{number}: {exc}") from None
-            jobs.append((job.job_id, encode(job)))
+            jobs.append(job)
     return jobs
 
 
@@ -407,16 +408,19 @@ async def _submit(settings: Settings, path: Path, *, progress: bool) -> int:
     try:
         bar = tqdm(total=len(jobs), unit="job", disable=not progress, file=sys.stderr)
         deliveries = []
-        for job_id, value in jobs:
-            delivery = await producer.send(settings.jobs_topic, value=value, key=job_id.encode())
+        for job in jobs:
+            # Keyed by session when the job has one: its conversation's turns share a worker.
+            delivery = await producer.send(
+                settings.jobs_topic, value=encode(job), key=job.record_key
+            )
             delivery.add_done_callback(lambda _: bar.update())
             deliveries.append(delivery)
         await asyncio.gather(*deliveries)
         bar.close()
     finally:
         await producer.stop()
-    for job_id, _ in jobs:
-        print(job_id)
+    for job in jobs:
+        print(job.job_id)
     print(f"submitted {len(jobs)} jobs to {settings.jobs_topic}", file=sys.stderr)
     return EXIT_OK
 
@@ -443,7 +447,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
     from worker.core.kafka import client_kwargs  # noqa: PLC0415
 
     try:
-        jobs = [decode_job(value) for _, value in _read_jobs(args.file)]
+        jobs = _read_jobs(args.file)
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{args.file}: not UTF-8 text: {exc}") from None
     if args.timeout_s <= 0 or args.max_retries < 0:
@@ -483,6 +487,8 @@ def summarize(result: Completed | Failed) -> str:
     if isinstance(result, Failed):
         return f"{result.job_id} failed {result.error.code}: {result.error.detail}"
     parts = [f"{result.job_id} completed prompt={result.prompt_token_count}"]
+    if isinstance(result.cached_prompt_tokens, int):
+        parts.append(f"cached={result.cached_prompt_tokens}")
     if isinstance(result.weight_version, int):
         parts.append(f"version={result.weight_version}")
     if isinstance(result.part, Part):

@@ -1,13 +1,15 @@
 """The trainer's side of the fleet: submit jobs, get one whole result per job, steer the fleet.
 
 `RolloutClient` needs aiokafka and `schemas` only (no engine). It keeps a Kafka loop that every
-trainer would otherwise write: produce jobs keyed by `job_id`, read the results topic from the
+trainer would otherwise write: produce jobs keyed by `job_id` (by `session_id` when a job has
+one: the turns of a conversation, see `turn`), read the results topic from the
 moment it starts, reassemble split results, drop redelivered duplicates, read payload
 references, resubmit `retryable` failures a bounded number of times, give up on a job after
 its timeout (a `Failed` answer, never a hang), and report progress.
 
     async with RolloutClient(bootstrap_servers="kafka:9092") as client:
         results = await client.generate(jobs)            # one per job, in job order
+        await client.turn(conversation, new_tokens)      # a multi-turn rollout's next turn
         await client.update_weights("/ckpt/step-3", 3, mode="keep")
 """
 
@@ -17,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeAlias
 
@@ -36,6 +38,7 @@ from schemas import (
     PayloadError,
     Result,
     ResultAssembler,
+    SamplingSpec,
     SchemaError,
     Target,
     UpdateWeights,
@@ -45,6 +48,7 @@ from schemas import (
     encode,
 )
 from schemas.payloads import payload_root as to_payload_root
+from worker.client.conversation import Conversation
 from worker.client.fleet import Fleet, new_command_id
 from worker.core.tracing import TraceContext, current_trace_context, trace_context
 
@@ -270,6 +274,30 @@ class RolloutClient:
         ]
         return list(await asyncio.gather(*futures))
 
+    async def turn(
+        self,
+        conversation: Conversation,
+        new_tokens: Sequence[int],
+        *,
+        sampling: SamplingSpec | None = None,
+        min_weight_version: int | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Result:
+        """Run the next turn of `conversation`: its job (`Conversation.next_job`: the
+        conversation so far + `new_tokens`, routing from where the last turn's rows end, keyed
+        by the session) is submitted and its answer recorded. A failed turn leaves the
+        conversation where it was, so the same turn can be run again."""
+        job = conversation.next_job(
+            new_tokens, sampling=sampling, min_weight_version=min_weight_version, metadata=metadata
+        )
+        try:
+            result = await self.submit(job)
+        except BaseException:
+            conversation.abandon()
+            raise
+        conversation.record(result)
+        return result
+
     async def update_weights(
         self,
         path: str,
@@ -352,10 +380,11 @@ class RolloutClient:
         # at once, each waiting for room in a full batch, would wake each other for nothing.
         try:
             async with self._send_lock:
+                # A session's turns share a key, so they share a partition and its worker.
                 delivery = await self._producer.send(
                     self._jobs_topic,
                     value=encode(wire),
-                    key=wire_id.encode(),
+                    key=(job.session_id or wire_id).encode(),
                     headers=pending.trace.record_headers(),
                 )
             await delivery

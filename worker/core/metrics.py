@@ -115,6 +115,12 @@ class Metrics:
         self.payload_bytes = LoopCounter(
             "vkw_payload_bytes", "Routed-expert bytes written to the payload store"
         )
+        self.prompt_tokens = LoopCounter(
+            "vkw_prompt_tokens",
+            "Prompt tokens of completed jobs, by source: cached (KV from the prefix cache) or "
+            "computed (prefilled)",
+            ["source"],
+        )
         self.skipped = LoopCounter(
             "vkw_records_skipped",
             "Records not run again: answered before a crash or rebalance (the offset map)",
@@ -136,6 +142,7 @@ class Metrics:
                     self.routed_experts_bytes,
                     self.result_parts,
                     self.payload_bytes,
+                    self.prompt_tokens,
                     self.skipped,
                     self.trace_headers_dropped,
                 ]
@@ -214,6 +221,12 @@ class Metrics:
         self.engine_time.observe(engine_s)
         self.generated_tokens.inc(tokens)
         self.routed_experts_bytes.inc(routed_experts_bytes)
+
+    def prompt_prefilled(self, prompt_tokens: int, cached: int) -> None:
+        """A completed job's prompt: `cached` of its `prompt_tokens` came from the prefix cache."""
+        cached = min(cached, prompt_tokens)
+        self.prompt_tokens.inc(cached, ("cached",))
+        self.prompt_tokens.inc(prompt_tokens - cached, ("computed",))
 
     def job_answered(self, labels: tuple[tuple[str, str], ...], publish_s: float) -> None:
         """A job's answer was acknowledged; `labels` are its `vkw_jobs_total` labels."""

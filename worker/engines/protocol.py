@@ -25,6 +25,9 @@ class EngineOutput(msgspec.Struct, frozen=True, kw_only=True):
     #: The weight version the engine served when the request ended.
     weight_version: int = 0
     interrupted: bool = False
+    #: Prompt tokens served from the prefix cache (vLLM's `num_cached_tokens`); None when the
+    #: engine does not say.
+    cached_prompt_tokens: int | None = None
 
 
 class Engine(Protocol):

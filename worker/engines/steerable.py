@@ -247,6 +247,8 @@ class SteerableEngine:
             prompt_token_ids=prompt,
             completions=list(completions),
             weight_version=self._inner.weight_version,
+            # The prompt's own prefill was the first run's; continuations feed forward more.
+            cached_prompt_tokens=first.cached_prompt_tokens,
         )
 
     # ---- control -----------------------------------------------------------------------------

@@ -304,6 +304,7 @@ class VllmEngine:
             completions=completions,
             weight_version=self._version,
             interrupted=aborted,
+            cached_prompt_tokens=_cached_tokens(request_output),
         )
 
     async def abort(self, request_id: str) -> None:
@@ -530,6 +531,13 @@ def _completion(job: Job, child: Any, version: int, num_experts: int | None) -> 
         stop_reason=child.stop_reason,
         weight_versions=_spans(child, version),
     )
+
+
+def _cached_tokens(request_output: Any) -> int | None:
+    """The prompt tokens the request found in the prefix cache: `RequestOutput.num_cached_tokens`,
+    which vLLM sets from the scheduler's prefill stats of the request's first prefill."""
+    cached = getattr(request_output, "num_cached_tokens", None)
+    return cached if isinstance(cached, int) and cached >= 0 else None
 
 
 def _spans(child: Any, served: int) -> list[VersionSpan]:

@@ -62,6 +62,34 @@ async def test_submit_validates_fills_job_ids_and_produces_keyed_jobs(
     assert decoded[ids[1]].prompt_token_ids == [1, 2]
 
 
+async def test_submit_keys_the_turns_of_a_session_by_it_so_they_share_a_partition(
+    kafka_bootstrap_servers, new_topic, tmp_path: Path
+):
+    topic = await new_topic(4)
+    jobs = tmp_path / "jobs.jsonl"
+    lines = [
+        encode({"job_id": f"talk-turn{t}", "prompt": "x" * (t + 1), "session_id": "talk"})
+        for t in range(4)
+    ]
+    jobs.write_bytes(b"\n".join([*lines, encode({"job_id": "alone", "prompt": "y"})]) + b"\n")
+    proc = cli(
+        "submit",
+        str(jobs),
+        "--no-progress",
+        "--bootstrap-servers",
+        kafka_bootstrap_servers,
+        "--jobs-topic",
+        topic,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = await collect(kafka_bootstrap_servers, topic, 5)
+    by_id = {decode_job(r.value).job_id: r for r in records}
+    turns = [by_id[f"talk-turn{t}"] for t in range(4)]
+    assert {r.key for r in turns} == {b"talk"}
+    assert len({r.partition for r in turns}) == 1
+    assert by_id["alone"].key == b"alone"
+
+
 async def test_submit_refuses_a_file_with_a_bad_line_and_produces_nothing(
     kafka_bootstrap_servers, new_topic, tmp_path: Path
 ):

@@ -18,7 +18,8 @@ Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
 def job_record(job: Job, key: bytes | None = b"") -> Record:
-    return (job.job_id.encode() if key == b"" else key, encode(job), [])
+    """A job as a record, keyed as producers key it (`Job.record_key`) unless `key` says."""
+    return (job.record_key if key == b"" else key, encode(job), [])
 
 
 async def produce(
