@@ -81,3 +81,41 @@ async def test_a_fetch_counts_as_the_poll_the_keepalive_waits_for() -> None:
     clock.now += KEEPALIVE_S * 0.9
     assert await gate.poll_paused() == {}
     assert consumer.polls == polls
+
+
+class _Coordinator:
+    """aiokafka's group coordinator, as far as leaving the group goes."""
+
+    def __init__(self) -> None:
+        self.group_id = "g"
+        self.generation, self.member_id = 3, "worker-3"
+        self.left_as: list[str] = []
+
+    async def _send_req(self, request: Any) -> None:
+        self.left_as.append(request._member_id)
+
+    def reset_generation(self) -> None:
+        self.generation, self.member_id = -1, ""
+
+
+async def test_a_static_member_scaled_in_leaves_under_the_id_aiokafka_forgot():
+    # Found by the fleet simulation (`bench/sim.py --seed 403 --workers 3 --flavour noida`):
+    # a commit refused because the generation moved on (another worker joining) makes aiokafka
+    # reset its member id, though the group keeps the member and waits for it to rejoin. A
+    # worker stopping just then sent no LeaveGroup, and on a broker that never evicts the
+    # group waited for it for ever: no partition moved again.
+    consumer = FakeConsumer()
+    coordinator = consumer._coordinator = _Coordinator()  # type: ignore[attr-defined]
+    gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
+    gate.joined()
+    coordinator.reset_generation()
+    await gate.stop(leave=True)
+    assert coordinator.left_as == ["worker-3"]
+
+
+async def test_a_member_that_never_joined_sends_no_leave():
+    consumer = FakeConsumer()
+    coordinator = consumer._coordinator = _Coordinator()  # type: ignore[attr-defined]
+    coordinator.reset_generation()
+    await PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S).stop(leave=True)
+    assert coordinator.left_as == []

@@ -280,6 +280,11 @@ FOUND_DEFECTS = {
     "ran again and its commit moved the position back": Scenario(
         seed=402, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
     ),
+    "a static member scaled in while another joined: its commit refused for the moved "
+    "generation made aiokafka forget its member id, it stopped without leaving, and a broker "
+    "that never evicts waited for it for ever (every job after went unanswered)": Scenario(
+        seed=403, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+    ),
 }
 
 

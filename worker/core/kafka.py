@@ -40,6 +40,7 @@ __all__ = [
     "leave_group",
     "make_consumer",
     "make_producer",
+    "member_id",
     "read_record_limits",
     "record_size_limit",
     "topic_max_message_bytes",
@@ -176,7 +177,15 @@ async def commit_handed_over(
     await coordinator.commit_offsets(None, commit_structure_validate(dict(offsets)))
 
 
-async def leave_group(consumer: AIOKafkaConsumer) -> None:
+def member_id(consumer: AIOKafkaConsumer) -> str | None:
+    """The member id the group gave this consumer, while aiokafka holds one."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or coordinator.generation < 0 or not coordinator.member_id:
+        return None
+    return str(coordinator.member_id)
+
+
+async def leave_group(consumer: AIOKafkaConsumer, last_member_id: str | None = None) -> None:
     """Leave the group now, also as a static member, whose partitions the group otherwise
     keeps for it until its session times out (or, on a broker that never evicts, for ever).
 
@@ -184,12 +193,17 @@ async def leave_group(consumer: AIOKafkaConsumer) -> None:
     under its instance id (a restart) without a rebalance. A worker scaled in does not come
     back; its LeaveGroup by member id (v0/v1, which aiokafka speaks) hands its partitions over
     at once. Best effort, like aiokafka's own leave: an error is logged.
+
+    `last_member_id`: the id it last held. A commit refused because the generation moved on
+    (another member joining) makes aiokafka forget its member id, although the group keeps the
+    member and waits for it to rejoin; a worker stopping just then leaves under that id.
     """
-    coordinator = consumer._coordinator
-    if coordinator is None or coordinator.generation < 0 or not coordinator.member_id:
+    coordinator = getattr(consumer, "_coordinator", None)
+    leaving_as = member_id(consumer) or last_member_id
+    if coordinator is None or not leaving_as:
         return
     try:
-        await coordinator._send_req(LeaveGroupRequest(coordinator.group_id, coordinator.member_id))
+        await coordinator._send_req(LeaveGroupRequest(coordinator.group_id, leaving_as))
     except KafkaError as exc:
         logger.warning("could not leave the group (%r); it waits for the session timeout", exc)
     else:

@@ -15,7 +15,7 @@ from typing import Protocol, TypeAlias
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
-from worker.core.kafka import leave_group
+from worker.core.kafka import leave_group, member_id
 
 __all__ = ["Batch", "HoldReason", "PartitionGate"]
 
@@ -51,6 +51,7 @@ class PartitionGate:
         self._keepalive_s = keepalive_s
         self._clock = clock
         self._polled = clock()
+        self._member_id: str | None = None
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
@@ -59,11 +60,15 @@ class PartitionGate:
         self._consumer.subscribe([topic], listener=listener)
         await self._consumer.start()
 
+    def joined(self) -> None:
+        """The group assigned partitions: note the member id it gave, to leave under it."""
+        self._member_id = member_id(self._consumer) or self._member_id
+
     async def stop(self, *, leave: bool = False) -> None:
         """Close the consumer: a dynamic member leaves the group; a static member only when
         told to `leave` (it is scaled in, not restarted)."""
-        if leave and self._consumer.assignment():
-            await leave_group(self._consumer)
+        if leave and self._member_id is not None:
+            await leave_group(self._consumer, self._member_id)
         await self._consumer.stop()
 
     async def fetch(self, max_records: int, timeout_ms: int) -> Batch:

@@ -438,6 +438,7 @@ class Worker:
         # aiokafka builds fresh, unpaused state for every assigned partition: paused until the
         # offset maps are read, and paused again after that while at the cap.
         self._gate.pause(assigned)
+        self._gate.joined()
         for tp, position in (await self._committer.assigned(assigned)).items():
             self._gate.rewind(tp, position)
         if assigned and self._in_flight() < self.max_in_flight:

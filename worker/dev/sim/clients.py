@@ -104,11 +104,11 @@ class _CoordinatorView:
         await self._consumer.commit_offsets(offsets)
 
     async def _send_req(self, request: Any) -> Any:
-        # The only request the worker sends itself: LeaveGroup by member id.
+        # The only request the worker sends itself: LeaveGroup by the member id it names.
         consumer = self._consumer
         await consumer.process.request(
             lambda: consumer.cluster.leave(
-                self.group_id, consumer.member_id, consumer.process.now()
+                self.group_id, request._member_id, consumer.process.now()
             )
         )
         consumer.left_group()
