@@ -314,6 +314,12 @@ class ControlPlane:
     def _publish_version(self) -> None:
         self._metrics.weight_version.set(self._engine.weight_version)
         self._metrics.paused.set(1 if self._engine.paused else 0)
+        self._metrics.needs_weights.set(1 if self._needs_weights else 0)
+
+    @property
+    def _needs_weights(self) -> bool:
+        # The engine's own: an update failed and the weights before it could not be put back.
+        return self._runner.needs_weights or self._engine.needs_weights
 
     async def _heartbeats(self) -> None:
         while True:
@@ -322,6 +328,7 @@ class ControlPlane:
                 healthy = True
             except FatalError:
                 healthy = False  # the worker's own check stops it; the status says why first
+            self._publish_version()
             await self._send(self.status(engine_healthy=healthy))
             await asyncio.sleep(self._settings.status_interval_s)
 
@@ -341,7 +348,7 @@ class ControlPlane:
             at=self._clock(),
             interval_s=s.status_interval_s,
             weight_reload=self._engine.weight_reload,
-            needs_weights=self._runner.needs_weights,
+            needs_weights=self._needs_weights,
         )
 
     async def _send(self, message: StatusMessage) -> None:
