@@ -18,6 +18,14 @@ Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
    while the control topic names a newer checkpoint is timed the same way, to the first
    heartbeat on the new version (goal: <= 1.1 of the plain restart).
 
+3. Reload speed (`--reload-gb`, default 1.0; `--reload-only` runs just this): a random MoE
+   checkpoint of about that size (the tiny-model builder with larger sizes: 6 layers, hidden
+   1024, 28 experts of 512, fp32), served by a vLLM engine without capture. Per in-place reload,
+   the bytes of its safetensors over the seconds `vkw_reload_checkpoint` takes in vLLM's worker
+   (GB/s), against reading the same files from the page cache in the same run (best of three
+   each), and the ratio (goal >= 0.5); then the check after it (every parameter finite, the
+   probe) and a whole `update_weights` as the control plane runs it.
+
 It prints figures and ratios; it never fails on them (exit code 0).
 """
 
@@ -58,6 +66,8 @@ MODES: Final = ("wait", "keep", "restart", "abort")
 PROMPT: Final = list(range(11, 43))
 IN_PLACE_GOAL: Final = 0.02
 PENDING_RESTART_GOAL: Final = 1.1
+RELOAD_READ_GOAL: Final = 0.5
+READ_CHUNK: Final = 64 * 1024 * 1024
 
 
 class Fleet:
@@ -311,6 +321,118 @@ async def restart_seconds(bootstrap: str, checkpoint: Path, pending: Path | None
         await proc.wait()
 
 
+def large_spec(gigabytes: float) -> Any:
+    """The tiny model's shape, widened so that its experts weigh about `gigabytes` (fp32)."""
+    from worker.dev.tiny_model import TinyModelSpec  # noqa: PLC0415
+
+    hidden, expert, layers, dense = 1024, 512, 6, (1,)
+    per_expert = 3 * hidden * expert * 4
+    experts = max(2, round(gigabytes * 1e9 / (per_expert * (layers - len(dense)))))
+    return TinyModelSpec(
+        num_layers=layers,
+        dense_layers=dense,
+        num_experts=experts,
+        top_k=2,
+        hidden_size=hidden,
+        num_attention_heads=8,  # head_dim 128, which vLLM's CPU attention takes
+        num_key_value_heads=4,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=expert,
+    )
+
+
+def read_seconds(files: list[Path]) -> float:
+    """Seconds to read `files` into one reused buffer: the page cache's cost of the bytes."""
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    t0 = time.perf_counter()
+    for path in files:
+        with path.open("rb", buffering=0) as f:
+            while f.readinto(view):
+                pass
+    return time.perf_counter() - t0
+
+
+def safetensors_seconds(files: list[Path]) -> float:
+    """Seconds to read every tensor of `files` the way vLLM's loader iterates them."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
+                # get_tensor maps the file; the clone reads the bytes, as a load copies them.
+                f.get_tensor(name).clone()
+    return time.perf_counter() - t0
+
+
+async def reload_speed(root: Path, gigabytes: float) -> None:
+    from worker.dev.tiny_model import build_tiny_model  # noqa: PLC0415
+    from worker.engines.vllm_engine import build_vllm_engine  # noqa: PLC0415
+    from worker.engines.vllm_reload import nonfinite_parameters, reload_in_place  # noqa: PLC0415
+
+    spec = large_spec(gigabytes)
+    t0 = time.perf_counter()
+    a = build_tiny_model(root / "large-a", seed=0, spec=spec)
+    b = build_tiny_model(root / "large-b", seed=1, spec=spec)
+    files = sorted(a.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in files)
+    print(
+        f"reload speed: {size / 1e9:.2f} GB checkpoints ({spec.num_layers} layers, hidden "
+        f"{spec.hidden_size}, {spec.num_experts} experts of {spec.moe_intermediate_size}, fp32) "
+        f"built in {time.perf_counter() - t0:.0f} s"
+    )
+    engine = build_vllm_engine(engine_args_fast(a), weight_reload="in-place")
+    t0 = time.perf_counter()
+    await engine.start()
+    print(f"  engine on it started in {time.perf_counter() - t0:.0f} s")
+    llm = engine.async_llm
+    try:
+        reads, loads, reloads, checks, probes = [], [], [], [], []
+        for path in (b, a, b):
+            read_seconds(sorted(path.glob("*.safetensors")))  # into the page cache
+            reads.append(read_seconds(sorted(path.glob("*.safetensors"))))
+            loads.append(safetensors_seconds(sorted(path.glob("*.safetensors"))))
+            t0 = time.perf_counter()
+            await reload_in_place(llm, path)
+            reloads.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await nonfinite_parameters(llm)
+            checks.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            problem = await engine.weights_problem()
+            probes.append(time.perf_counter() - t0)
+            if problem is not None:
+                raise RuntimeError(f"the reloaded weights failed the check: {problem}")
+        read_gbs, reload_gbs = size / min(reads) / 1e9, size / min(reloads) / 1e9
+        ratio = reload_gbs / read_gbs
+        verdict = "meets" if ratio >= RELOAD_READ_GOAL else "MISSES"
+        print(
+            f"  page-cache read {read_gbs:.2f} GB/s ({min(reads):.2f} s); in-place reload "
+            f"{reload_gbs:.2f} GB/s ({min(reloads):.2f} s; all: "
+            f"{', '.join(f'{r:.2f}' for r in reloads)} s); ratio {ratio:.2f} ({verdict} the "
+            f"goal >= {RELOAD_READ_GOAL})"
+        )
+        print(
+            f"  of which reading the tensors as vLLM's loader does (safetensors, mmap, each "
+            f"tensor copied out): {size / min(loads) / 1e9:.2f} GB/s ({min(loads):.2f} s); "
+            f"the rest is vLLM's layerwise reload (copies, the MoE kernels' prepack)"
+        )
+        print(
+            f"  check after each reload: parameters finite {min(checks):.2f} s, probe "
+            f"{min(probes):.2f} s"
+        )
+        t0 = time.perf_counter()
+        await engine.load_weights(str(a), 9)
+        whole = time.perf_counter() - t0
+        print(
+            f"  a whole in-place update (bytes checked, loaded, checked, probed): {whole:.2f} s, "
+            f"{size / whole / 1e9:.2f} GB/s"
+        )
+    finally:
+        await engine.close()
+
+
 def engine_args_fast(path: Path) -> list[str]:
     from worker.dev.tiny_model import tiny_model_engine_args  # noqa: PLC0415
 
@@ -324,11 +446,15 @@ async def main(args: argparse.Namespace) -> None:
     ):
         print(f"broker {bootstrap}")
         root = Path(tmp)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if args.reload_only:
+            await reload_speed(root, args.reload_gb)
+            return
         (root / "mock").mkdir()
         await control_path(bootstrap, args.mock_workers, root / "mock")
         if not args.skip_vllm:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             await real_vllm(bootstrap, args.jobs, args.tokens, root)
+            await reload_speed(root, args.reload_gb)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes, which re-import this file
@@ -337,4 +463,6 @@ if __name__ == "__main__":  # vLLM spawns its engine processes, which re-import 
     parser.add_argument("--tokens", type=int, default=450, help="tokens each")
     parser.add_argument("--mock-workers", type=int, default=4)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--reload-gb", type=float, default=1.0, help="reload checkpoint size")
+    parser.add_argument("--reload-only", action="store_true", help="only the reload speed")
     asyncio.run(main(parser.parse_args()))

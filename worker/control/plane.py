@@ -442,6 +442,12 @@ class ControlPlane:
     def _publish_version(self) -> None:
         self._metrics.weight_version.set(self._engine.weight_version)
         self._metrics.paused.set(1 if self._engine.paused else 0)
+        self._metrics.needs_weights.set(1 if self._needs_weights else 0)
+
+    @property
+    def _needs_weights(self) -> bool:
+        # The engine's own: an update failed and the weights before it could not be put back.
+        return self._runner.needs_weights or self._engine.needs_weights
 
     async def _heartbeats(self) -> None:
         while True:
@@ -450,6 +456,7 @@ class ControlPlane:
                 healthy = True
             except FatalError:
                 healthy = False  # the worker's own check stops it; the status says why first
+            self._publish_version()
             await self._send(self.status(engine_healthy=healthy))
             await self._report_dropped()
             await asyncio.sleep(self._settings.status_interval_s)
@@ -470,7 +477,7 @@ class ControlPlane:
             at=self._clock(),
             interval_s=s.status_interval_s,
             weight_reload=self._engine.weight_reload,
-            needs_weights=self._runner.needs_weights,
+            needs_weights=self._needs_weights,
             weights_command_id=self._weights_command_id,
             pause_command_id=self._pause_command_id if self._engine.paused else None,
             control_offset=self._next_offset if self._following else None,

@@ -10,6 +10,8 @@
     │   ├── JobExpiredError        code `expired`: its deadline passed while it waited
     │   └── JobAbortedError        code `aborted`: stopped by the control plane, with its partial
     ├── WeightUpdateError      a weight update could not be applied; the old weights still serve
+    │   └── WeightsLostError       ... and the old weights could not be restored either: the
+    │                              worker holds its jobs until an update loads (`needs_weights`)
     └── FatalError             the process cannot go on: stop fetching, commit only what
         │                      finished, exit non-zero so a supervisor restarts it
         ├── EngineDeadError        the engine is gone (maybe a job's doing: blames the jobs)
@@ -43,6 +45,7 @@ __all__ = [
     "JobExpiredError",
     "ResultTooLargeError",
     "WeightUpdateError",
+    "WeightsLostError",
     "WorkerError",
 ]
 
@@ -111,6 +114,12 @@ class JobAbortedError(JobError):
 
 class WeightUpdateError(WorkerError):
     """A weight update was refused or failed; the engine serves the weights it had."""
+
+
+class WeightsLostError(WeightUpdateError):
+    """A weight update failed and the weights before it could not be put back (they came from
+    a transfer, or loading them failed too): the engine holds weights nobody should sample
+    from, so the worker runs no job until the next update loads."""
 
 
 class FatalError(WorkerError):

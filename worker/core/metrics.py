@@ -191,6 +191,13 @@ class Metrics:
         self.paused = prom.Gauge(
             "vkw_paused", "1 while the control plane has paused the worker", registry=r
         )
+        self.needs_weights = prom.Gauge(
+            "vkw_needs_weights",
+            "1 while the worker holds its jobs for want of weights it may serve (an update "
+            "failed and the weights before it could not be put back, or the latest update "
+            "at start cannot be repeated)",
+            registry=r,
+        )
         self.commands = prom.Counter(
             "vkw_commands",
             "Control commands applied, by kind and outcome",

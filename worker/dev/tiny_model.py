@@ -114,18 +114,21 @@ def tiny_model_engine_args(model_dir: pathlib.Path) -> list[str]:
     ]
 
 
-def build_tiny_model(out_dir: pathlib.Path, *, seed: int = 0) -> pathlib.Path:
+def build_tiny_model(
+    out_dir: pathlib.Path, *, seed: int = 0, spec: TinyModelSpec = TINY_MODEL_SPEC
+) -> pathlib.Path:
     """Write a random-weight Qwen3-MoE checkpoint and tokenizer to `out_dir` and return it.
 
     The directory loads in vLLM and in HF transformers (config.json, model.safetensors in the
     per-expert Qwen3-MoE checkpoint layout, tokenizer.json, tokenizer_config.json). Nothing is
     downloaded. The same seed gives byte-identical files, so a cached copy can be reused.
+    `spec` other than the tiny one is for benchmarks that need bytes to move (a ~1 GB model
+    for the reload's throughput); tests use the tiny one.
     """
     # Heavy imports stay inside the functions so that importing `worker` stays light.
     from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import Qwen3MoeConfig  # noqa: PLC0415
 
-    spec = TINY_MODEL_SPEC
     out_dir.mkdir(parents=True, exist_ok=True)
     _build_tokenizer(out_dir, spec)
 

@@ -19,7 +19,12 @@ import numpy as np
 
 from schemas import Completion, Job, RoutedExperts, VersionSpan, WeightReload
 from worker.core.config import Settings
-from worker.core.errors import EngineDeadError, InvalidJobError, WeightUpdateError
+from worker.core.errors import (
+    EngineDeadError,
+    InvalidJobError,
+    WeightsLostError,
+    WeightUpdateError,
+)
 from worker.engines.protocol import EngineOutput
 
 __all__ = ["MOCK_BLOCK_SIZE", "MockEngine", "MockEngineSettings", "mock_engine_settings"]
@@ -197,13 +202,30 @@ class MockEngine:
     async def thaw(self) -> None:
         self._thawed.set()
 
+    async def verify_checkpoint(self, path: str) -> None:
+        _read_mock_checkpoint(Path(path), self._settings)
+
     async def load_weights(self, path: str, version: int) -> None:
+        """Weights from the checkpoint's config.json. Its `mock_check` stands for what the
+        check after a real load finds: `fails` (rolled back: the old weights serve again) or
+        `fails_for_good` (the old weights cannot be put back either: `WeightsLostError`)."""
         config = _read_mock_checkpoint(Path(path), self._settings)
         if self._running and not self._settings.in_place_updates:
             raise WeightUpdateError(
                 f"{len(self._running)} requests are running; this engine loads weights idle"
             )
+        verdict = json.loads(config).get("mock_check")
+        if verdict == "fails":
+            raise WeightUpdateError(
+                f"the update to {path} (version {version}) failed the check: mock_check fails; "
+                f"rolled back (version {self._version})"
+            )
         self._weights_seed = zlib.crc32(config)
+        if verdict == "fails_for_good":
+            raise WeightsLostError(
+                f"the update to {path} (version {version}) failed the check: mock_check "
+                "fails_for_good; the weights before it cannot be loaded again"
+            )
         self._version = version
         self.loads.append((path, version))
         logger.info("mock engine: weights from %s, version %d", path, version)

@@ -101,12 +101,20 @@ class ControllableEngine(Engine, Protocol):
         ...
 
     async def thaw(self) -> None:
-        """Frozen requests continue."""
+        """Frozen requests continue. After a load while they were frozen, the check of the new
+        weights that could not run then runs now: `WeightUpdateError` (rolled back) or
+        `WeightsLostError` (frozen again) as for `load_weights`."""
+        ...
+
+    async def verify_checkpoint(self, path: str) -> None:
+        """Raise `WeightUpdateError` when the checkpoint at `path` cannot be loaded (checks
+        cheap enough to run before anything is paused)."""
         ...
 
     async def load_weights(self, path: str, version: int) -> None:
-        """Serve the checkpoint at `path` as `version`; `WeightUpdateError` leaves the old
-        weights serving."""
+        """Serve the checkpoint at `path` as `version`, checked before any job runs on it;
+        `WeightUpdateError` leaves the old weights serving, `WeightsLostError` none (no job
+        may run until the next load)."""
         ...
 
     async def transfer_weights(

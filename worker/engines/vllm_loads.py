@@ -2,8 +2,21 @@
 the KV cache honest across the change.
 
 `VllmEngine` owns the `AsyncLLM` and its lifecycle; `WeightLoads` decides how a checkpoint
-reaches it (`--weight-reload`), loads it, goes back to the old weights when a load fails, and
-resets the prefix cache after each change.
+reaches it (`--weight-reload`), loads it, checks the new weights before any job runs on them,
+goes back to the old weights when a load or that check fails, and resets the prefix cache
+after each change.
+
+The check after each update: every floating-point parameter finite (read in vLLM's worker),
+then one short greedy probe generation whose logprobs must be finite and whose routing must be
+real (`worker.engines.vllm_engine.probe_problem`). A failed load or check loads the previous
+checkpoint again in place; where that is impossible (the weights came from a transfer) or
+fails too, `WeightsLostError`: the worker then holds its jobs until the next update loads.
+
+While requests are frozen across an in-place `keep` update, vLLM schedules nothing, so the
+probe cannot run before the thaw: the parameter check runs while they are frozen, the probe
+right after the thaw (jobs still held at the gate), and a probe that fails freezes them again
+and rolls back. Those frozen requests are the one thing that may run a few steps on
+unproven weights; their version spans say so.
 """
 
 from __future__ import annotations
@@ -11,11 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NoReturn, Protocol
 
 from schemas import WeightReload
-from worker.core.errors import ConfigError, EngineDeadError, WeightUpdateError
-from worker.engines.vllm_reload import Probe, reload_in_place, same_model_after_reload
+from worker.core.errors import ConfigError, WeightsLostError, WeightUpdateError
+from worker.engines.vllm_reload import (
+    Probe,
+    nonfinite_parameters,
+    reload_in_place,
+    same_model_after_reload,
+)
 from worker.engines.vllm_weights import check_checkpoint, tensor_shapes, transfer_weights
 
 __all__ = ["EngineHost", "ReloadChoice", "WeightLoads", "local_checkpoint"]
@@ -35,8 +53,30 @@ class EngineHost(Protocol):
     @property
     def weight_version(self) -> int: ...
 
+    @property
+    def frozen(self) -> bool:
+        """Requests are frozen in the engine (vLLM's `keep` pause): nothing is scheduled."""
+        ...
+
     def running_llm(self) -> Any:
         """The running `AsyncLLM`; EngineDeadError when there is none."""
+        ...
+
+    async def freeze(self) -> None:
+        """Freeze the running requests (vLLM's `keep` pause)."""
+        ...
+
+    async def thaw(self) -> None:
+        """Let frozen requests continue (and run a check owed since a load while frozen)."""
+        ...
+
+    async def weights_problem(self) -> str | None:
+        """The probe generation on the served weights: why they look broken, or None."""
+        ...
+
+    async def requeue_unstarted(self) -> int:
+        """Requests in vLLM's queue that have not started are submitted again, so that they
+        carry the new weights' cache salt; how many."""
         ...
 
     async def stamp_version(self, version: int, *, in_vllm: bool = True) -> None:
@@ -83,6 +123,12 @@ class WeightLoads:
         # tried again when none runs. Until then the version salt keeps new requests off them.
         self._cache_stale = False
         self._transfer_ready = False
+        # Weight loads so far: part of the cache salt, so that KV computed under weights that
+        # were rolled back is never read under the same version loaded again.
+        self._loads = 0
+        # A load while requests were frozen: the probe it owes runs after the thaw, and what
+        # to roll back to when it fails (the checkpoint, its version, the update's name).
+        self._unproven: tuple[Path | None, int, str] | None = None
 
     @property
     def reload(self) -> WeightReload:
@@ -95,7 +141,7 @@ class WeightLoads:
     @property
     def cache_salt(self) -> str:
         """Every request's prefix-cache salt: KV cached under other weights is never read."""
-        return f"weights-{self._host.weight_version}"
+        return f"weights-{self._host.weight_version}-{self._loads}"
 
     async def choose(self, before: Probe | None) -> None:
         """`auto`: in place if reloading the served checkpoint in place leaves the probe
@@ -121,18 +167,24 @@ class WeightLoads:
                 await host.rebuild(host.vllm_config, [], host.weight_version)
         logger.info("weight updates: %s (%s)", self._reload.mode, self._reload.reason)
 
-    async def load(self, path: str, version: int) -> None:
-        """Serve the checkpoint at `path` as `version`. A checkpoint that does not fit the
-        served model is refused before anything changes; a load that fails leaves the old
-        weights serving."""
+    async def verify(self, path: str) -> Path:
+        """`path`, resolved, if it holds a checkpoint the served model can load: the
+        architecture, every tensor's shape, and every shard's bytes (one cut short is found
+        here, before anything is paused); WeightUpdateError saying what does not fit."""
         host = self._host
-        served = host.vllm_config.model_config.hf_config
         if self._shapes is None:
             built_on = local_checkpoint(host.vllm_config)
             self._shapes = (
                 {} if built_on is None else await asyncio.to_thread(tensor_shapes, built_on)
             )
-        checkpoint = await asyncio.to_thread(check_checkpoint, Path(path), served, self._shapes)
+        served = host.vllm_config.model_config.hf_config
+        return await asyncio.to_thread(check_checkpoint, Path(path), served, self._shapes)
+
+    async def load(self, path: str, version: int) -> None:
+        """Serve the checkpoint at `path` as `version`. A checkpoint that does not fit the
+        served model is refused before anything changes; a load or a check after it that
+        fails puts the old weights back (WeightUpdateError), or cannot (WeightsLostError)."""
+        checkpoint = await self.verify(path)
         if self._reload.mode == "in-place":
             await self._load_in_place(checkpoint, version)
         else:
@@ -140,39 +192,97 @@ class WeightLoads:
         self._checkpoint = checkpoint
 
     async def _load_in_place(self, checkpoint: Path, version: int) -> None:
+        host = self._host
+        previous, previous_version = self._checkpoint, host.weight_version
+        what = f"the update to {checkpoint} (version {version})"
         try:
-            await reload_in_place(self._host.running_llm(), checkpoint)
-        except WeightUpdateError:
-            await self._restore_after_failed_reload()
-            raise
+            await reload_in_place(host.running_llm(), checkpoint)
+        except WeightUpdateError as exc:
+            await self._roll_back(previous, previous_version, str(exc))
+        await self._serve(version)
+        if host.frozen:
+            # Stamped with the new version now: they are prefilled on the new weights.
+            requeued = await host.requeue_unstarted()
+            if requeued:
+                logger.info("%d queued requests submitted again with the new weights", requeued)
+        problem = await self._nonfinite()
+        if problem is None and host.frozen:
+            self._unproven = (previous, previous_version, what)
+            return
+        if problem is None:
+            problem = await host.weights_problem()
+        if problem is not None:
+            await self._roll_back(previous, previous_version, f"{what} failed the check: {problem}")
+
+    async def _serve(self, version: int) -> None:
+        self._loads += 1
         await self._host.stamp_version(version)
         await self.reset_cache()
 
-    async def _restore_after_failed_reload(self) -> None:
-        """A reload that raised may have loaded part of the checkpoint, and vLLM cannot load
-        even the old one in place after that (measured: its reload state keeps the failed
-        tensor's shape). So the old checkpoint gets a new engine; EngineDeadError when it is
-        not on disk (the weights came from a transfer) or that engine does not start."""
-        old, host = self._checkpoint, self._host
-        if old is None:
-            raise EngineDeadError(
-                "an in-place reload failed part-way, and the weights before it came from a "
-                "transfer: they cannot be loaded again"
+    async def _nonfinite(self) -> str | None:
+        if self._in_place_blocker is not None:
+            return None  # another worker extension: the probe alone decides
+        try:
+            names = await nonfinite_parameters(self._host.running_llm())
+        except WeightUpdateError as exc:
+            return str(exc)
+        return None if not names else f"parameters hold NaN or infinity: {', '.join(names)}"
+
+    async def _roll_back(self, previous: Path | None, version: int, reason: str) -> NoReturn:
+        """Load `previous` again in place, serving `version`, and raise WeightUpdateError
+        with `reason`; WeightsLostError when that cannot be done or its weights fail the
+        check (the probe only when nothing is frozen: those weights passed it before). Either
+        way the engine reports `version` again."""
+        if previous is None:
+            await self._host.stamp_version(version)
+            raise WeightsLostError(
+                f"{reason}; the weights before it came from a transfer and cannot be loaded again"
             )
-        logger.warning("in-place reload failed: building the engine on %s again", old)
-        if old == local_checkpoint(host.vllm_config):
-            config, args = host.vllm_config, list[str]()
-        else:
-            try:
-                config, args = await asyncio.to_thread(host.configure, old)
-            except ConfigError as exc:
-                raise EngineDeadError(f"cannot configure an engine on {old}: {exc}") from exc
-        await host.rebuild(config, args, host.weight_version)
+        logger.warning("%s: loading %s again in place", reason, previous)
+        try:
+            await reload_in_place(self._host.running_llm(), previous)
+        except WeightUpdateError as exc:
+            await self._host.stamp_version(version)
+            raise WeightsLostError(
+                f"{reason}; loading the previous checkpoint again failed too: {exc}"
+            ) from exc
+        self._checkpoint = previous
+        await self._serve(version)
+        problem = await self._nonfinite()
+        if problem is None and not self._host.frozen:
+            problem = await self._host.weights_problem()
+        if problem is not None:
+            raise WeightsLostError(
+                f"{reason}; the previous checkpoint {previous} failed the check when loaded "
+                f"again: {problem}"
+            )
+        raise WeightUpdateError(f"{reason}; rolled back in place to {previous} (version {version})")
+
+    async def after_thaw(self) -> None:
+        """The probe a load while frozen owes, now that requests run again: a failure freezes
+        them, rolls back and thaws them (WeightUpdateError), or leaves them frozen on weights
+        that cannot be restored (WeightsLostError)."""
+        owed, self._unproven = self._unproven, None
+        if owed is None:
+            return
+        previous, version, what = owed
+        problem = await self._host.weights_problem()
+        if problem is None:
+            return
+        await self._host.freeze()
+        try:
+            await self._roll_back(previous, version, f"{what} failed the check: {problem}")
+        except WeightsLostError:
+            raise
+        except WeightUpdateError:
+            await self._host.thaw()
+            raise
 
     async def _rebuild_on(self, checkpoint: Path, version: int) -> None:
         """A new engine on `checkpoint`, built in a thread so the event loop (and the
-        consumer's group membership) keeps going; one that fails to start is replaced by an
-        engine on the old configuration again."""
+        consumer's group membership) keeps going, and checked before any job runs on it; one
+        that fails to start or the check is replaced by an engine on the old configuration
+        again."""
         host = self._host
         try:
             config, args = await asyncio.to_thread(host.configure, checkpoint)
@@ -181,10 +291,24 @@ class WeightLoads:
         old_config, old_version = host.vllm_config, host.weight_version
         try:
             await host.rebuild(config, args, version)
+            self._loads += 1
+            problem = await host.weights_problem()
         except Exception as exc:
             logger.exception("the engine on %s did not start; back to the old weights", checkpoint)
             await host.rebuild(old_config, [], old_version)  # EngineDeadError if that fails
             raise WeightUpdateError(f"the engine on {checkpoint} did not start: {exc}") from exc
+        if problem is not None:
+            logger.warning(
+                "the engine on %s failed the check (%s): back to the old weights",
+                checkpoint,
+                problem,
+            )
+            await host.rebuild(old_config, [], old_version)
+            self._loads += 1
+            raise WeightUpdateError(
+                f"the update to {checkpoint} (version {version}) failed the check: {problem}; "
+                "the engine was built on the previous weights again"
+            )
 
     async def transfer(
         self,
@@ -204,8 +328,22 @@ class WeightLoads:
             version,
         )
         self._transfer_ready = True
+        previous, previous_version = self._checkpoint, self._host.weight_version
         self._checkpoint = None
+        self._loads += 1
         await self._host.stamp_version(version, in_vllm=False)
+        await self.reset_cache()
+        what = f"the {backend} transfer (version {version})"
+        problem = await self._nonfinite()
+        if problem is None and self._host.frozen:
+            self._unproven = (previous, previous_version, what)
+            return
+        if problem is None:
+            problem = await self._host.weights_problem()
+        if problem is not None:
+            if self._reload.mode != "in-place":
+                previous = None  # an engine that cannot reload in place cannot roll back so
+            await self._roll_back(previous, previous_version, f"{what} failed the check: {problem}")
 
     async def reset_cache(self) -> None:
         """Reset the prefix cache; vLLM refuses while running (or frozen) requests hold

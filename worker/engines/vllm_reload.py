@@ -20,7 +20,14 @@ from schemas import WeightReload
 from worker.core.errors import EngineError, WeightUpdateError
 from worker.engines.vllm_extension import EXTENSION_QUALNAME, InPlaceReload
 
-__all__ = ["Probe", "in_place_supported", "probe", "reload_in_place", "same_model_after_reload"]
+__all__ = [
+    "Probe",
+    "in_place_supported",
+    "nonfinite_parameters",
+    "probe",
+    "reload_in_place",
+    "same_model_after_reload",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,8 @@ class Probe:
     token_ids: tuple[int, ...]
     #: (rows, layers, top_k), or None when routed experts are not captured.
     routed_experts: np.ndarray[Any, Any] | None
+    #: Each sampled token's logprob (None where vLLM gave none).
+    logprobs: tuple[float | None, ...] | None = None
 
     def differs_from(self, other: Probe) -> str | None:
         """What differs between two probes, or None."""
@@ -61,7 +70,9 @@ async def probe(llm: Any, vllm_config: Any, request_id: str) -> Probe:
     vocab_size = int(vllm_config.model_config.get_vocab_size())
     # Spread-out ids rather than a run of one token, so routing varies across rows.
     prompt = [(1 + 97 * i) % vocab_size for i in range(_PROBE_PROMPT_LEN)]
-    params = SamplingParams(max_tokens=_PROBE_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=_PROBE_MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0
+    )
     final: Any = None
     # A salt of its own: the probe never reads KV cached by another request.
     tokens = TokensPrompt(prompt_token_ids=prompt, cache_salt=request_id)
@@ -71,10 +82,18 @@ async def probe(llm: Any, vllm_config: Any, request_id: str) -> Probe:
         raise EngineError("the probe request returned no output", retryable=False)
     completion = final.outputs[0]
     routed = completion.routed_experts
+    token_ids = tuple(int(t) for t in completion.token_ids)
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = tuple(
+            float(position[token].logprob) if position and token in position else None
+            for position, token in zip(completion.logprobs, token_ids, strict=False)
+        )
     return Probe(
         prompt_len=len(prompt),
-        token_ids=tuple(int(t) for t in completion.token_ids),
+        token_ids=token_ids,
         routed_experts=None if routed is None else np.asarray(routed),
+        logprobs=logprobs,
     )
 
 
@@ -105,6 +124,17 @@ async def reload_in_place(llm: Any, checkpoint: Path) -> None:
     except Exception as exc:
         raise WeightUpdateError(f"in-place reload from {checkpoint} failed: {exc!r}") from exc
     logger.debug("reloaded %s in place (MoE kernels prepared again: %s)", checkpoint, prepared)
+
+
+async def nonfinite_parameters(llm: Any) -> list[str]:
+    """Names of parameters holding NaN or infinity in the engine `llm`'s model (a few at
+    most); WeightUpdateError when vLLM raises."""
+    try:
+        per_worker = await llm.collective_rpc("vkw_nonfinite_parameters")
+    # vLLM's RPC raises whatever the worker process raised.
+    except Exception as exc:
+        raise WeightUpdateError(f"reading the parameters failed: {exc!r}") from exc
+    return sorted({str(name) for names in per_worker for name in names})
 
 
 async def same_model_after_reload(

