@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         for violation in outcome.violations:
             print(f"  {violation}")
         return 1 if outcome.violations else 0
-    runs = [(workers, seed) for workers in sizes for seed in seeds_of(args)]
+    first_to_last = range(args.first_seed, args.first_seed + args.seeds)
+    runs = [(workers, seed) for workers in sizes for seed in first_to_last]
     failed = 0
     broken: dict[str, list[int]] = {}
     rates: dict[int, list[float]] = {}
@@ -129,10 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     for invariant, seeds in sorted(broken.items()):
         print(f"  {invariant}: seeds {', '.join(map(str, seeds))}")
     return 1 if failed else 0
-
-
-def seeds_of(args: argparse.Namespace) -> range:
-    return range(args.first_seed, args.first_seed + args.seeds)
 
 
 @dataclass(frozen=True)
