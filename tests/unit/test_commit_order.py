@@ -17,6 +17,7 @@ from tests.fakes import FakeConsumer
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
+from worker.delivery.offset_map import decode_offset_map
 from worker.dev.harness.waiting import wait_for
 
 TP = TopicPartition("jobs", 0)
@@ -41,3 +42,38 @@ async def test_the_intervals_commit_waits_for_a_hand_over_on_its_way_and_skips_w
     await hand_over
     await committer.commit_now()  # after the interval's commit, which has nothing left to say
     assert consumer.commits == [{TP: 0}]
+
+
+async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_before_the_worker_stops():
+    """Found by the fleet simulation (`bench/sim.py --seed 2568 --workers 3`): a rebalance began,
+    the coordinator went away, the revoke's hand-over timed out and the partitions were
+    forgotten; SIGTERM came, the final hand-over found nothing of its own to commit and the
+    worker stopped. The next owner read a map naming jobs as running, by a writer gone, and
+    counted a death against each."""
+    consumer = FakeConsumer()
+    settings = settings_from(
+        {"jobs_topic": "jobs", "results_topic": "r", "engine": "mock", "commit_timeout_s": 0.2},
+        {},
+    )
+    committer = Committer(consumer, settings, Metrics())
+    partition = committer.partition(TP)
+    for offset in (0, 1, 2):
+        partition.start(offset)
+    partition.finish(0)
+    partition.finish(2)  # offset 1 is still running
+    consumer.commit_gate = asyncio.Event()  # the coordinator is away
+
+    await committer.revoked({TP})
+    assert consumer.commits == []
+    assert not committer.tracker.holds(TP)
+
+    stopping = asyncio.create_task(
+        committer.hand_over_until(asyncio.get_running_loop().time() + 30)
+    )
+    await wait_for(lambda: consumer.commits_started >= 3, what="the hand-over tried again")
+    consumer.commit_gate.set()  # the coordinator is back within the grace
+    assert await stopping
+    assert consumer.commits == [{TP: 1}]
+    handed_over = decode_offset_map(1, consumer.metadata[-1][TP])
+    assert handed_over.clean
+    assert handed_over.answered == {2}

@@ -275,6 +275,11 @@ FOUND_DEFECTS = {
     "the worker's patience ran out (both publish_timeout_s), and the worker exited 1": Scenario(
         seed=513, partitions=24, jobs_per_s=12
     ),
+    "a revoke's hand-over timed out in a coordinator outage and was dropped; SIGTERM came, "
+    "the final hand-over had nothing of its own left to commit, and the next owner counted a "
+    "death against every job the stopped worker had in flight": Scenario(
+        seed=2568, partitions=24, jobs_per_s=12
+    ),
     "a new owner looked the position up as it joined, the last owner's refused hand-over "
     "landed just after, and the new owner fetched from the old position: the records between "
     "ran again and its commit moved the position back": Scenario(

@@ -237,7 +237,13 @@ class Committer:
         limit = self._map_max_bytes if self.maps_on else 0
         while True:
             await self.commit_now(clean=True)
-            if not self.tracker.plan(None, clean=True, limit=limit):
+            # Also the partitions revoked meanwhile whose hand-over did not land: the member,
+            # not yet gone, may still commit them in its generation.
+            await self._inheritance.land_hand_overs()
+            if (
+                not self.tracker.plan(None, clean=True, limit=limit)
+                and not self._inheritance.hand_overs_unlanded
+            ):
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -269,12 +275,39 @@ class Committer:
             async with asyncio.timeout(self._timeout_s):
                 async with self._one_at_a_time:
                     await self._commit_planned(partitions, clean=True)
+                    self._keep_unlanded(partitions)
                     self.forget(partitions)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
-            logger.warning("hand-over commit did not finish in %.1fs; going on", self._timeout_s)
+            logger.warning(
+                "hand-over commit did not finish in %.1fs; it is made again after rejoining, "
+                "or before this worker stops",
+                self._timeout_s,
+            )
         finally:
+            self._keep_unlanded(partitions)
             self.forget(partitions)
+
+    def _keep_unlanded(self, partitions: set[TopicPartition]) -> None:
+        """What the hand-over of `partitions` would commit and the group does not hold yet (a
+        coordinator that did not answer in time): landed later (`Inheritance.land_hand_overs`)
+        rather than dropped, as the next owner, finding a live writer's map that names jobs as
+        running, otherwise runs them again, or, once this worker stopped, counts a death
+        against each."""
+        partitions = {tp for tp in partitions if self.tracker.holds(tp)}
+        if not partitions:
+            return
+        limit = self._map_max_bytes if self.maps_on else 0
+        try:
+            planned = self.tracker.plan(partitions, clean=True, limit=limit)
+        except Exception:
+            logger.exception("cannot build the offset maps of the hand-over to land later")
+            return
+        if planned:
+            self._inheritance.refused(
+                {tp: plan.commit for tp, plan in planned.items()},
+                {tp: self.tracker.last_commit(tp) for tp in planned},
+            )
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from worker.core.kafka import commit_handed_over
 from worker.core.metrics import Metrics
@@ -36,6 +36,10 @@ LiveIncarnations = Callable[[], Awaitable[set[int] | None]]
 # hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
 _HAND_OVER_WAIT_S: Final = 2.0
 _HAND_OVER_POLL_S: Final = 0.1
+
+# The group's answer that this member's generation is over: a hand-over refused with it is
+# not tried again.
+_REFUSED: Final = (CommitFailedError, IllegalStateError)
 
 
 class Inheritance:
@@ -86,7 +90,7 @@ class Inheritance:
         Returns where to fetch each partition read from: its committed position as read here,
         where that lies within the log.
         The consumer looked its positions up as it joined, and they may have moved since: this
-        member's own refused hand-over, made again (`_land_hand_over`), the last owner's,
+        member's own refused hand-over, made again (`land_hand_overs`), the last owner's,
         awaited (`_await_hand_overs`) or landed as this member joined. Fetched from below, a
         record would run again and its commit move the position back. A partition that could
         not be read keeps the consumer's position.
@@ -105,7 +109,7 @@ class Inheritance:
             self.reading -= partitions
 
     async def _inherit(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
-        await self._land_hand_over()
+        await self.land_hand_overs()
         if self._read_committed is None or not partitions:
             return {}
         alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
@@ -197,7 +201,7 @@ class Inheritance:
     ) -> None:
         """Read again, for a little while, the maps of partitions whose last owner is alive but
         whose hand-over has not landed: that owner commits it again as soon as it rejoins
-        (`_land_hand_over`), in the same round that assigned them here. Waiting for it saves
+        (`land_hand_overs`), in the same round that assigned them here. Waiting for it saves
         running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
         blaming nobody. What lands replaces the partition's entry in `maps`."""
         waiting = set()
@@ -227,9 +231,16 @@ class Inheritance:
                 _HAND_OVER_WAIT_S,
             )
 
-    async def _land_hand_over(self) -> None:
-        """Commit again, in the new generation, the hand-over of revoked partitions that the
-        group refused in the old one, before anything else on rejoining.
+    @property
+    def hand_overs_unlanded(self) -> bool:
+        """Whether a hand-over of revoked partitions is still to be landed (`land_hand_overs`)."""
+        return bool(self._unlanded)
+
+    async def land_hand_overs(self) -> None:
+        """Commit again, in the member's current generation, the hand-overs of revoked
+        partitions that did not land: refused by the group in the old generation, or not
+        answered in time (a coordinator that is away). Made on rejoining, before anything
+        else, and by a stopping worker within its grace.
 
         A broker may refuse the old generation's commits from the moment another member asks
         to join, before this member even hears of the rebalance (noida-db does; Apache Kafka
@@ -238,28 +249,42 @@ class Inheritance:
         this same round, read it unless they read first (they then run again what was answered
         and not committed, blaming nobody: the map names a live writer). Made before this
         member starts anything, it cannot move back a position a new owner committed since.
+
+        Refused again, it is dropped: the member's generation is over, and the new owners run
+        again what was answered and not committed. Not answered in time, it is kept for the
+        next try: the coordinator may be back by then.
         """
         if not self._unlanded:
             return
         offsets, self._unlanded = self._unlanded, {}
         before, self._before = self._before, {}
-        offsets = await self._not_overtaken(offsets, before)
-        if not offsets:
-            return
         try:
+            offsets = await self._not_overtaken(offsets, before)
+            if not offsets:
+                return
             async with asyncio.timeout(self._timeout_s):
                 await commit_handed_over(self._consumer, offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
-            logger.warning(
-                "the hand-over of %s did not land after rejoining either (%r); the records "
-                "answered and not committed will run again",
+            if isinstance(exc, _REFUSED):
+                logger.warning(
+                    "the hand-over of %s was refused again (%r); the records answered and not "
+                    "committed will run again",
+                    describe_commits(offsets),
+                    exc,
+                )
+                return
+            logger.info(
+                "the hand-over of %s did not land (%r); it is tried again",
                 describe_commits(offsets),
                 exc,
             )
+            for tp, commit in offsets.items():  # a newer hand-over of tp wins
+                if tp not in self._unlanded:
+                    self._unlanded[tp], self._before[tp] = commit, before.get(tp)
             return
         self._metrics.commits.labels("ok").inc()
-        logger.info("hand-over of %s landed after rejoining", describe_commits(offsets))
+        logger.info("hand-over of %s landed after all", describe_commits(offsets))
 
     async def _not_overtaken(
         self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
@@ -269,22 +294,11 @@ class Inheritance:
         and landing it then would move that owner's position back and replace its map (the
         records it runs would not count a death if it died). Read without a lock, so a commit
         racing this read can still be overwritten; the window is one round trip, not the
-        whole rejoin. When the group cannot be read, nothing lands: the new owner then runs
-        again what was answered and not committed, blaming nobody, as when the hand-over
-        never landed."""
+        whole rejoin. When the group cannot be read, nothing lands now (raises)."""
         if self._read_committed is None:
             return offsets
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                now = await self._read_committed(sorted(offsets))
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning(
-                "cannot read the committed offsets before landing the hand-over of %s (%r); "
-                "leaving it unlanded",
-                describe_commits(offsets),
-                exc,
-            )
-            return {}
+        async with asyncio.timeout(self._timeout_s):
+            now = await self._read_committed(sorted(offsets))
         kept: dict[TopicPartition, Commit] = {}
         for tp, commit in offsets.items():
             current = now.get(tp)
