@@ -280,6 +280,10 @@ FOUND_DEFECTS = {
     "death against every job the stopped worker had in flight": Scenario(
         seed=2568, partitions=24, jobs_per_s=12
     ),
+    "a worker held every partition through a coordinator outage and kept answering with no "
+    "commit landing until it was killed: its next owners ran all of it again": Scenario(
+        seed=2326, partitions=24, jobs_per_s=12
+    ),
     "a new owner looked the position up as it joined, the last owner's refused hand-over "
     "landed just after, and the new owner fetched from the old position: the records between "
     "ran again and its commit moved the position back": Scenario(

@@ -52,6 +52,11 @@ _HOLD_AT: Final = 0.75
 # How often a stopping worker tries its hand-over again while the coordinator does not take it.
 _HAND_OVER_RETRY_S: Final = 0.5
 
+# Commits normally land within an interval of the answers they cover: answers that waited this
+# many intervals (and at least this long) mean commits stopped landing.
+_COMMITS_STALLED_AFTER: Final = 4
+_COMMITS_STALLED_MIN_S: Final = 2.0
+
 # The longest a batch of jobs waits for the commit that names them as running.
 _WRITE_AHEAD_WAIT_S: Final = 1.0
 
@@ -103,12 +108,20 @@ class Committer:
         live_incarnations: LiveIncarnations | None = None,
         incarnation: int | None = None,
         on_background_done: Callable[[], None] = lambda: None,
+        uncommitted_answers_max: int | None = None,
     ) -> None:
         self._consumer = consumer
         #: Called when a commit in the background ended (and another may start): what waits
         #: for one to land (the breaker) may go on.
         self._on_background_done = on_background_done
         self._interval_s = settings.commit_interval_ms / 1000
+        #: Answers a death would make run again: past this many, while commits do not land
+        #: (`_COMMITS_STALLED_AFTER`), no record is fetched (see `held`).
+        self._uncommitted_answers_max = uncommitted_answers_max
+        self._stalled_after_s = max(
+            _COMMITS_STALLED_AFTER * self._interval_s, _COMMITS_STALLED_MIN_S
+        )
+        self._held_for_commits = False
         self._timeout_s = settings.commit_timeout_s
         self._map_max_bytes = settings.offset_map_max_bytes
         self._metrics = metrics
@@ -150,7 +163,40 @@ class Committer:
         finished out of order, so no partition is held for it: the reason is re-examined at
         every commit and on every fetch."""
         near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
-        return self._inheritance.reading | near_cap
+        return self._inheritance.reading | near_cap | self._held_until_commits_land()
+
+    def _held_until_commits_land(self) -> set[TopicPartition]:
+        """Every partition, while more answers than `uncommitted_answers_max` wait for a
+        commit and the oldest has waited `_stalled_after_s` (commits land every interval
+        otherwise): a coordinator that is away takes no commit, and a worker that went on
+        answering would leave ever more work for a death to redo. The jobs in flight finish;
+        the next landed commit lifts the hold."""
+        limit = self._uncommitted_answers_max
+        if limit is None:
+            return set()
+        waiting, oldest = 0, None
+        for _, partition in self.tracker.items():
+            count, since = partition.uncommitted_answers
+            waiting += count
+            if since is not None and (oldest is None or since < oldest):
+                oldest = since
+        stalled = (
+            waiting > limit
+            and oldest is not None
+            and time.monotonic() - oldest >= self._stalled_after_s
+        )
+        if stalled != self._held_for_commits:
+            self._held_for_commits = stalled
+            if stalled:
+                logger.warning(
+                    "%d answers wait for commits that have not landed for %.1fs; fetching "
+                    "no new records until one lands",
+                    waiting,
+                    time.monotonic() - (oldest or 0.0),
+                )
+            else:
+                logger.info("commits land again; fetching records")
+        return {tp for tp, _ in self.tracker.items()} if stalled else set()
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""

@@ -7,6 +7,7 @@ import bisect
 import heapq
 import logging
 import sys
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -53,12 +54,15 @@ class PartitionOffsets:
     """
 
     __slots__ = (
+        "_covered",
+        "_finishes",
         "_planned",
         "_run_starts",
         "_run_stops",
         "_running",
         "_running_peak",
         "_started",
+        "_uncovered_since",
         "_version",
         "anchor",
         "answered_before",
@@ -80,7 +84,13 @@ class PartitionOffsets:
         self._run_stops: list[int] = []
         # Bumped by every start and finish: the last plan holds until it moves.
         self._version = 0
-        self._planned: tuple[tuple[object, ...], Planned] | None = None
+        # The last plan, with how many finishes it covers and when it was made.
+        self._planned: tuple[tuple[object, ...], Planned, int, float] | None = None
+        # Finishes so far, those the last landed commit covers, and since when the first one
+        # it does not cover has waited (None: none waits).
+        self._finishes = 0
+        self._covered = 0
+        self._uncovered_since: float | None = None
         self.answered_before: set[int] = set()
         #: Offsets that were in flight when a worker process died, and at how many deaths.
         self.deaths: dict[int, int] = {}
@@ -148,6 +158,9 @@ class PartitionOffsets:
             self._running = set(self._running)
             self._running_peak = len(self._running)
         self._version += 1
+        if self._finishes == self._covered:
+            self._uncovered_since = time.monotonic()
+        self._finishes += 1
         if self.deaths:
             self.deaths.pop(offset, None)
         if offset == self._started[0]:
@@ -186,6 +199,24 @@ class PartitionOffsets:
         k = bisect.bisect_right(stops, position)
         if k:
             del self._run_starts[:k], stops[:k]
+
+    @property
+    def uncommitted_answers(self) -> tuple[int, float | None]:
+        """How many records finished that no landed commit covers yet, and since when the
+        first of them waits (None: none does). A death redoes them."""
+        return self._finishes - self._covered, self._uncovered_since
+
+    def landed(self, commit: Commit) -> None:
+        """`commit` landed. When it is the last plan, the finishes planned in it are covered;
+        an older one (planned before a newer plan) counts as covering nothing new."""
+        self.committed = commit
+        if self._planned is None or self._planned[1].commit != commit:
+            return
+        _, _, covered, planned_at = self._planned
+        if covered <= self._covered:
+            return
+        self._covered = covered
+        self._uncovered_since = None if covered == self._finishes else planned_at
 
     @property
     def idle(self) -> bool:
@@ -228,8 +259,6 @@ class PartitionOffsets:
         position = self.commit_position()
         if position is None:
             return None
-        if limit is not None and limit <= 0:
-            return Planned((position, ""), (), 0)
         # What the plan depends on beyond starts and finishes, which the tracker's readers
         # of committed maps change from outside.
         key = (
@@ -242,6 +271,9 @@ class PartitionOffsets:
             tuple(self.deaths.items()),
         )
         if self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
+        if limit is not None and limit <= 0:
+            self._planned = (key, Planned((position, ""), (), 0), self._finishes, time.monotonic())
             return self._planned[1]
         own = [(a, b, 0) for a, b in zip(self._run_starts, self._run_stops, strict=True)]
         answered = own
@@ -262,7 +294,7 @@ class PartitionOffsets:
         planned = Planned(
             (position, bounded.metadata), bounded.dropped, encoded_length(position, own)
         )
-        self._planned = (key, planned)
+        self._planned = (key, planned, self._finishes, time.monotonic())
         return planned
 
 
@@ -359,8 +391,12 @@ class OffsetTracker:
             if partitions is not None and tp not in partitions:
                 continue
             planned = partition.plan(clean=clean, limit=limit, writer=self.writer)
-            if planned is not None and planned.commit != partition.committed:
+            if planned is None:
+                continue
+            if planned.commit != partition.committed:
                 out[tp] = planned
+            else:  # what the broker holds says it all already
+                partition.landed(planned.commit)
         return out
 
     def holds(self, tp: TopicPartition) -> bool:
@@ -375,7 +411,7 @@ class OffsetTracker:
         """Record a successful commit."""
         for tp, commit in offsets.items():
             if (partition := self._partitions.get(tp)) is not None:
-                partition.committed = commit
+                partition.landed(commit)
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Drop revoked partitions: their next owner starts from the committed position."""

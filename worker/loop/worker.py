@@ -121,6 +121,7 @@ class Worker:
             live_incarnations=live_incarnations,
             incarnation=incarnation,
             on_background_done=self._wake_breaker,
+            uncommitted_answers_max=self.max_in_flight,
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         # Partitions whose revoke callback is running: none of their records starts.
