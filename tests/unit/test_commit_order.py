@@ -77,3 +77,27 @@ async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_befo
     handed_over = decode_offset_map(1, consumer.metadata[-1][TP])
     assert handed_over.clean
     assert handed_over.answered == {2}
+
+
+async def test_a_hand_over_that_landed_is_not_made_again_with_the_answers_that_came_after_it():
+    """Found by the fleet simulation (`bench/sim.py --seed 10166 --workers 3`): the revoke's
+    hand-over landed while one more job was answered; made again with it after rejoining, it
+    landed after the new owner had read the clean hand-over (which it does not wait past), and
+    that owner's first commit moved the position back."""
+    consumer = FakeConsumer()
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics())
+    partition = committer.partition(TP)
+    partition.start(0)
+    partition.start(1)
+    partition.finish(0)
+    consumer.commit_gate = asyncio.Event()
+
+    hand_over = asyncio.create_task(committer.revoked({TP}))
+    await wait_for(lambda: consumer.commits_started == 1, what="the hand-over sent")
+    partition.finish(1)  # answered while the hand-over is on its way
+    consumer.commit_gate.set()
+    await hand_over
+
+    assert await committer.hand_over_until(asyncio.get_running_loop().time() + 5)
+    assert consumer.commits == [{TP: 1}]

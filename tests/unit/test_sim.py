@@ -280,6 +280,9 @@ FOUND_DEFECTS = {
     "death against every job the stopped worker had in flight": Scenario(
         seed=2568, partitions=24, jobs_per_s=12
     ),
+    "a revoke's hand-over landed while more jobs were answered; made again with them after "
+    "rejoining, it landed after the new owner had read the clean hand-over, whose own commit "
+    "then moved the position back": Scenario(seed=10166, partitions=24, jobs_per_s=12),
     "a worker held every partition through a coordinator outage and kept answering with no "
     "commit landing until it was killed: its next owners ran all of it again": Scenario(
         seed=2326, partitions=24, jobs_per_s=12

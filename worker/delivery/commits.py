@@ -320,8 +320,7 @@ class Committer:
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._one_at_a_time:
-                    await self._commit_planned(partitions, clean=True)
-                    self._keep_unlanded(partitions)
+                    self._keep_unlanded(await self._commit_planned(partitions, clean=True))
                     self.forget(partitions)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
@@ -330,30 +329,23 @@ class Committer:
                 "or before this worker stops",
                 self._timeout_s,
             )
+            # Planned again: should the commit on its way land after all, the group then holds
+            # something newer than this member's last landed commit, and this one is not made.
+            self._keep_unlanded(self._plan(partitions, clean=True))
         finally:
-            self._keep_unlanded(partitions)
             self.forget(partitions)
 
-    def _keep_unlanded(self, partitions: set[TopicPartition]) -> None:
-        """What the hand-over of `partitions` would commit and the group does not hold yet (a
-        coordinator that did not answer in time): landed later (`Inheritance.land_hand_overs`)
-        rather than dropped, as the next owner, finding a live writer's map that names jobs as
-        running, otherwise runs them again, or, once this worker stopped, counts a death
-        against each."""
-        partitions = {tp for tp in partitions if self.tracker.holds(tp)}
-        if not partitions:
-            return
-        limit = self._map_max_bytes if self.maps_on else 0
-        try:
-            planned = self.tracker.plan(partitions, clean=True, limit=limit)
-        except Exception:
-            logger.exception("cannot build the offset maps of the hand-over to land later")
-            return
-        if planned:
-            self._inheritance.refused(
-                {tp: plan.commit for tp, plan in planned.items()},
-                {tp: self.tracker.last_commit(tp) for tp in planned},
-            )
+    def _keep_unlanded(self, offsets: dict[TopicPartition, Commit]) -> None:
+        """A hand-over the coordinator did not answer in time: made again later
+        (`Inheritance.land_hand_overs`), after rejoining or by a stopping worker, rather than
+        dropped. The next owner, finding a live writer's map that names jobs as running, waits
+        a little for it; once this worker stopped, it would count a death against each.
+
+        Only a hand-over that did not land: one that landed while more jobs were answered is
+        what the next owner reads, and does not wait past (a later commit could land after
+        it read, and its own commit then move the position back)."""
+        if offsets:
+            self._inheritance.refused(offsets, {tp: self.tracker.last_commit(tp) for tp in offsets})
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after
@@ -397,11 +389,14 @@ class Committer:
 
     async def _commit_planned(
         self, partitions: set[TopicPartition] | None, *, clean: bool = False
-    ) -> None:
+    ) -> dict[TopicPartition, Commit]:
+        """Plan and make one commit; what it committed that the group did not answer in time
+        (or answered with a transient error), to be made again: nothing when it landed or was
+        refused."""
         offsets = self._plan(partitions, clean=clean or self._handing_over)
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
-            return
+            return {}
         try:
             # aiokafka waits for a lost coordinator indefinitely; bound it and retry later.
             async with asyncio.timeout(self._timeout_s):
@@ -411,7 +406,7 @@ class Committer:
             logger.warning(
                 "commit of %s timed out; retrying at the next commit", describe_commits(offsets)
             )
-            return
+            return offsets
         except OffsetMetadataTooLargeError:
             # The broker's offset.metadata.max.bytes is below offset_map_max_bytes: commit the
             # positions alone, now and from now on (answered records may then run again).
@@ -421,8 +416,7 @@ class Committer:
                 "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
             )
             self._maps_refused = True
-            await self._commit_planned(partitions, clean=clean)
-            return
+            return await self._commit_planned(partitions, clean=clean)
         except (CommitFailedError, IllegalStateError) as exc:
             # The group rebalanced under us: these records will be redelivered to the new owner,
             # unless this was the hand-over, which is made again once this member rejoins.
@@ -437,13 +431,13 @@ class Committer:
                     describe_commits(offsets),
                     exc,
                 )
-                return
+                return {}
             logger.warning(
                 "commit of %s failed (%s); the records will be redelivered",
                 describe_commits(offsets),
                 exc,
             )
-            return
+            return {}
         except KafkaError as exc:
             self._metrics.commits.labels("retry").inc()
             logger.warning(
@@ -451,11 +445,12 @@ class Committer:
                 describe_commits(offsets),
                 exc,
             )
-            return
+            return offsets
         self.tracker.committed(offsets)
         self._metrics.commits.labels("ok").inc()
         logger.debug("committed %s", describe_commits(offsets))
         self._update_lag()
+        return {}
 
     def _plan(
         self, partitions: set[TopicPartition] | None, *, clean: bool
