@@ -17,10 +17,11 @@ Two ways, both through vLLM's `reload_weights` (its name mapping, its loaders):
 
 - **Direct** (the CPU MoE kernel on unquantized weights, the case measured): vLLM's layerwise
   reload takes every layer but the MoE experts. The experts' loader is wrapped: each expert's
-  tensors land in a raw-layout staging buffer (one per layer in flight, reused across layers)
-  and, as soon as the expert is complete, `prepack_moe_weight` writes it straight into the
-  storage the kernel reads. No layer is rebuilt on the meta device, allocated again, processed
-  and copied back, which is where the layerwise reload of a 1 GB MoE spent most of its time.
+  tensors land in a one-expert slot in the checkpoint's layout (a buffer of the whole weight
+  when the checkpoint interleaves experts) and, as soon as the expert is complete,
+  `prepack_moe_weight` writes it straight into the storage the kernel reads. No layer is
+  rebuilt on the meta device, allocated again, processed and copied back, which is where the
+  layerwise reload of a 1 GB MoE spent most of its time.
 - **Layerwise** (anything else: quantized or padded experts, another MoE kernel): clearing
   `moe_kernel` first sends vLLM's layerwise reload down the first-load path: kernel rebuilt,
   weights prepared once.
@@ -184,8 +185,10 @@ def direct_moe_layers(model: Any, vllm_config: Any) -> tuple[list[Any], str | No
 
 class _StagedExperts:
     """The experts' side of a direct reload: while installed, each MoE layer's `w13_weight` and
-    `w2_weight` loaders write into a staging buffer in the checkpoint's layout, and each expert,
-    once all of its elements are in, is prepacked into the storage the kernel reads."""
+    `w2_weight` loaders write into staging in the checkpoint's layout (`_StagedParam`), and
+    each expert, once all of its elements are in, is prepacked into the storage the kernel
+    reads. Buffers of a whole weight, needed only where experts interleave, are reused from
+    layer to layer."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[Any, ...], list[Any]] = {}
@@ -210,7 +213,8 @@ class _StagedExperts:
                 param.weight_loader = staged.load
 
     def take(self, like: Any) -> Any:
-        """A staging buffer shaped like `like`: one freed by an earlier layer, else a new one."""
+        """A buffer shaped like `like` for a weight whose experts interleave: one freed by an
+        earlier layer, else a new one."""
         import torch  # noqa: PLC0415
 
         free = self._free.get((tuple(like.shape), like.dtype))
@@ -236,7 +240,14 @@ class _StagedExperts:
 
 
 class _StagedParam:
-    """One MoE weight of one layer under a direct reload."""
+    """One MoE weight of one layer under a direct reload.
+
+    The loader writes one expert at a time into a one-expert slot, which it sees as the whole
+    weight (a view repeating the slot for every expert, so `param.data[expert_id]` lands in
+    it): the expert is still in the CPU's cache when it is prepacked, and no layer-sized
+    buffer is written and read again. When the checkpoint interleaves experts (a load for
+    another expert while the slot's is incomplete), the slot moves into a buffer of the whole
+    weight, and the loads go there from then on."""
 
     def __init__(self, owner: _StagedExperts, layer: Any, name: str, kernel: Any, isa: str) -> None:
         self.owner, self.layer, self.name, self.kernel, self.isa = owner, layer, name, kernel, isa
@@ -245,55 +256,79 @@ class _StagedParam:
         self.per_expert = kernel[0].numel()
         self.copied = [0] * kernel.shape[0]
         self.prepacked = [False] * kernel.shape[0]
-        self.buffer: Any = None
+        #: The slot and the expert it holds part of, or None when it holds none.
+        self.slot: Any = None
+        self.slot_expert: int | None = None
+        #: Every expert, once loads interleave.
+        self.full: Any = None
+        #: What the loader is given: the slot repeated, or `full`.
+        self.target: Any = None
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's loader for this weight (same arguments), into the staging buffer; prepacks
-        every expert it completes."""
+        """vLLM's loader for this weight (same arguments), into the slot or the whole buffer;
+        prepacks every expert it completes."""
         import torch  # noqa: PLC0415
         from vllm.model_executor.model_loader.reload.meta import CopyCounter  # noqa: PLC0415
 
         bound = self.signature.bind(*args, **kwargs)
-        if self.buffer is None:
-            self.buffer = torch.nn.Parameter(self.owner.take(self.kernel), requires_grad=False)
-        bound.arguments["param"] = self.buffer
+        loaded = bound.arguments["loaded_weight"]
+        if loaded.dim() != 2:
+            # One call writing several experts would defeat the per-expert count.
+            raise RuntimeError(
+                f"{self.layer.layer_name}.{self.name}: a {loaded.dim()}-D tensor loaded at once; "
+                "the direct reload takes one expert per call"
+            )
+        # The loader's own mapping to the expert it writes (`RoutedExperts.weight_loader`);
+        # -1 for an expert this rank does not hold, which it skips.
+        expert = self.layer._map_global_expert_id_to_local_expert_id(bound.arguments["expert_id"])
+        bound.arguments["param"] = self._target_for(expert)
         # Counted as vLLM's layerwise reload counts a layer's loaded elements
         # (`model_loader/reload/meta.py: get_numel_loaded`).
         with torch.no_grad(), CopyCounter() as counter:  # type: ignore[no-untyped-call]
             result = self.original(*bound.args, **bound.kwargs)
-        if counter.copied_numel:
-            # The loader's own mapping to the expert it wrote (`RoutedExperts.weight_loader`).
-            expert = self.layer._map_global_expert_id_to_local_expert_id(
-                bound.arguments["expert_id"]
-            )
+        if counter.copied_numel and expert >= 0:
             self._copied(expert, counter.copied_numel)
         return result
+
+    def _target_for(self, expert: int) -> Any:
+        import torch  # noqa: PLC0415
+
+        if expert >= 0 and self.full is None and self.slot_expert not in (None, expert):
+            self.full = self.owner.take(self.kernel)
+            self.full[self.slot_expert].copy_(self.slot[0])
+            self.slot_expert = None
+            self.target = None
+        if self.target is None:
+            if self.full is not None:
+                data = self.full
+            else:
+                if self.slot is None:
+                    self.slot = torch.empty((1, *self.kernel.shape[1:]), dtype=self.kernel.dtype)
+                data = self.slot.expand(self.kernel.shape)
+            self.target = torch.nn.Parameter(data, requires_grad=False)
+        if expert >= 0 and self.full is None:
+            self.slot_expert = expert
+        return self.target
 
     def _copied(self, expert: int, numel: int) -> None:
         import torch  # noqa: PLC0415
 
         self.copied[expert] += numel
-        if self.copied[expert] > self.per_expert:
-            raise RuntimeError(
-                f"{self.layer.layer_name}.{self.name}: expert {expert} got "
-                f"{self.copied[expert]} elements, it holds {self.per_expert}"
-            )
         if self.copied[expert] < self.per_expert:
             return
+        source = self.slot if self.full is None else self.full[expert : expert + 1]
         # What `cpu_prepack_moe_weight` (vllm/_custom_ops.py) runs, with the kernel's storage
         # as its output instead of a new tensor. It packs each expert on its own (a test
         # compares it with packing the layer at once).
         with torch.no_grad():
-            torch.ops._C.prepack_moe_weight(
-                self.buffer.data[expert : expert + 1],
-                self.kernel.data[expert : expert + 1],
-                self.isa,
-            )
+            torch.ops._C.prepack_moe_weight(source, self.kernel.data[expert : expert + 1], self.isa)
         self.copied[expert] = 0
         self.prepacked[expert] = True
-        if all(self.prepacked) and not any(self.copied):
-            self.owner.give_back(self.buffer.data)
-            self.buffer = None
+        if self.full is None:
+            self.slot_expert = None
+        elif all(self.prepacked) and not any(self.copied):
+            self.owner.give_back(self.full)
+            self.full = self.target = None
 
     def missing_experts(self) -> list[int]:
         return [e for e, done in enumerate(self.prepacked) if not done or self.copied[e]]

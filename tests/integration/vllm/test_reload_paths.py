@@ -164,3 +164,93 @@ def test_the_cpu_moe_prepack_packs_each_expert_on_its_own(vllm_moe):
                 torch.ops._C.prepack_moe_weight(raw[e : e + 1], each[e : e + 1], isa)
             assert not torch.equal(whole, raw), "the prepack changed nothing: nothing tested"
             assert torch.equal(each, whole), (isa, shape)
+
+
+def staged_layer(v: SimpleNamespace) -> Any:
+    """A MoE layer as the direct path sees it, with a loader that writes one expert's shard as
+    vLLM's `RoutedExperts.weight_loader` does for a per-expert checkpoint (w1 the first half
+    of w13's rows, w3 the second, w2 whole)."""
+    model = moe_model(v)
+    layer = model.experts
+    layer.layer_name = "model.layers.0.mlp.experts"
+    layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
+
+    def weight_loader(
+        param: Any,
+        loaded_weight: Any,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+        *,
+        return_success: bool = False,
+    ) -> bool:
+        expert = param.data[expert_id]
+        if shard_id == "w2":
+            expert.copy_(loaded_weight)
+        else:
+            rows = loaded_weight.shape[0]
+            expert.narrow(0, 0 if shard_id == "w1" else rows, rows).copy_(loaded_weight)
+        return True
+
+    layer.w13_weight.weight_loader = weight_loader
+    layer.w2_weight.weight_loader = weight_loader
+    return layer
+
+
+@pytest.mark.parametrize("order", ["expert by expert", "all gates, then all ups and downs"])
+def test_staged_experts_are_prepacked_as_vllm_packs_the_layer_in_any_load_order(vllm_moe, order):
+    import torch  # noqa: PLC0415
+
+    from worker.engines.vllm_extension import _StagedExperts  # noqa: PLC0415
+
+    layer = staged_layer(vllm_moe)
+    generator = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) for _ in "gu")
+    down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator)
+    loads = [
+        (name, shard, e, tensor[e])
+        for e in range(EXPERTS)
+        for name, shard, tensor in (("w13_weight", "w1", gate), ("w13_weight", "w3", up))
+    ] + [("w2_weight", "w2", e, down[e]) for e in range(EXPERTS)]
+    if order != "expert by expert":
+        loads.sort(key=lambda load: load[1] != "w1")
+    staged = _StagedExperts()
+    staged.install([layer])
+    try:
+        for name, shard, e, tensor in loads:
+            param = getattr(layer, name)
+            assert param.weight_loader(param, tensor, name, shard, e, return_success=True)
+        staged.check_complete()
+    finally:
+        staged.uninstall()
+    isa = vllm_moe.CPUUnquantizedExperts.isa
+    for name, raw in (("w13_weight", torch.cat([gate, up], dim=1)), ("w2_weight", down)):
+        packed = torch.empty_like(raw)
+        torch.ops._C.prepack_moe_weight(raw, packed, isa)
+        assert torch.equal(getattr(layer, name).data, packed), name
+    # The loaders are vLLM's again.
+    assert layer.w2_weight.weight_loader.__name__ == "weight_loader"
+
+
+def test_staged_experts_refuse_a_missing_expert_and_a_load_of_several(vllm_moe):
+    import torch  # noqa: PLC0415
+
+    from worker.engines.vllm_extension import _StagedExperts  # noqa: PLC0415
+
+    layer = staged_layer(vllm_moe)
+    staged = _StagedExperts()
+    staged.install([layer])
+    try:
+        w2 = layer.w2_weight
+        for e in (0, 1, 3):
+            w2.weight_loader(w2, torch.ones(HIDDEN, INTERMEDIATE), "w2_weight", "w2", e)
+        w13 = layer.w13_weight
+        for e in range(EXPERTS):
+            for shard in ("w1", "w3"):
+                w13.weight_loader(w13, torch.ones(INTERMEDIATE, HIDDEN), "w13_weight", shard, e)
+        with pytest.raises(RuntimeError, match=r"does not cover w2_weight of experts \[2\]"):
+            staged.check_complete()
+        with pytest.raises(RuntimeError, match="a 3-D tensor loaded at once"):
+            w2.weight_loader(w2, torch.ones(EXPERTS, HIDDEN, INTERMEDIATE), "w2_weight", "w2", 0)
+    finally:
+        staged.uninstall()

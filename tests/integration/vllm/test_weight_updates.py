@@ -256,13 +256,34 @@ def without_one_expert(tensors: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in tensors.items() if k != name}
 
 
+def split_by_projection(checkpoint: Path, into: Path) -> Path:
+    """A copy of `checkpoint` in two shards, every expert's gate projection in the first: each
+    expert's gate and up projections arrive far apart, the experts' loads interleave."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    into.mkdir()
+    tensors: dict[str, Any] = {}
+    for item in checkpoint.iterdir():
+        if item.suffix == ".safetensors":
+            tensors |= load_file(item)
+        else:
+            (into / item.name).write_bytes(item.read_bytes())
+    gates = {k: v for k, v in tensors.items() if ".experts." in k and ".gate_proj." in k}
+    assert gates
+    save_file(gates, into / "model-00001-of-00002.safetensors")
+    rest = {k: v for k, v in tensors.items() if k not in gates}
+    save_file(rest, into / "model-00002-of-00002.safetensors")
+    return into
+
+
 async def both_reload_paths_load_a_fresh_model(
     s: Session, fresh: FreshAnswers, a: Path, b: Path, root: Path
 ) -> None:
     """The updates above took the direct path (vLLM's CPU MoE kernel, unquantized: each
     expert prepacked into the kernel's storage as soon as it is loaded); vLLM's layerwise
-    reload, its fallback, loads the same model; a checkpoint that leaves an expert out fails
-    the direct path, and A loads again after it. Through the RPC, behind the worker's back
+    reload, its fallback, loads the same model; so does the direct path when the experts'
+    loads interleave; a checkpoint that leaves an expert out fails the direct path, and A
+    loads again after it. Through the RPC, behind the worker's back
     (it still serves A as version 3 when this returns)."""
     llm = s.engine.async_llm
     fresh_a, fresh_b = fresh(a, greedy("x", 16))[0], fresh(b, greedy("x", 16))[0]
@@ -279,6 +300,10 @@ async def both_reload_paths_load_a_fresh_model(
     assert (await reload_in_place(llm, a))["path"] == "direct"
     assert await llm.reset_prefix_cache()
     assert_same_answer(await s.run(greedy("direct-a", 16)), fresh_a)
+    split = split_by_projection(b, root / "b-split")
+    assert (await reload_in_place(llm, split))["path"] == "direct"
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("split-b", 16)), fresh_b)
     holed = changed_checkpoint(b, root / "without-one-expert", without_one_expert)
     with pytest.raises(WeightUpdateError, match=r"does not cover w2_weight of experts \[3\]"):
         await reload_in_place(llm, holed)
