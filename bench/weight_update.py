@@ -394,7 +394,7 @@ async def reload_speed(root: Path, gigabytes: float) -> None:
             reads.append(read_seconds(sorted(path.glob("*.safetensors"))))
             loads.append(safetensors_seconds(sorted(path.glob("*.safetensors"))))
             t0 = time.perf_counter()
-            await reload_in_place(llm, path)
+            how = await reload_in_place(llm, path)
             reloads.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             await nonfinite_parameters(llm)
@@ -414,9 +414,14 @@ async def reload_speed(root: Path, gigabytes: float) -> None:
             f"goal >= {RELOAD_READ_GOAL})"
         )
         print(
-            f"  of which reading the tensors as vLLM's loader does (safetensors, mmap, each "
-            f"tensor copied out): {size / min(loads) / 1e9:.2f} GB/s ({min(loads):.2f} s); "
-            f"the rest is vLLM's layerwise reload (copies, the MoE kernels' prepack)"
+            f"  reload path: {how['path']} ({how['moe_layers']} MoE layers prepared"
+            f"{'; ' + how['why'] if how['why'] else ''})"
+        )
+        print(
+            f"  reading the tensors as vLLM's loader does (safetensors, mmap, each tensor "
+            f"copied out): {size / min(loads) / 1e9:.2f} GB/s ({min(loads):.2f} s); the rest "
+            f"of a reload is the loaders' copies, the MoE kernels' prepack and, for the layers "
+            f"other than the experts, vLLM's layerwise reload"
         )
         print(
             f"  check after each reload: parameters finite {min(checks):.2f} s, probe "

@@ -9,7 +9,7 @@ from worker.engines.vllm_extension import InPlaceReload
 
 
 class PlainReload(InPlaceReload):
-    def vkw_reload_checkpoint(self, weights_path: str) -> int:
+    def vkw_reload_checkpoint(self, weights_path: str, direct: bool = True) -> dict[str, Any]:
         reload: Any = getattr(self, "reload_weights")  # noqa: B009 - vLLM's worker method
         reload(weights_path=weights_path)
-        return 0
+        return {"path": "plain", "moe_layers": 0, "why": "vLLM's reload_weights alone"}

@@ -117,7 +117,7 @@ class FakeLlm:
             if Path(path).name in self.host.unloadable:
                 raise RuntimeError(f"Worker failed with error 'no parameter in {path}'")
             self.host.serving = Path(path).name
-            return [0]
+            return [{"path": "direct", "moe_layers": 2, "why": ""}]
         assert method == "vkw_nonfinite_parameters"
         return [["model.norm.weight"] if self.host.serving in self.host.nan else []]
 

