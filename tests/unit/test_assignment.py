@@ -16,6 +16,7 @@ from tests.fakes import FakeConsumer
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
+from worker.delivery.offset_map import encode_offset_map
 from worker.dev.harness.waiting import wait_for
 
 TP, OTHER = TopicPartition("jobs", 0), TopicPartition("jobs", 1)
@@ -50,8 +51,10 @@ async def test_a_position_past_the_end_of_the_log_leaves_the_consumers_reset_alo
 async def test_new_partitions_are_held_while_the_members_own_hand_over_lands_first():
     consumer = FakeConsumer()
     committer = _committer(consumer, {})
-    # This member's hand-over of OTHER was refused during the rebalance; it lands on rejoining.
-    committer._inheritance.refused({OTHER: (3, "")}, {OTHER: None})
+    # This member's hand-over of OTHER was refused during the rebalance; its last landed map
+    # names a job running, so the next owner waits for it, and it lands on rejoining.
+    running = (2, encode_offset_map(2, [], running=[2]))
+    committer._inheritance.refused({OTHER: (3, "")}, {OTHER: running})
     consumer.commit_gate = asyncio.Event()
     assigning = asyncio.create_task(committer.assigned({TP}))
     await wait_for(lambda: consumer.commits_started == 1, what="the hand-over sent")

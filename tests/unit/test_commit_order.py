@@ -60,20 +60,21 @@ async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_befo
     for offset in (0, 1, 2):
         partition.start(offset)
     partition.finish(0)
+    await committer.commit_now()  # lands, naming 1 and 2 as running
     partition.finish(2)  # offset 1 is still running
     consumer.commit_gate = asyncio.Event()  # the coordinator is away
 
     await committer.revoked({TP})
-    assert consumer.commits == []
+    assert consumer.commits == [{TP: 1}]
     assert not committer.tracker.holds(TP)
 
     stopping = asyncio.create_task(
         committer.hand_over_until(asyncio.get_running_loop().time() + 30)
     )
-    await wait_for(lambda: consumer.commits_started >= 3, what="the hand-over tried again")
+    await wait_for(lambda: consumer.commits_started >= 4, what="the hand-over tried again")
     consumer.commit_gate.set()  # the coordinator is back within the grace
     assert await stopping
-    assert consumer.commits == [{TP: 1}]
+    assert consumer.commits == [{TP: 1}, {TP: 1}]
     handed_over = decode_offset_map(1, consumer.metadata[-1][TP])
     assert handed_over.clean
     assert handed_over.answered == {2}

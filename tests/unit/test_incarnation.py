@@ -175,24 +175,66 @@ async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_re
 
     committer = Committer(consumer, _settings(), Metrics(), read_committed)
     await committer.assigned({TP, TP1})
+    consumer.refuse = False
     for tp in (TP, TP1):
         partition = committer.partition(tp)
         for offset in range(3):
             partition.start(offset)
         partition.finish(0)
-        partition.finish(2)
+    await committer.commit_now({TP, TP1})  # lands: 1 and 2 running, what a next owner waits on
+    consumer.refuse = True
+    for tp in (TP, TP1):
+        committer.partition(tp).finish(2)
     await committer.commit_now({TP, TP1}, clean=True)
     committer.forget({TP, TP1})
-    assert consumer.commits == []
+    assert consumer.commits == [{TP: 1, TP1: 1}]
 
     consumer.refuse = False
     await committer.assigned({TP})
-    assert consumer.commits == [{TP: 1, TP1: 1}]
-    landed = decode_offset_map(1, consumer.metadata[0][TP1])
+    assert consumer.commits[1:] == [{TP: 1, TP1: 1}]
+    landed = decode_offset_map(1, consumer.metadata[1][TP1])
     assert landed.clean and landed.answered == {2}
     # Read once to check nobody committed there since, landed, and only then were the maps
     # of the new assignment read back.
-    assert read == [0, 0, 1]
+    assert read == [0, 1, 2]
+
+
+async def test_a_refused_hand_over_is_not_landed_later_over_a_map_the_next_owner_does_not_wait_for():
+    """Found by the fleet simulation (`bench/sim.py --seed 12606 --workers 3`): a stopping
+    worker's last landed commit was a clean hand-over; its revoke's hand-over then did not land,
+    and made again after rejoining it landed after the new owner had read the clean map (which
+    it does not wait past): that owner's first commit moved the position back. Over a clean map,
+    or one naming nothing running, or none, the answers since run again instead."""
+
+    class Refusing(FakeConsumer):
+        refuse = False
+
+        async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
+            if self.refuse:
+                raise CommitFailedError("IllegalGenerationError")
+            await super().commit(offsets)
+
+    consumer = Refusing()
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {}
+
+    committer = Committer(consumer, _settings(), Metrics(), read_committed)
+    await committer.assigned({TP, TP1})
+    for offset in range(3):
+        committer.partition(TP).start(offset)
+    committer.partition(TP).finish(0)
+    await committer.commit_now({TP}, clean=True)  # a clean hand-over (a stop began) lands
+    committer.partition(TP1).start(0)
+    committer.partition(TP1).finish(0)  # TP1: nothing of this member's landed yet
+    consumer.refuse = True
+    committer.partition(TP).finish(2)
+    await committer.commit_now({TP, TP1}, clean=True)
+    committer.forget({TP, TP1})
+
+    consumer.refuse = False
+    await committer.assigned(set())
+    assert len(consumer.commits) == 1
 
 
 async def test_a_new_owner_waits_briefly_for_the_hand_over_of_a_live_member() -> None:

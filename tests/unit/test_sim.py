@@ -283,6 +283,11 @@ FOUND_DEFECTS = {
     "a revoke's hand-over landed while more jobs were answered; made again with them after "
     "rejoining, it landed after the new owner had read the clean hand-over, whose own commit "
     "then moved the position back": Scenario(seed=10166, partitions=24, jobs_per_s=12),
+    "a stopping worker's revoke hand-over did not land over its own clean hand-over; made "
+    "again after rejoining, it landed after the new owner had read the clean map, and that "
+    "owner's first commit moved the position back": Scenario(
+        seed=12606, partitions=24, jobs_per_s=12
+    ),
     "a worker held every partition through a coordinator outage and kept answering with no "
     "commit landing until it was killed: its next owners ran all of it again": Scenario(
         seed=2326, partitions=24, jobs_per_s=12

@@ -75,10 +75,18 @@ class Inheritance:
     def refused(
         self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
     ) -> None:
-        """The group refused this hand-over during a rebalance: land it on rejoining, unless
-        someone committed there since `before` (this member's last commit landed there)."""
-        self._unlanded.update(offsets)
-        self._before.update({tp: before.get(tp) for tp in offsets})
+        """The group refused this hand-over, or did not answer it in time: land it later
+        (`land_hand_overs`), unless someone committed there since `before` (this member's last
+        commit landed there).
+
+        Kept only where the next owner waits for it: where `before` names jobs as running and
+        is not a clean hand-over (`_await_hand_overs`). Over any other map the next owner
+        fetches at once, and a hand-over landing after it read would have that owner's first
+        commit move the position back; what was answered since `before` runs again instead."""
+        for tp, commit in offsets.items():
+            mine = before.get(tp)
+            if mine is not None and _waited_for(mine):
+                self._unlanded[tp], self._before[tp] = commit, mine
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.reading -= partitions
@@ -331,6 +339,17 @@ class Inheritance:
             logger.warning("cannot read the partitions' end offsets (%r)", exc)
             return {}
         return ends
+
+
+def _waited_for(commit: Commit) -> bool:
+    """Whether a next owner that reads `commit` waits for its writer's hand-over: a map naming
+    jobs as running that is not a clean hand-over (`Inheritance._await_hand_overs`)."""
+    position, metadata = commit
+    try:
+        written = decode_offset_map(position, metadata)
+    except Exception:  # noqa: BLE001 - what cannot be read is not waited for
+        return False
+    return not written.clean and bool(written.running - written.answered)
 
 
 class _AliveWriters:
