@@ -154,18 +154,21 @@ async def test_every_commit_names_the_incarnation_of_its_process() -> None:
     assert decode_offset_map(0, planned[TP].commit[1]).writer == own
 
 
+class Refusing(FakeConsumer):
+    """A member whose commits the group refuses while `refuse` (its generation moved on)."""
+
+    refuse = False
+
+    async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
+        if self.refuse:
+            raise CommitFailedError("IllegalGenerationError")
+        await super().commit(offsets)
+
+
 async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_rejoins() -> None:
     # noida-db refuses the old generation's commits from the moment another member asks to
     # join, before this member hears of the rebalance; the new generation's commit lands for
     # any partition (bench/rebalance_probe.py).
-    class Refusing(FakeConsumer):
-        refuse = True
-
-        async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
-            if self.refuse:
-                raise CommitFailedError("IllegalGenerationError")
-            await super().commit(offsets)
-
     consumer = Refusing()
     read: list[int] = []
 
@@ -205,14 +208,6 @@ async def test_a_refused_hand_over_is_not_landed_later_over_a_map_the_next_owner
     and made again after rejoining it landed after the new owner had read the clean map (which
     it does not wait past): that owner's first commit moved the position back. Over a clean map,
     or one naming nothing running, or none, the answers since run again instead."""
-
-    class Refusing(FakeConsumer):
-        refuse = False
-
-        async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
-            if self.refuse:
-                raise CommitFailedError("IllegalGenerationError")
-            await super().commit(offsets)
 
     consumer = Refusing()
 
