@@ -292,6 +292,10 @@ FOUND_DEFECTS = {
     "commit landing until it was killed: its next owners ran all of it again": Scenario(
         seed=2326, partitions=24, jobs_per_s=12
     ),
+    "the simulation's own fault schedule scaled in the last worker not already stopping: the "
+    "fleet went to nothing and every job after went unanswered": Scenario(
+        seed=15701, partitions=24, jobs_per_s=12
+    ),
     "a new owner looked the position up as it joined, the last owner's refused hand-over "
     "landed just after, and the new owner fetched from the old position: the records between "
     "ran again and its commit moved the position back": Scenario(

@@ -432,7 +432,7 @@ async def _faults(  # noqa: PLR0912 - one branch per fault kind
             case "scale_out":
                 _later(loop, 0.0, fleet.start, f"w{spare}")
                 spare += 1
-            case "scale_in" if victim is not None and len(alive) > 1:
+            case "scale_in" if victim is not None and _serving_beside(fleet, victim):
                 fleet.terminate(victim, 60.0)
             case "coordinator_outage":
                 cluster.coordinator_down = True
@@ -522,6 +522,14 @@ def _coordinator_back(fleet: Fleet) -> None:
 def _broker_back(fleet: Fleet) -> None:
     fleet.cluster.broker_down = False
     fleet.cluster.coordinator_back(fleet.clock.now)
+
+
+def _serving_beside(fleet: Fleet, victim: str) -> bool:
+    """Whether a worker that is not stopping would be left if `victim` were scaled in: a fleet
+    scaled in to nothing answers nothing, which is no worker's defect."""
+    return victim not in fleet.stopping and any(
+        w != victim and w not in fleet.stopping for w in fleet.alive()
+    )
 
 
 def _later(
