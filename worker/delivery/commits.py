@@ -174,8 +174,9 @@ class Committer:
         limit = self._uncommitted_answers_max
         if limit is None:
             return set()
+        held = self.tracker.items()
         waiting, oldest = 0, None
-        for _, partition in self.tracker.items():
+        for _, partition in held:
             count, since = partition.uncommitted_answers
             waiting += count
             if since is not None and (oldest is None or since < oldest):
@@ -196,7 +197,7 @@ class Committer:
                 )
             else:
                 logger.info("commits land again; fetching records")
-        return {tp for tp, _ in self.tracker.items()} if stalled else set()
+        return {tp for tp, _ in held} if stalled else set()
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -336,7 +337,7 @@ class Committer:
             self.forget(partitions)
 
     def _keep_unlanded(self, offsets: dict[TopicPartition, Commit]) -> None:
-        """A hand-over the coordinator did not answer in time: made again later
+        """A hand-over the group refused or did not answer in time: made again later
         (`Inheritance.land_hand_overs`), after rejoining or by a stopping worker, rather than
         dropped. The next owner, finding a live writer's map that names jobs as running, waits
         a little for it; once this worker stopped, it would count a death against each.
@@ -422,9 +423,7 @@ class Committer:
             # unless this was the hand-over, which is made again once this member rejoins.
             self._metrics.commits.labels("failed").inc()
             if clean and partitions is not None:
-                self._inheritance.refused(
-                    offsets, {tp: self.tracker.last_commit(tp) for tp in offsets}
-                )
+                self._keep_unlanded(offsets)
                 logger.info(
                     "hand-over commit of %s refused during the rebalance (%s); it is made "
                     "again after rejoining",

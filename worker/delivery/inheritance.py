@@ -216,8 +216,7 @@ class Inheritance:
         for tp, (_, previous) in maps.items():
             if (
                 previous is not None
-                and not previous.clean
-                and previous.running - previous.answered
+                and _awaits_hand_over(previous)
                 and previous.writer != self._incarnation
                 and await alive(previous.writer) is not False
             ):
@@ -349,6 +348,12 @@ def _waited_for(commit: Commit) -> bool:
         written = decode_offset_map(position, metadata)
     except Exception:  # noqa: BLE001 - what cannot be read is not waited for
         return False
+    return _awaits_hand_over(written)
+
+
+def _awaits_hand_over(written: OffsetMap) -> bool:
+    """A map naming jobs as running that is not a clean hand-over: its writer, when alive, is
+    expected to land a hand-over over it, and a next owner waits for one."""
     return not written.clean and bool(written.running - written.answered)
 
 
