@@ -161,6 +161,10 @@ class MemoryProducer(BatchProducer):
         #: Deliveries still to expire unacknowledged, as aiokafka expires a batch whose
         #: acknowledgement does not come within request_timeout_ms (KafkaTimeoutError).
         self.expire_next = 0
+        #: Deliveries still to leave unanswered (a broker or a leader away); they wait in
+        #: `held` for the test to settle them.
+        self.hold_next = 0
+        self.held: list[asyncio.Future[Any]] = []
 
     async def start(self) -> None:
         return
@@ -195,6 +199,10 @@ class MemoryProducer(BatchProducer):
         delivery: asyncio.Future[Any],
         records: list[tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]]]],
     ) -> None:
+        if self.hold_next:
+            self.hold_next -= 1
+            self.held.append(delivery)
+            return
         if self.expire_next:
             self.expire_next -= 1
             delivery.set_exception(KafkaTimeoutError())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 
 from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import MemoryProducer, ScriptedEngine
@@ -113,4 +114,31 @@ async def test_a_batch_that_expires_unacknowledged_is_sent_again_not_fatal():
     await wait_for(lambda: h.offsets.commit_position() == 1, 10, "the answer acknowledged")
     assert h.fatal == []
     assert [key for _, key, _, _ in h.producer.sent] == [b"j0"]
+    await h.delivery.close()
+
+
+async def test_an_answer_handed_over_unacknowledged_is_not_sent_again_when_its_delivery_fails():
+    # A revoke's grace ended with the answer's acknowledgement still out (a results partition
+    # without a leader): the hand-over lists the job as running and the next owner runs it.
+    # Found by the fleet simulation (`bench/sim.py --seed 13583 --workers 3`, also 14416):
+    # the batch expired seconds later, was sent again alone and answered the job twice.
+    h = Harness(broker_limit=None)
+    kept = TopicPartition("jobs", 1)
+    h.producer.hold_next = 1
+    await h.post(0, job("handed-over"))
+    kept_offsets = PartitionOffsets()
+    kept_offsets.start(0)
+    value = encode(job("kept"))
+    record = ConsumerRecord("jobs", 1, 0, 0, 0, b"k", value, None, 1, len(value), ())
+    h.delivery.queue(Ticket(kept, kept_offsets, 0, await h.answers.answer(kept, record)))
+    h.delivery.start()  # both answers in one batch
+    await wait_for(lambda: len(h.producer.held) == 1, 5, "the batch sent")
+    await h.delivery.settle({TP}, asyncio.get_running_loop().time() + 0.05)
+    for delivery in h.producer.held:
+        delivery.set_exception(KafkaTimeoutError())
+    # The partition still held is sent again; the one handed over is left to its next owner.
+    await wait_for(lambda: kept_offsets.commit_position() == 1, 5, "the kept answer re-sent")
+    assert [key for _, key, _, _ in h.producer.sent] == [b"kept"]
+    assert h.offsets.commit_position() == 0
+    assert h.delivery.pending == 0 and h.fatal == []
     await h.delivery.close()

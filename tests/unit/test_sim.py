@@ -24,7 +24,9 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import TopicPartition
 
-from worker.dev.sim.checker import Kind
+from schemas import ErrorCode, ErrorInfo, Failed, encode
+from worker.delivery.offset_map import encode_offset_map
+from worker.dev.sim.checker import Bounds, Kind, Ledger, check
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.history import History
@@ -171,6 +173,57 @@ def _short(seed: int, **fields: Any) -> Scenario:
     return Scenario(seed=seed, duration_s=20.0, settle_s=30.0, **fields)
 
 
+@pytest.mark.parametrize(("answered_at", "excused"), [(12.0, True), (8.0, False)])
+def test_a_job_a_hand_over_names_running_may_be_answered_twice_only_if_sent_in_the_rebalance(
+    answered_at: float, excused: bool
+) -> None:
+    """The old owner's answer, sent after the rebalance began, was unacknowledged when the
+    revoke's grace ended: the hand-over names its job running, the next owner runs it, and the
+    old delivery lands after all (seed 14619). An answer sent before the rebalance began was
+    acknowledged before the revoke: naming its job running is the worker's defect."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    cluster.create_topic("results", 1)
+    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
+    cluster.produce(
+        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
+    )
+    now[0] = 10.0
+    history.add("rebalance", group="g", generation=1, why="w1 joins")
+    answer = encode(Failed(job_id="j0", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late")))
+    results = TopicPartition("results", 0)
+    cluster.produce(
+        "w0", results, [(b"j0", answer, [])], producer_id=None, now_ms=int(answered_at * 1000)
+    )
+    now[0] = 13.0
+    handed_over = encode_offset_map(0, (), running=(0,), clean=True)
+    history.add(
+        "commit",
+        client="w0",
+        tp="jobs-0",
+        offset=0,
+        previous=None,
+        metadata=handed_over,
+        metadata_bytes=len(handed_over),
+    )
+    cluster.produce("w1", results, [(b"j0", answer, [])], producer_id=None, now_ms=14_000)
+    bounds = Bounds(
+        faults_end=20.0,
+        end=30.0,
+        progress_bound_s=60.0,
+        max_in_flight=16,
+        offset_map_max_bytes=2048,
+        answer_topics=("results",),
+        dead_letter_topic="dlq",
+        jobs_topic="jobs",
+        status_topic="status",
+    )
+    duplicates = [v for v in check(history, cluster, ledger, bounds) if v.invariant == "duplicates"]
+    assert bool(duplicates) is not excused
+
+
 def test_one_seed_replays_exactly() -> None:
     first = run(_short(4))
     second = run(_short(4))
@@ -296,6 +349,12 @@ FOUND_DEFECTS = {
     "fleet went to nothing and every job after went unanswered": Scenario(
         seed=15701, partitions=24, jobs_per_s=12
     ),
+    "a revoke's grace ended with an answer unacknowledged (a results partition without a "
+    "leader); the hand-over named its job running, and when the batch expired the old owner "
+    "sent it again: the job was answered twice": Scenario(seed=13583, partitions=24, jobs_per_s=12),
+    "the checker's own gap: a broker outage held an answer past the revoke's grace, the "
+    "hand-over named its job running, and the old delivery landed after all; in flight at a "
+    "hand-over, not a defect": Scenario(seed=14619, partitions=24, jobs_per_s=12),
     "a new owner looked the position up as it joined, the last owner's refused hand-over "
     "landed just after, and the new owner fetched from the old position: the records between "
     "ran again and its commit moved the position back": Scenario(

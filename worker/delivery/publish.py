@@ -46,7 +46,7 @@ _MAX_BACKOFF_S: Final = 5.0
 class Ticket:
     """One answer being delivered, and the offset it answers once every record is acknowledged."""
 
-    __slots__ = ("answer", "left", "offset", "partition", "started", "tp")
+    __slots__ = ("answer", "handed_over", "left", "offset", "partition", "started", "tp")
 
     def __init__(
         self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: Answer
@@ -57,6 +57,9 @@ class Ticket:
         self.answer = answer
         self.started = time.perf_counter()
         self.left = len(answer.records)
+        #: Its partition was handed over with this answer unacknowledged: the next owner runs
+        #: the job again, so a failed delivery is not sent again.
+        self.handed_over = False
 
 
 # One record of one answer: what a delivery acknowledges.
@@ -182,6 +185,13 @@ class Delivery:
         if resends and remaining > 0:
             await asyncio.wait(resends, timeout=remaining)
         await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
+        # Still unacknowledged: the hand-over lists them as running and the next owner runs
+        # them again. Such a delivery may yet land (a duplicate nobody can prevent), but when
+        # it fails, sending it again would only answer the job twice.
+        for _, members in self._deliveries.values():
+            for ticket, _ in members:
+                if ours(ticket.tp):
+                    ticket.handed_over = True
         pending = [t for t, ticket in self._resends.items() if ours(ticket.tp) and not t.done()]
         for task in pending:
             task.cancel()
@@ -220,6 +230,15 @@ class Delivery:
             return
         if not self._resending:
             return
+        if handed_over := sum(1 for ticket, _ in members if ticket.handed_over):
+            logger.info(
+                "delivery of %d records failed after their partitions were handed over; "
+                "their next owners answer them",
+                handed_over,
+            )
+            members = [member for member in members if not member[0].handed_over]
+            if not members:
+                return
         logger.warning(
             "delivery of %d records failed (%r); sending each again on its own", len(members), error
         )
