@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from schemas import CommandAck, Completed, Failed, SchemaError, decode_result, decode_status
-from worker.delivery.offset_map import decode_offset_map
+from worker.delivery.offset_map import OffsetMap, OffsetMapError, decode_offset_map
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.fleet import KILLS_ENGINE
-from worker.dev.sim.history import History
+from worker.dev.sim.history import Event, History
 
 __all__ = ["Bounds", "Kind", "Ledger", "Violation", "check"]
 
@@ -281,6 +282,20 @@ def _map_cap(history: History) -> int:
     return int(scenario.fields["offset_map_max_bytes"]) if scenario is not None else 1 << 30
 
 
+def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, str, OffsetMap]]:
+    """Each commit of a jobs partition with the offset map it carries (those that carry one
+    this checker reads: another's metadata says nothing it could judge)."""
+    for event in history.of("commit"):
+        metadata = event.fields.get("metadata") or ""
+        tp = event.fields["tp"]
+        if not metadata or not tp.startswith(f"{bounds.jobs_topic}-"):
+            continue
+        try:
+            yield event, tp, decode_offset_map(event.fields["offset"], metadata)
+        except OffsetMapError:
+            continue
+
+
 def _handed_over_in_flight(
     history: History, ledger: Ledger, bounds: Bounds, first_answered: dict[str, float]
 ) -> set[str]:
@@ -290,15 +305,7 @@ def _handed_over_in_flight(
     count as a disruption), so naming its job running would be the worker's defect."""
     rebalances = [event.at for event in history.of("rebalance")]
     jobs: set[str] = set()
-    for event in history.of("commit"):
-        metadata = event.fields.get("metadata") or ""
-        tp = event.fields["tp"]
-        if not metadata or not tp.startswith(f"{bounds.jobs_topic}-"):
-            continue
-        try:
-            offset_map = decode_offset_map(event.fields["offset"], metadata)
-        except Exception:  # noqa: BLE001, S112 - not a map this checker reads: explains nothing
-            continue
+    for event, tp, offset_map in _committed_maps(history, bounds):
         if not offset_map.clean:
             continue
         began = max((at for at in rebalances if at <= event.at), default=0.0)
@@ -320,15 +327,7 @@ def _blame(
     kills = [e.at for e in history.of("kill")]
     jobs = cluster.topics[bounds.jobs_topic]
     worst: dict[tuple[str, int], tuple[int, float]] = {}
-    for event in history.of("commit"):
-        metadata = event.fields.get("metadata") or ""
-        tp = event.fields["tp"]
-        if not metadata or not tp.startswith(f"{bounds.jobs_topic}-"):
-            continue
-        try:
-            offset_map = decode_offset_map(event.fields["offset"], metadata)
-        except Exception:  # noqa: BLE001, S112 - not a map this checker reads: nothing to judge
-            continue
+    for event, tp, offset_map in _committed_maps(history, bounds):
         for offset, deaths in offset_map.deaths.items():
             if deaths > worst.get((tp, offset), (0, 0.0))[0]:
                 worst[(tp, offset)] = (deaths, event.at)
