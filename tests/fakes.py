@@ -165,6 +165,10 @@ class MemoryProducer(BatchProducer):
         #: `held` for the test to settle them.
         self.hold_next = 0
         self.held: list[asyncio.Future[Any]] = []
+        #: While clear, `send_batch` waits, as aiokafka's does while a batch for the partition
+        #: is still unsent (a broker away).
+        self.taking_batches = asyncio.Event()
+        self.taking_batches.set()
 
     async def start(self) -> None:
         return
@@ -179,6 +183,7 @@ class MemoryProducer(BatchProducer):
         return RecordingBatch(super().create_batch())
 
     async def send_batch(self, batch: Any, topic: str, *, partition: int) -> Any:
+        await self.taking_batches.wait()
         delivery = await super().send_batch(batch, topic, partition=partition)
         self._deliver(delivery, [(topic, *record) for record in batch.records])
         return delivery

@@ -120,8 +120,9 @@ async def test_a_batch_that_expires_unacknowledged_is_sent_again_not_fatal():
 async def test_an_answer_handed_over_unacknowledged_is_not_sent_again_when_its_delivery_fails():
     # A revoke's grace ended with the answer's acknowledgement still out (a results partition
     # without a leader): the hand-over lists the job as running and the next owner runs it.
-    # Found by the fleet simulation (`bench/sim.py --seed 13583 --workers 3`, also 14416):
-    # the batch expired seconds later, was sent again alone and answered the job twice.
+    # Found by the fleet simulation (`bench/sim.py --seed 14416 --workers 3`; 13583 too, before
+    # its producer waited for undrained batches): the batch expired seconds later, was sent
+    # again alone and answered the job twice.
     h = Harness(broker_limit=None)
     kept = TopicPartition("jobs", 1)
     h.producer.hold_next = 1
@@ -141,4 +142,25 @@ async def test_an_answer_handed_over_unacknowledged_is_not_sent_again_when_its_d
     assert [key for _, key, _, _ in h.producer.sent] == [b"kept"]
     assert h.offsets.commit_position() == 0
     assert h.delivery.pending == 0 and h.fatal == []
+    await h.delivery.close()
+
+
+async def test_a_revokes_answers_the_producer_was_not_handed_in_time_are_left_to_the_next_owner():
+    # The producer takes no batch (a broker away): the revoke's grace ends with an answer
+    # still in the outbox. The hand-over names its job running; handed to the producer later,
+    # it would answer the job a second time, beside the next owner's answer.
+    h = Harness(broker_limit=None)
+    h.producer.taking_batches.clear()
+    h.delivery.start()
+    await h.post(0, job("taken"))  # the outbox's task takes it, and waits on the producer
+    await asyncio.sleep(0)
+    await h.post(1, job("queued"))
+    assert h.delivery.pending == 2
+    await h.delivery.settle({TP}, asyncio.get_running_loop().time() + 0.05)
+    assert h.delivery.pending == 1  # the one not yet in a batch was taken back
+    h.producer.taking_batches.set()
+    await wait_for(lambda: h.producer.sent, 5, "the batch already taken sent")
+    await asyncio.sleep(0.05)
+    assert [key for _, key, _, _ in h.producer.sent] == [b"taken"]
+    assert h.offsets.commit_position() == 1  # offset 1 stays unanswered
     await h.delivery.close()

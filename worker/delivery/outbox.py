@@ -83,6 +83,15 @@ class Outbox(Generic[M]):
             self._idle.clear()
             self._wake.set()
 
+    def drop(self, whose: Callable[[M], bool]) -> int:
+        """Take back the queued records whose member `whose` picks, before they are handed to
+        the producer; how many. Records already taken into batches are not taken back."""
+        kept = [record for record in self._queued if not whose(record[4])]
+        dropped = len(self._queued) - len(kept)
+        self._queued = kept
+        self._pending -= dropped
+        return dropped
+
     async def flush(self) -> None:
         """Wait until everything queued so far has been submitted (not acknowledged)."""
         await self._idle.wait()

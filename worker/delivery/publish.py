@@ -163,7 +163,10 @@ class Delivery:
 
     async def settle(self, partitions: set[TopicPartition] | None, deadline: float) -> None:
         """Until `deadline` (monotonic), wait for the answers of `partitions` (all when None) to
-        be submitted and acknowledged; then cancel their re-sends still running."""
+        be submitted and acknowledged; then cancel their re-sends still running. For a revoke
+        (`partitions` given), what the producer was not handed yet is taken back, and what it
+        holds unacknowledged is not sent again if its delivery fails: the next owner answers
+        those jobs."""
 
         def ours(tp: TopicPartition) -> bool:
             return partitions is None or tp in partitions
@@ -172,6 +175,16 @@ class Delivery:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(remaining, 0)):
                 await self._outbox.flush()
+        # A revoke's answers still queued at the deadline (the producer is not taking batches:
+        # a broker away) are the next owner's to give; sent later, they would answer their
+        # jobs twice. (A stopping worker keeps its own: its final commit comes after a flush.)
+        if partitions is not None and (
+            dropped := self._outbox.drop(lambda member: ours(member[0].tp))
+        ):
+            logger.info(
+                "%d answers not handed to the producer in time are left to the next owner", dropped
+            )
+            self._on_free()
         waiting: list[asyncio.Future[Any]] = [
             d for d, (_, members) in self._deliveries.items() if any(ours(t.tp) for t, _ in members)
         ]
@@ -185,13 +198,14 @@ class Delivery:
         if resends and remaining > 0:
             await asyncio.wait(resends, timeout=remaining)
         await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
-        # Still unacknowledged: the hand-over lists them as running and the next owner runs
-        # them again. Such a delivery may yet land (a duplicate nobody can prevent), but when
-        # it fails, sending it again would only answer the job twice.
-        for _, members in self._deliveries.values():
-            for ticket, _ in members:
-                if ours(ticket.tp):
-                    ticket.handed_over = True
+        # A revoke's answers still unacknowledged: the hand-over lists them as running and the
+        # next owner runs them again. Such a delivery may yet land (a duplicate nobody can
+        # prevent), but when it fails, sending it again would only answer the job twice.
+        if partitions is not None:
+            for _, members in self._deliveries.values():
+                for ticket, _ in members:
+                    if ours(ticket.tp):
+                        ticket.handed_over = True
         pending = [t for t, ticket in self._resends.items() if ours(ticket.tp) and not t.done()]
         for task in pending:
             task.cancel()

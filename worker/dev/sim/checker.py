@@ -13,9 +13,10 @@ Invariants (each violation names one):
   than `progress_bound_s`;
 - `commit_backwards`: a committed position never moves backwards;
 - `duplicates`: jobs answered twice are bounded by what may have been in flight at each death
-  (`max_in_flight` per disruption); a job a clean hand-over names as running, its answer sent
-  after the rebalance began and unacknowledged when the revoke's grace ended, is the next
-  owner's to run, and may be answered twice when the old owner's delivery lands after all;
+  (`max_in_flight` per disruption); a job a clean hand-over names as running, its answer
+  handed to the producer before the hand-over and appended after the rebalance began, is the
+  next owner's to run, and may be answered twice when the old owner's delivery lands after
+  all (sent again after the hand-over, it may not);
 - `unasked_exit`: no worker exits except when told to stop, and then with status 0;
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
   `--offset-map-max-bytes`;
@@ -33,6 +34,7 @@ import enum
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from schemas import CommandAck, Completed, Failed, SchemaError, decode_result, decode_status
 from worker.delivery.offset_map import OffsetMap, OffsetMapError, decode_offset_map
@@ -106,36 +108,9 @@ _DISRUPTIONS = frozenset(
 )
 
 
-def check(  # noqa: PLR0912 - one pass per invariant
-    history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds
-) -> list[Violation]:
+def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) -> list[Violation]:
     violations: list[Violation] = []
-    answers: Counter[str] = Counter()
-    first_answered: dict[str, float] = {}
-    crash_looped: list[str] = []
-    for topic in bounds.answer_topics:
-        if topic not in cluster.topics:
-            continue
-        seen_attempts: set[tuple[str, str]] = set()
-        for log in cluster.topics[topic].logs:
-            for record in log:
-                try:
-                    result = decode_result(record.value or b"")
-                except SchemaError:
-                    continue
-                if result.job_id is None:
-                    continue
-                part = getattr(result, "part", None)
-                attempt = getattr(part, "attempt", None)
-                if isinstance(result, Completed) and isinstance(attempt, str):
-                    if (result.job_id, attempt) in seen_attempts:
-                        continue
-                    seen_attempts.add((result.job_id, attempt))
-                answers[result.job_id] += 1
-                at = record.timestamp_ms / 1000
-                first_answered[result.job_id] = min(first_answered.get(result.job_id, at), at)
-                if isinstance(result, Failed) and result.error.detail.startswith("not run again"):
-                    crash_looped.append(result.job_id)
+    answers, sent, crash_looped = _read_answers(cluster, bounds)
     kinds = {job_id: kind for (kind, job_id) in ledger.records.values()}
     for (_, _), (kind, job_id) in sorted(ledger.records.items()):
         if kind.must_answer and not answers[job_id]:
@@ -171,7 +146,7 @@ def check(  # noqa: PLR0912 - one pass per invariant
                         record.timestamp_ms / 1000,
                     )
                 )
-    handed_over = _handed_over_in_flight(history, ledger, bounds, first_answered)
+    handed_over = _handed_over_in_flight(history, ledger, bounds, sent)
     duplicates = sum(
         count - 1 for job_id, count in answers.items() if count > 1 and job_id not in handed_over
     )
@@ -282,6 +257,51 @@ def _map_cap(history: History) -> int:
     return int(scenario.fields["offset_map_max_bytes"]) if scenario is not None else 1 << 30
 
 
+class _Sent(NamedTuple):
+    """One answer record: who produced it, when it was handed to the producer, when appended."""
+
+    producer: str
+    submitted: float
+    appended: float
+
+
+def _read_answers(
+    cluster: Cluster, bounds: Bounds
+) -> tuple[Counter[str], dict[str, list[_Sent]], list[str]]:
+    """Answers per job (the parts of one split answer count once), each answer record of each
+    job, and the jobs answered as crash-looped."""
+    answers: Counter[str] = Counter()
+    sent: dict[str, list[_Sent]] = {}
+    crash_looped: list[str] = []
+    for topic in bounds.answer_topics:
+        if topic not in cluster.topics:
+            continue
+        seen_attempts: set[tuple[str, str]] = set()
+        for log in cluster.topics[topic].logs:
+            for record in log:
+                try:
+                    result = decode_result(record.value or b"")
+                except SchemaError:
+                    continue
+                if result.job_id is None:
+                    continue
+                part = getattr(result, "part", None)
+                attempt = getattr(part, "attempt", None)
+                if isinstance(result, Completed) and isinstance(attempt, str):
+                    if (result.job_id, attempt) in seen_attempts:
+                        continue
+                    seen_attempts.add((result.job_id, attempt))
+                answers[result.job_id] += 1
+                appended = record.timestamp_ms / 1000
+                submitted = appended if record.submitted_ms is None else record.submitted_ms / 1000
+                sent.setdefault(result.job_id, []).append(
+                    _Sent(record.producer, submitted, appended)
+                )
+                if isinstance(result, Failed) and result.error.detail.startswith("not run again"):
+                    crash_looped.append(result.job_id)
+    return answers, sent, crash_looped
+
+
 def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, str, OffsetMap]]:
     """Each commit of a jobs partition with the offset map it carries (those that carry one
     this checker reads: another's metadata says nothing it could judge)."""
@@ -297,21 +317,30 @@ def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, s
 
 
 def _handed_over_in_flight(
-    history: History, ledger: Ledger, bounds: Bounds, first_answered: dict[str, float]
+    history: History,
+    ledger: Ledger,
+    bounds: Bounds,
+    sent: dict[str, list[_Sent]],
 ) -> set[str]:
-    """The jobs some clean hand-over named as running while their answer was in flight: first
-    appended after the rebalance began. An answer appended before was acknowledged before the
-    revoke (the simulated broker acknowledges one hop after the append; lost acknowledgements
-    count as a disruption), so naming its job running would be the worker's defect."""
+    """The jobs a clean hand-over named as running while their answer was in flight: handed
+    to the writer's producer before the hand-over, and appended after the rebalance began.
+    An answer appended before was acknowledged before the revoke (the simulated broker
+    acknowledges one hop after the append; lost acknowledgements count as a disruption), and
+    one handed to the producer after the hand-over (sent again, or left queued) was the next
+    owner's to give: either answered twice is the worker's defect."""
     rebalances = [event.at for event in history.of("rebalance")]
     jobs: set[str] = set()
     for event, tp, offset_map in _committed_maps(history, bounds):
         if not offset_map.clean:
             continue
         began = max((at for at in rebalances if at <= event.at), default=0.0)
+        writer = event.fields["client"]
         for offset in offset_map.running:
             entry = ledger.records.get((tp, offset))
-            if entry is not None and first_answered.get(entry[1], began) >= began:
+            if entry is not None and any(
+                producer == writer and submitted <= event.at and appended >= began
+                for producer, submitted, appended in sent.get(entry[1], ())
+            ):
                 jobs.add(entry[1])
     return jobs
 

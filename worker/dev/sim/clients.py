@@ -582,6 +582,10 @@ class SimProducer:
         self._request_timeout_s = request_timeout_ms / 1000
         self._producer_id: int | None = None
         self._locks: dict[TopicPartition, asyncio.Lock] = {}
+        # Batches waiting for their partition's batch in flight, and the event set whenever a
+        # partition has none waiting.
+        self._undrained: dict[TopicPartition, int] = {}
+        self._drained: dict[TopicPartition, asyncio.Event] = {}
         self._pending: set[asyncio.Task[None]] = set()
         self._round_robin = 0
         self.client = _ProducerClient(self)
@@ -605,7 +609,20 @@ class SimProducer:
         return SimBatch(self._max_batch_size)
 
     async def send_batch(self, batch: SimBatch, topic: str, *, partition: int) -> Any:
-        return self._submit(TopicPartition(topic, partition), list(batch.records))
+        tp = TopicPartition(topic, partition)
+        # aiokafka's `MessageAccumulator.add_batch`: while a batch of the partition still waits
+        # to be sent (one is in flight, a broker is away), the next waits for it to drain, for
+        # at most request_timeout_ms, then fails with KafkaTimeoutError.
+        if self._undrained.get(tp):
+            drained = self._drained.setdefault(tp, asyncio.Event())
+            try:
+                async with asyncio.timeout(self._request_timeout_s):
+                    while self._undrained.get(tp):
+                        drained.clear()
+                        await drained.wait()
+            except TimeoutError:
+                raise KafkaTimeoutError() from None
+        return self._submit(tp, list(batch.records))
 
     async def send(
         self,
@@ -635,7 +652,9 @@ class SimProducer:
         self, tp: TopicPartition, records: list[tuple[bytes | None, bytes | None, Headers]]
     ) -> asyncio.Future[Any]:
         delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._deliver(tp, records, delivery))
+        submitted_ms = int(self.process.now() * 1000)
+        self._undrained[tp] = self._undrained.get(tp, 0) + 1
+        task = asyncio.create_task(self._deliver(tp, records, delivery, submitted_ms))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return delivery
@@ -645,11 +664,15 @@ class SimProducer:
         tp: TopicPartition,
         records: list[tuple[bytes | None, bytes | None, Headers]],
         delivery: asyncio.Future[Any],
+        submitted_ms: int,
     ) -> None:
         process, cluster = self.process, self.process.cluster
         lock = self._locks.setdefault(tp, asyncio.Lock())
         # With idempotence, one batch per partition in flight: they land in order.
         async with lock:
+            self._undrained[tp] -= 1
+            if not self._undrained[tp] and (drained := self._drained.get(tp)) is not None:
+                drained.set()
             deadline = process.now() + self._request_timeout_s
             while True:
                 await process.hop()
@@ -662,6 +685,7 @@ class SimProducer:
                         records,
                         producer_id=self._producer_id,
                         now_ms=int(process.now() * 1000),
+                        submitted_ms=submitted_ms,
                     )
                 except KafkaError as exc:
                     if exc.retriable and process.now() < deadline:

@@ -84,6 +84,9 @@ class StoredRecord:
     headers: list[tuple[str, bytes]]
     #: Who appended it (a client id), for the trace.
     producer: str
+    #: When its producer was handed it (the append comes later when the broker is slow or
+    #: away); None for records written straight into the cluster.
+    submitted_ms: int | None = None
 
 
 @dataclass
@@ -217,8 +220,10 @@ class Cluster:
         *,
         producer_id: int | None,
         now_ms: int,
+        submitted_ms: int | None = None,
     ) -> int:
-        """Append one batch; its base offset. Raises as the partition leader would."""
+        """Append one batch; its base offset. Raises as the partition leader would.
+        `submitted_ms`: when the producer was handed the batch."""
         topic = self.topic(tp.topic)
         if topic.writers is not None and client_id not in topic.writers:
             raise TopicAuthorizationFailedError(tp.topic)
@@ -243,7 +248,7 @@ class Cluster:
         log = topic.logs[tp.partition]
         base = len(log)
         for key, value, headers in records:
-            log.append(StoredRecord(len(log), now_ms, key, value, headers, client_id))
+            log.append(StoredRecord(len(log), now_ms, key, value, headers, client_id, submitted_ms))
         self.history.add("append", client=client_id, tp=_tp(tp), base=base, count=len(records))
         for wake in list(self._wakers):
             wake(tp)
