@@ -220,19 +220,55 @@ def test_a_job_a_hand_over_names_running_may_be_answered_twice_only_if_in_flight
         metadata_bytes=len(handed_over),
     )
     cluster.produce("w1", results, [(b"j0", answer, [])], producer_id=None, now_ms=14_000)
-    bounds = Bounds(
-        faults_end=20.0,
-        end=30.0,
-        progress_bound_s=60.0,
-        max_in_flight=16,
-        offset_map_max_bytes=2048,
-        answer_topics=("results",),
-        dead_letter_topic="dlq",
-        jobs_topic="jobs",
-        status_topic="status",
-    )
-    duplicates = [v for v in check(history, cluster, ledger, bounds) if v.invariant == "duplicates"]
+    duplicates = [v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "duplicates"]
     assert bool(duplicates) is not excused
+
+
+#: What the checker's tests judge by: results on "results", jobs on "jobs".
+BOUNDS = Bounds(
+    faults_end=20.0,
+    end=30.0,
+    progress_bound_s=60.0,
+    max_in_flight=16,
+    offset_map_max_bytes=2048,
+    answer_topics=("results",),
+    dead_letter_topic="dlq",
+    jobs_topic="jobs",
+    status_topic="status",
+)
+
+
+def test_invalid_records_that_name_one_job_id_are_not_duplicates_of_each_other() -> None:
+    """Hostile records may all carry `{"job_id": "x"}`: each is answered once, as invalid,
+    under the id it names. Those answers are not one job answered twice (seeds 41050, 41241,
+    41249, 41264, 41358 of `--hostile invalid,crash,long,reply_small,reply_locked` reported
+    them so); a job the trainer issued and answered twice still is."""
+    history = History(lambda: 0.0)
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    cluster.create_topic("results", 1)
+    jobs, results = TopicPartition("jobs", 0), TopicPartition("results", 0)
+    ledger = Ledger()
+    for offset, job_id in enumerate(["j0", "j1", "j2"]):
+        cluster.produce(
+            "trainer", jobs, [(None, b'{"job_id": "x"}', [])], producer_id=None, now_ms=0
+        )
+        ledger.records[("jobs-0", offset)] = (
+            Kind.INVALID if job_id != "j2" else Kind.VALID,
+            job_id,
+        )
+
+    def answer(job_id: str) -> None:
+        failed = Failed(job_id=job_id, error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="bad"))
+        cluster.produce("w0", results, [(None, encode(failed), [])], producer_id=None, now_ms=0)
+
+    answer("x")
+    answer("x")
+    answer("j2")
+    assert [v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "duplicates"] == []
+    answer("j2")
+    (twice,) = [v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "duplicates"]
+    assert twice.detail.startswith("1 duplicate answers")
 
 
 def test_one_seed_replays_exactly() -> None:

@@ -147,8 +147,11 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                     )
                 )
     handed_over = _handed_over_in_flight(history, ledger, bounds, sent)
+    # Only the trainer's own job ids: hostile records may all name the same one ("x").
     duplicates = sum(
-        count - 1 for job_id, count in answers.items() if count > 1 and job_id not in handed_over
+        count - 1
+        for job_id, count in answers.items()
+        if count > 1 and job_id in kinds and job_id not in handed_over
     )
     disruptions = sum(1 for e in history.events if e.kind in _DISRUPTIONS)
     allowed = disruptions * bounds.max_in_flight
