@@ -244,13 +244,14 @@ class Delivery:
             return
         if not self._resending:
             return
-        if handed_over := sum(1 for ticket, _ in members if ticket.handed_over):
+        ours = [member for member in members if not member[0].handed_over]
+        if len(ours) < len(members):
             logger.info(
                 "delivery of %d records failed after their partitions were handed over; "
                 "their next owners answer them",
-                handed_over,
+                len(members) - len(ours),
             )
-            members = [member for member in members if not member[0].handed_over]
+            members = ours
             if not members:
                 return
         logger.warning(

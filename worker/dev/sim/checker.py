@@ -30,6 +30,7 @@ Invariants (each violation names one):
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections import Counter
 from collections.abc import Iterator
@@ -146,7 +147,8 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                         record.timestamp_ms / 1000,
                     )
                 )
-    handed_over = _handed_over_in_flight(history, ledger, bounds, sent)
+    maps = list(_committed_maps(history, bounds))
+    handed_over = _handed_over_in_flight(history, ledger, maps, sent)
     # Only the trainer's own job ids: hostile records may all name the same one ("x").
     duplicates = sum(
         count - 1
@@ -164,7 +166,7 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
             )
         )
     violations += _commits_and_exits(history)
-    violations += _blame(history, cluster, ledger, bounds)
+    violations += _blame(history, cluster, ledger, bounds, maps)
     applied = _latest_applied(cluster, bounds.status_topic)
     for event in history.of("serving"):
         if applied is not None and event.fields["weight_version"] != applied:
@@ -322,7 +324,7 @@ def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, s
 def _handed_over_in_flight(
     history: History,
     ledger: Ledger,
-    bounds: Bounds,
+    maps: list[tuple[Event, str, OffsetMap]],
     sent: dict[str, list[_Sent]],
 ) -> set[str]:
     """The jobs a clean hand-over named as running while their answer was in flight: handed
@@ -331,12 +333,13 @@ def _handed_over_in_flight(
     acknowledges one hop after the append; lost acknowledgements count as a disruption), and
     one handed to the producer after the hand-over (sent again, or left queued) was the next
     owner's to give: either answered twice is the worker's defect."""
-    rebalances = [event.at for event in history.of("rebalance")]
+    rebalances = [event.at for event in history.of("rebalance")]  # in time order
     jobs: set[str] = set()
-    for event, tp, offset_map in _committed_maps(history, bounds):
+    for event, tp, offset_map in maps:
         if not offset_map.clean:
             continue
-        began = max((at for at in rebalances if at <= event.at), default=0.0)
+        latest = bisect.bisect_right(rebalances, event.at)
+        began = rebalances[latest - 1] if latest else 0.0
         writer = event.fields["client"]
         for offset in offset_map.running:
             entry = ledger.records.get((tp, offset))
@@ -353,13 +356,14 @@ def _blame(
     cluster: Cluster,
     ledger: Ledger,
     bounds: Bounds,
+    maps: list[tuple[Event, str, OffsetMap]],
 ) -> list[Violation]:
     """`wrongly_blamed`: death counts in the committed offset maps against the kills that
     happened while each record was unanswered."""
     kills = [e.at for e in history.of("kill")]
     jobs = cluster.topics[bounds.jobs_topic]
     worst: dict[tuple[str, int], tuple[int, float]] = {}
-    for event, tp, offset_map in _committed_maps(history, bounds):
+    for event, tp, offset_map in maps:
         for offset, deaths in offset_map.deaths.items():
             if deaths > worst.get((tp, offset), (0, 0.0))[0]:
                 worst[(tp, offset)] = (deaths, event.at)
