@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 import pytest
 from aiokafka.errors import (
     IllegalGenerationError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OffsetMetadataTooLargeError,
     OutOfOrderSequenceNumber,
@@ -27,6 +29,7 @@ from aiokafka.structs import TopicPartition
 from schemas import ErrorCode, ErrorInfo, Failed, encode
 from worker.delivery.offset_map import encode_offset_map
 from worker.dev.sim.checker import Bounds, Kind, Ledger, check
+from worker.dev.sim.clients import Process, SimBatch, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.history import History
@@ -167,6 +170,41 @@ def test_a_refused_batch_breaks_the_idempotent_sequence_and_acls_refuse() -> Non
         cluster.produce(
             "w", TopicPartition("locked", 0), [(None, b"x", [])], producer_id=None, now_ms=0
         )
+
+
+def test_a_batch_waits_while_its_partitions_previous_batch_is_undrained() -> None:
+    """aiokafka's rule (`aiokafka/producer/message_accumulator.py`,
+    `MessageAccumulator.add_batch`): while a batch of the partition waits to be sent, the next
+    `send_batch` waits for it to drain, at most `request_timeout_ms`, then fails with
+    KafkaTimeoutError. With the broker away, one batch retries in flight, the next waits
+    undrained, and the third waits in `send_batch` itself."""
+
+    async def body(clock: VirtualClock) -> None:
+        cluster = Cluster(History(lambda: clock.now))
+        cluster.create_topic("t", 1)
+        cluster.broker_down = True
+        producer = SimProducer(
+            Process("w", cluster, random.Random(0)), client_id="w", request_timeout_ms=10_000
+        )
+
+        def batch() -> SimBatch:
+            built = producer.create_batch()
+            built.append(timestamp=None, key=None, value=b"x", headers=[])
+            return built
+
+        in_flight = await producer.send_batch(batch(), "t", partition=0)
+        undrained = await producer.send_batch(batch(), "t", partition=0)
+        started = clock.now
+        with pytest.raises(KafkaTimeoutError):
+            await producer.send_batch(batch(), "t", partition=0)
+        assert clock.now - started == pytest.approx(10.0)
+        cluster.broker_down = False
+        third = asyncio.create_task(producer.send_batch(batch(), "t", partition=0))
+        await asyncio.wait([in_flight, undrained], timeout=30)
+        await asyncio.wait_for(await third, timeout=30)
+        assert cluster.end_offset(TopicPartition("t", 0)) >= 2
+
+    _in_loop(body)
 
 
 def _short(seed: int, **fields: Any) -> Scenario:
