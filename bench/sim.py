@@ -22,23 +22,13 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
 
 # Run as a script from anywhere: the repository's packages first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker.dev.sim.checker import Kind
 from worker.dev.sim.cluster import Flavour
-from worker.dev.sim.run import Outcome, Scenario, run
-
-#: Share of the records of each hostile kind named by --hostile.
-HOSTILE: Final = {
-    Kind.INVALID: 0.02,
-    Kind.CRASH: 0.003,
-    Kind.LONG: 0.005,
-    Kind.REPLY_SMALL: 0.005,
-    Kind.REPLY_LOCKED: 0.005,
-}
+from worker.dev.sim.run import HOSTILE_SHARES, Outcome, Scenario, run
 
 
 def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
@@ -49,7 +39,7 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         duration_s=args.duration_s,
         settle_s=args.settle_s,
         jobs_per_s=args.jobs_per_s or 4.0 * workers,
-        hostile={Kind(k): HOSTILE[Kind(k)] for k in args.hostile.split(",") if k},
+        hostile={Kind(k): HOSTILE_SHARES[Kind(k)] for k in args.hostile.split(",") if k},
         weight_update_every_s=args.weight_update_every_s,
         bad_update_share=0.2 if args.weight_update_every_s else 0.0,
         engine_killing_update_share=args.engine_killing_updates,
@@ -82,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hostile",
         default="",
-        help=f"hostile record kinds to send, comma-separated: {', '.join(k.value for k in HOSTILE)}",
+        help=f"hostile record kinds to send, comma-separated: {', '.join(k.value for k in HOSTILE_SHARES)}",
     )
     parser.add_argument(
         "--weight-update-every-s", type=float, default=0.0, help="weight updates (0: none)"

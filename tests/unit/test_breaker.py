@@ -117,7 +117,8 @@ async def test_a_killer_in_one_partition_gets_no_healthy_job_of_another_dead_let
         _, _, _, died = await lives.live()
         if not died:
             break
-    assert lives.deaths == 3
+    # Its first death, its retry beside the others, two of its own (the default limit, 4).
+    assert lives.deaths == 4
     latest = lives.latest
     assert isinstance(latest["killer"], Failed) and not latest["killer"].error.retryable
     assert all(isinstance(latest[j], Completed) for j in ("p0-0", "p0-2", "healthy", "p1-1"))
@@ -125,16 +126,46 @@ async def test_a_killer_in_one_partition_gets_no_healthy_job_of_another_dead_let
     assert lives.committed[P0][0] == 3 and lives.committed[P1][0] == 2
 
 
-async def test_after_a_death_suspects_of_every_partition_run_one_at_a_time():
+async def test_after_one_death_its_suspects_run_again_beside_each_other():
+    # Seeds 40030, 41021, 41130 (`bench/sim.py --hostile long`): a kill from outside left every
+    # job in flight a suspect, and they ran one at a time: four 20 s rollouts held every
+    # partition for 80 s. Most deaths are no job's doing: one retry runs as usual.
+    lives = Lives(
+        {
+            P0: [job(f"p0-{i}", delay_s="0.3") for i in range(4)],
+            P1: [job(f"p1-{i}", delay_s="0.3") for i in range(4)],
+        }
+    )
+    # The last process died with all eight in flight.
+    for tp in (P0, P1):
+        lives.committed[tp] = (0, encode_offset_map(0, [], running=range(4)))
+    process, engine, _, died = await lives.live()
+    assert not died
+    assert engine.peak_running == 8
+    assert all(isinstance(r, Completed) for r in lives.latest.values())
+    assert len(lives.latest) == 8
+    # Each started once a commit naming it as running had landed: a death would count.
+    consumer = process.consumer
+    named = set()
+    for positions, metadata in zip(consumer.commits, consumer.metadata, strict=True):
+        for tp, position in positions.items():
+            named |= {(tp, o) for o in decode_offset_map(position, metadata[tp]).running}
+    assert named == {(tp, o) for tp in (P0, P1) for o in range(4)}
+
+
+async def test_suspects_of_a_second_death_run_one_at_a_time():
     lives = Lives(
         {
             P0: [job(f"p0-{i}", delay_s="0.02") for i in range(4)],
             P1: [job(f"p1-{i}", delay_s="0.02") for i in range(4)],
         }
     )
-    # The last process died with all eight in flight.
+    # The last process died with all eight in flight, each retried after an earlier death.
     for tp in (P0, P1):
-        lives.committed[tp] = (0, encode_offset_map(0, [], running=range(4)))
+        lives.committed[tp] = (
+            0,
+            encode_offset_map(0, [], running=range(4), deaths=dict.fromkeys(range(4), 1)),
+        )
     _, engine, _, died = await lives.live()
     assert not died
     assert engine.peak_running == 1
@@ -169,7 +200,8 @@ def test_the_suspect_that_ran_alone_counts_until_a_commit_past_it_lands():
     # as running until the commit past it landed: a kill in that window blamed it again, and
     # two such kills dead-lettered a healthy job (CI, test_chaos, "failed_innocent=1").
     tracker = OffsetTracker()
-    tracker.assigned(P0, decode_offset_map(0, encode_offset_map(0, [], running=[0])), anchor=0)
+    twice = encode_offset_map(0, [], running=[0], deaths={0: 1})
+    tracker.assigned(P0, decode_offset_map(0, twice), anchor=0)
     breaker = CrashLoopBreaker(3, Metrics(), tracker, lambda: {P0, P1})
     partition = tracker.partition(P0)
     records = [ConsumerRecord(JOBS, 0, o, 0, 0, b"k", job(f"j{o}"), None, 1, 1, ()) for o in (0, 1)]
@@ -193,7 +225,7 @@ def test_the_suspect_that_ran_alone_counts_until_a_commit_past_it_lands():
 async def test_after_a_suspect_ran_alone_the_commit_past_it_does_not_wait_for_the_interval():
     # Every partition is held until that commit lands: at the interval's tick, a minute here.
     lives = Lives({P0: [job("suspect"), job("next")], P1: [job("other")]})
-    lives.committed[P0] = (0, encode_offset_map(0, [], running=[0]))
+    lives.committed[P0] = (0, encode_offset_map(0, [], running=[0], deaths={0: 1}))
     process = Process(lives.committed)
     for tp, values in lives.records.items():
         for value in values:
@@ -217,7 +249,8 @@ async def test_suspects_run_one_after_another_without_waiting_out_fetch_timeouts
     # timeout: two of them per suspect beside its own run (10 s here for five; 400 ms a
     # suspect at the default --poll-timeout-ms, after a death with hundreds in flight).
     lives = Lives({P0: [job(f"j{i}") for i in range(5)]})
-    lives.committed[P0] = (0, encode_offset_map(0, [], running=range(5)))
+    twice = dict.fromkeys(range(5), 1)
+    lives.committed[P0] = (0, encode_offset_map(0, [], running=range(5), deaths=twice))
     process = Process(lives.committed)
     process.consumer.empty_wait_cap_ms = None
     for value in lives.records[P0]:

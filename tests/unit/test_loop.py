@@ -353,14 +353,15 @@ def _died_with(running: set[int], deaths: dict[int, int], clean: bool = False) -
     return committed_as((0, encode_offset_map(0, [], running=running, deaths=deaths, clean=clean)))
 
 
-async def test_after_a_death_suspects_run_alone_and_a_repeat_killer_is_not_run(start_loop):
+async def test_suspects_of_a_second_death_run_alone_and_a_repeat_killer_is_not_run(start_loop):
     consumer = consumer_with_jobs(6, delay_s="0.05")
     engine = ScriptedEngine()
     alone: dict[str, int] = {}
     engine.on_start = lambda j: alone.__setitem__(j.job_id, engine.running)
-    # The last owner died with j1 and j3 in flight; j3 had been in flight at 2 deaths before.
+    # The last owner died with j1 and j3 in flight; j1 had been in flight at 1 death before,
+    # j3 at 2.
     loop = await start_loop(
-        consumer, engine, read_committed=_died_with({1, 3}, {3: 2}), max_crash_attempts=3
+        consumer, engine, read_committed=_died_with({1, 3}, {1: 1, 3: 2}), max_crash_attempts=3
     )
     await wait_for(lambda: len(loop.answered()) == 6, what="every record answered")
     assert "j3" not in engine.started  # in flight at its third death: not run again

@@ -33,7 +33,7 @@ from worker.dev.sim.clients import Process, SimBatch, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.history import History
-from worker.dev.sim.run import Scenario, run
+from worker.dev.sim.run import HOSTILE_SHARES, Scenario, run
 
 TP = TopicPartition("t", 0)
 T = TypeVar("T")
@@ -320,7 +320,7 @@ def test_one_seed_replays_exactly() -> None:
 def test_one_seed_replays_exactly_in_another_process() -> None:
     """String hashing differs between processes; the history must not."""
     script = (
-        "from worker.dev.sim.run import Scenario, run; "
+        "from worker.dev.sim.run import HOSTILE_SHARES, Scenario, run; "
         "print(run(Scenario(seed=7, duration_s=15.0, settle_s=15.0)).digest)"
     )
     digests = {
@@ -444,6 +444,13 @@ FOUND_DEFECTS = {
     "landed just after, and the new owner fetched from the old position: the records between "
     "ran again and its commit moved the position back": Scenario(
         seed=402, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+    ),
+    "a kill from outside left long rollouts in flight; the next owner ran each alone, one at a "
+    "time, and every partition it held waited past a minute": Scenario(
+        seed=40030, partitions=24, jobs_per_s=12, hostile=HOSTILE_SHARES
+    ),
+    "as seed 40030, four long rollouts in flight at a kill from outside": Scenario(
+        seed=41130, partitions=24, jobs_per_s=12, hostile=HOSTILE_SHARES
     ),
     "a static member scaled in while another joined: its commit refused for the moved "
     "generation made aiokafka forget its member id, it stopped without leaving, and a broker "

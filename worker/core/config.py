@@ -234,10 +234,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         int,
         Meta(ge=0, le=100),
         _d(
-            "process deaths a job may be in flight at (at least 2, one of them running alone) "
-            "before it is answered failed and dead-lettered instead of run again; 0: no breaker"
+            "process deaths a job may be in flight at (at least 3: the first, its retry beside "
+            "other jobs, and one running alone) before it is answered failed and dead-lettered "
+            "instead of run again; 0: no breaker"
         ),
-    ] = 3
+    ] = 4
     offset_map_max_bytes: Annotated[
         int,
         Meta(ge=0, le=1_048_576),

@@ -3,16 +3,27 @@ stops blame the jobs in flight at all.
 
 A record that kills the process would be redelivered to every worker that takes its partition.
 The commits name what runs (see `worker.delivery.offset_map`), so a new owner knows how many
-deaths each record was in flight at. A record in flight at a death is a suspect; a suspect runs
-alone across the whole worker (nothing else of any partition in flight, and a commit naming it
-alone as running landed first), so a later death while it runs blames it and no one else. Only
-the record that kills the process collects a second death; one in flight at
-`max_crash_attempts` deaths (at least two: one of them alone) is answered instead of run.
+deaths each record was in flight at. A record in flight at a death is a suspect.
 
-Suspects run one at a time rather than bisected: a bisection halves the group at each death,
-but every member of a group at a death is merely present at it, so counting those deaths would
-dead-letter healthy jobs, and not counting them needs a record of each group's history in the
-map. Serial runs cost a drain per suspect, paid only after a death.
+A suspect of one death runs again beside everything else, once a commit naming it as running
+has landed (so another death counts against it). Most deaths are no job's doing (a kill from
+outside, an out-of-memory, a lost node), and then every job in flight is a suspect: running
+them one at a time after such a death left a worker at one sequence for the sum of their
+lengths (simulation seeds 40030, 41021, 41130: long rollouts held every partition past a
+minute). A record that kills the process dies again at this retry, beside whatever ran with it.
+
+A suspect of two deaths or more runs alone across the whole worker (nothing else of any
+partition in flight, and a commit naming it alone as running landed first), so a later death
+while it runs blames it and no one else. Only the record that kills the process collects those
+deaths; one in flight at `max_crash_attempts` deaths (at least three: the first, its retry, and
+one of its own alone) is answered instead of run. A healthy job beside a killer at both of its
+first deaths is dead-lettered only if two more deaths from outside hit it while it runs alone,
+as before the retry beside the others was added.
+
+Suspects of two deaths run one at a time rather than bisected: a bisection halves the group at
+each death, but every member of a group at a death is merely present at it, so counting those
+deaths would dead-letter healthy jobs, and not counting them needs a record of each group's
+history in the map. Serial runs cost a drain per suspect, paid only after a killer's retry.
 """
 
 from __future__ import annotations
@@ -34,10 +45,14 @@ logger = logging.getLogger(__name__)
 
 Record: TypeAlias = "ConsumerRecord[bytes, bytes]"
 
-#: After the commit that was to name a suspect alone did not land, how long every partition
-#: stays held before the suspect is fetched and tried again: a coordinator that refuses
-#: commits at once must not turn the loop into a spin of fetches, rewinds and commits.
+#: After the commit that was to name a suspect as running did not land, how long its partition
+#: (every partition, for a suspect to run alone) stays held before the suspect is fetched and
+#: tried again: a coordinator that refuses commits at once must not turn the loop into a spin
+#: of fetches, rewinds and commits.
 RETRY_ALONE_S: Final = 0.5
+
+#: Deaths a suspect may have been in flight at and still run beside other jobs: its first.
+RETRY_BESIDE_OTHERS: Final = 1
 
 
 def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
@@ -78,7 +93,7 @@ class CrashLoopBreaker:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._limit = max(max_crash_attempts, 2) if max_crash_attempts else 0
+        self._limit = max(max_crash_attempts, 3) if max_crash_attempts else 0
         self._metrics = metrics
         self._tracker = tracker
         self._assignment = assignment
@@ -91,6 +106,9 @@ class CrashLoopBreaker:
         self._clock = clock
         # Until then, a suspect whose commit did not land waits with every partition held.
         self._retry_at = 0.0
+        # Partitions whose suspect's commit did not land, held until `_retry_beside_at`.
+        self._retrying: set[TopicPartition] = set()
+        self._retry_beside_at = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -98,8 +116,9 @@ class CrashLoopBreaker:
 
     def take(self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record]) -> Taken:
         """Of `records` (fetched, in order), those to run now, and those to answer as having
-        been in flight at that many deaths. Records from a suspect on are fetched again later,
-        unless it can run alone now."""
+        been in flight at that many deaths. Records past a suspect are fetched again later: one
+        of a single death ends the run (it starts once a commit names it running; see
+        `retries`), one of more waits unless it can run alone now."""
         run: list[Record] = []
         crash_looped: list[tuple[Record, int]] = []
         for record in records:
@@ -112,6 +131,14 @@ class CrashLoopBreaker:
                 else:
                     self._metrics.skipped.inc()
                 continue
+            if deaths and deaths <= RETRY_BESIDE_OTHERS:
+                if not partition.start(record.offset):
+                    self._metrics.skipped.inc()  # answered before, as the map says: not run
+                    continue
+                # Last of the run, so that it is its partition's last start: taken back alone
+                # when the commit naming it does not land.
+                run.append(record)
+                return Taken(run, crash_looped, rewind_to=record.offset + 1)
             if deaths:
                 if run or not self._quiet():
                     self._waiting.add(tp)
@@ -165,21 +192,36 @@ class CrashLoopBreaker:
             self._waiting.add(alone.tp)
             self._retry_at = self._clock() + RETRY_ALONE_S
 
+    def retries(self, partition: PartitionOffsets, offset: int) -> bool:
+        """Whether the record taken to run at `offset` is a suspect retried beside the others:
+        it may start only once a commit naming it as running has landed, or its death would
+        go uncounted and a record that kills the process at once would do so for ever."""
+        return self.enabled and 0 < partition.deaths.get(offset, 0) <= RETRY_BESIDE_OTHERS
+
+    def retry_later(self, tps: set[TopicPartition]) -> None:
+        """The commit naming these partitions' retried suspects did not land: they were taken
+        back, and their partitions wait `RETRY_ALONE_S` before they are fetched again."""
+        self._retrying |= tps
+        self._retry_beside_at = self._clock() + RETRY_ALONE_S
+
     def held(self) -> set[TopicPartition]:
         """Every partition while a suspect runs alone and until a commit past it lands; while
         a suspect waits, every partition until the worker is quiet, and then all but the
-        suspect's. Re-examined on every fetch."""
+        suspect's; and for a while, those whose retried suspect's commit did not land.
+        Re-examined on every fetch."""
         if not self.enabled:
             return set()
         if self._running_alone() is not None:
             return self._assignment()
+        if self._retrying and self._clock() >= self._retry_beside_at:
+            self._retrying = set()
         if self._waiting:
             assigned = self._assignment()
             self._waiting = {
                 tp for tp in self._waiting & assigned if self._tracker.partition(tp).deaths
             }
         if not self._waiting:
-            return set()
+            return self._retrying & self._assignment()
         if self._quiet() and self._clock() >= self._retry_at:
             return self._assignment() - {min(self._waiting)}
         return self._assignment()
@@ -206,6 +248,7 @@ class CrashLoopBreaker:
 
     def forget(self, revoked: set[TopicPartition]) -> None:
         self._waiting -= revoked
+        self._retrying -= revoked
         if self._alone is not None and self._alone.tp in revoked:
             self._alone = None
             self._unconfirmed = False

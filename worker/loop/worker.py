@@ -270,6 +270,22 @@ class Worker:
                 self._gate.rewind(alone.tp, alone.offset)
                 runnable = [r for r in runnable if r[2].offset != alone.offset or r[0] != alone.tp]
             self._breaker.confirmed(landed)
+        elif retried := [r for r in runnable if self._breaker.retries(r[1], r[2].offset)]:
+            # A suspect of one death runs again beside the others once a commit names it
+            # running: a death then counts against it, and a record that kills the process at
+            # once reaches the breaker's limit instead of dying unseen for ever.
+            if not await self._committer.write_ahead_exact():
+                logger.warning(
+                    "the commit before retrying %d suspects of a crash did not land; they wait",
+                    len(retried),
+                )
+                # Each is the last start of its partition (`CrashLoopBreaker.take`).
+                for tp, partition, record in retried:
+                    partition.unstart(record.offset)
+                    self._gate.rewind(tp, record.offset)
+                self._breaker.retry_later({tp for tp, _, _ in retried})
+                taken_back = {id(r) for r in retried}
+                runnable = [r for r in runnable if id(r) not in taken_back]
         elif self._breaker.enabled and runnable:
             # Written ahead: the commit names these as running before any of them runs, so if
             # one kills the process, the next owner knows which records were in flight.

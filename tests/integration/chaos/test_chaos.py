@@ -788,8 +788,8 @@ async def _kill_behind_a_slow_job(
         assert await worker.wait(10) == -signal.SIGKILL
         history.kills += 1
         assert f"{prefix}-slow" not in answered_at_kill, "the slow job finished before the kill"
-        # Every job in flight at the kill is a suspect now and runs alone (the crash-loop
-        # breaker): ~200 of them, 80 s at the first life's 50 ms a token.
+        # Every job in flight at the kill (~200) is a suspect now, retried beside the others
+        # once a commit names it running (the crash-loop breaker).
         worker = spawn(topics, max_in_flight=256, mock_per_token_latency_ms=5, **flags)
         await wait_for(lambda: watch.answered >= job_ids, 90, "every job answered")
         await wait_for(lambda: _committed_is(bootstrap, topics, len(jobs)), 20, "commit of all")

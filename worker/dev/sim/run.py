@@ -30,7 +30,7 @@ from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
 from worker.engines.mock import MockEngineSettings
 
-__all__ = ["FAULTS", "Outcome", "Scenario", "run"]
+__all__ = ["FAULTS", "HOSTILE_SHARES", "Outcome", "Scenario", "run"]
 
 JOBS: Final = "sim.jobs"
 RESULTS: Final = "sim.results"
@@ -43,6 +43,16 @@ CRASH_TOKEN: Final = 31_999
 #: Mock checkpoints the control plane's updates name; their contents are fixed, so a run does
 #: not depend on where they live.
 WEIGHTS_ROOT: Final = Path(tempfile.gettempdir()) / "vkw-sim-weights"
+
+#: Shares of the trainer's records of each hostile kind, for a run that sends them all
+#: (`bench/sim.py --hostile`).
+HOSTILE_SHARES: Final = {
+    Kind.INVALID: 0.02,
+    Kind.CRASH: 0.003,
+    Kind.LONG: 0.005,
+    Kind.REPLY_SMALL: 0.005,
+    Kind.REPLY_LOCKED: 0.005,
+}
 
 #: The longest a run settles after its faults, in settle periods, however late deaths go on.
 MAX_SETTLE_ROUNDS: Final = 3
