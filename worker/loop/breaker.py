@@ -227,7 +227,7 @@ class CrashLoopBreaker:
         return self._assignment()
 
     def suspects(self) -> int:
-        """Records in flight at an earlier death still to run alone or be answered, and the
+        """Records in flight at an earlier death still to run or be answered, and the
         one that ran alone until a commit past it lands: a death until then still blames it
         (what a supervisor reads before it kills a worker)."""
         count = sum(len(partition.deaths) for _, partition in self._tracker.items())
