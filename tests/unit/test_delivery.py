@@ -44,12 +44,21 @@ class Harness:
         )
         self.offsets = PartitionOffsets()
 
-    async def post(self, offset: int, job: Job) -> None:
+    async def post(
+        self,
+        offset: int,
+        job: Job,
+        tp: TopicPartition = TP,
+        offsets: PartitionOffsets | None = None,
+    ) -> None:
+        offsets = self.offsets if offsets is None else offsets
         value = encode(job)
-        record = ConsumerRecord("jobs", 0, offset, 0, 0, b"k", value, None, 1, len(value), ())
-        self.offsets.start(offset)
-        answer = await self.answers.answer(TP, record)
-        ticket = Ticket(TP, self.offsets, offset, answer)
+        record = ConsumerRecord(
+            tp.topic, tp.partition, offset, 0, 0, b"k", value, None, 1, len(value), ()
+        )
+        offsets.start(offset)
+        answer = await self.answers.answer(tp, record)
+        ticket = Ticket(tp, offsets, offset, answer)
         if not self.delivery.queue(ticket):
             await self.delivery.send_alone(ticket)
 
@@ -146,9 +155,11 @@ async def test_an_answer_handed_over_unacknowledged_is_not_sent_again_when_its_d
 
 
 async def test_a_revokes_answers_the_producer_was_not_handed_in_time_are_left_to_the_next_owner():
-    # The producer takes no batch (a broker away): the revoke's grace ends with an answer
-    # still in the outbox. The hand-over names its job running; handed to the producer later,
-    # it would answer the job a second time, beside the next owner's answer.
+    # The producer takes no batch (a broker away): the revoke's grace ends with one answer in
+    # a batch waiting in `send_batch` and one still in the outbox. The hand-over names their
+    # jobs running; handed to the producer later, they would answer the jobs a second time,
+    # beside the next owner's answers (seed 51687: the batch waiting in `send_batch` was sent
+    # after the hand-over).
     h = Harness(broker_limit=None)
     h.producer.taking_batches.clear()
     h.delivery.start()
@@ -157,10 +168,28 @@ async def test_a_revokes_answers_the_producer_was_not_handed_in_time_are_left_to
     await h.post(1, job("queued"))
     assert h.delivery.pending == 2
     await h.delivery.settle({TP}, asyncio.get_running_loop().time() + 0.05)
-    assert h.delivery.pending == 1  # the one not yet in a batch was taken back
+    assert h.delivery.pending == 0  # both taken back
     h.producer.taking_batches.set()
-    await wait_for(lambda: h.producer.sent, 5, "the batch already taken sent")
     await asyncio.sleep(0.05)
-    assert [key for _, key, _, _ in h.producer.sent] == [b"taken"]
-    assert h.offsets.commit_position() == 1  # offset 1 stays unanswered
+    assert h.producer.sent == []
+    assert h.offsets.commit_position() == 0  # both stay unanswered
+    await h.delivery.close()
+
+
+async def test_a_waiting_batch_is_sent_without_the_answers_a_revoke_took_back():
+    # Answers for a kept partition share the waiting batch (one results partition): the batch
+    # is withdrawn, built again without the revoked partition's answer, and sent.
+    h = Harness(broker_limit=None)
+    kept, kept_offsets = TopicPartition("jobs", 1), PartitionOffsets()
+    h.producer.taking_batches.clear()
+    h.delivery.start()
+    await h.post(0, job("revoked"))
+    await h.post(0, job("kept"), tp=kept, offsets=kept_offsets)
+    await asyncio.sleep(0)  # one lot, one batch, waiting on the producer
+    await h.delivery.settle({TP}, asyncio.get_running_loop().time() + 0.05)
+    assert h.delivery.pending == 1
+    h.producer.taking_batches.set()
+    await wait_for(lambda: kept_offsets.commit_position() == 1, 5, "the kept answer acknowledged")
+    assert [key for _, key, _, _ in h.producer.sent] == [b"kept"]
+    assert h.offsets.commit_position() == 0
     await h.delivery.close()

@@ -57,6 +57,11 @@ class Outbox(Generic[M]):
         self._idle.set()
         self._partitioner = DefaultPartitioner()
         self._task: asyncio.Task[None] | None = None
+        # The lot being submitted: its members not handed to the producer yet (by id), those
+        # of them taken back meanwhile, and the batch waiting in `send_batch` with its members.
+        self._in_lot: dict[int, M] = {}
+        self._taken_back: set[int] = set()
+        self._waiting: tuple[asyncio.Future[Any], list[M]] | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="outbox")
@@ -84,11 +89,24 @@ class Outbox(Generic[M]):
             self._wake.set()
 
     def drop(self, whose: Callable[[M], bool]) -> int:
-        """Take back the queued records whose member `whose` picks, before they are handed to
-        the producer; how many. Records already taken into batches are not taken back."""
+        """Take back the records whose member `whose` picks, before they are handed to the
+        producer; how many. That includes those of a batch still waiting in `send_batch` (a
+        previous batch of its partition not yet sent: a broker away): aiokafka has not taken it,
+        so it is withdrawn and built again without them. Records the producer holds are not
+        taken back."""
         kept = [record for record in self._queued if not whose(record[4])]
         dropped = len(self._queued) - len(kept)
         self._queued = kept
+        in_lot = [key for key, member in self._in_lot.items() if whose(member)]
+        for key in in_lot:
+            del self._in_lot[key]
+            self._taken_back.add(key)
+        if in_lot and self._waiting is not None:
+            send, members = self._waiting
+            if any(id(member) in self._taken_back for member in members):
+                # At once, so that a producer taking batches again right after cannot send it.
+                send.cancel()
+        dropped += len(in_lot)
         self._pending -= dropped
         return dropped
 
@@ -118,10 +136,22 @@ class Outbox(Generic[M]):
     async def _submit(
         self, records: Sequence[tuple[str, bytes | None, bytes | None, Headers, M]]
     ) -> None:
+        self._in_lot = {id(record[4]): record[4] for record in records}
+        try:
+            await self._submit_lot(records)
+        finally:
+            self._in_lot = {}
+            self._taken_back = set()
+
+    async def _submit_lot(
+        self, records: Sequence[tuple[str, bytes | None, bytes | None, Headers, M]]
+    ) -> None:
         producer = self._producer
         partitions: dict[str, list[int]] = {}
-        open_batches: dict[tuple[str, int], tuple[Any, list[M]]] = {}
-        for topic, key, value, headers, member in records:
+        slots: dict[tuple[str, int], list[tuple[str, bytes | None, bytes | None, Headers, M]]]
+        slots = {}
+        for record in records:
+            topic, key = record[0], record[1]
             all_partitions = partitions.get(topic)
             if all_partitions is None:
                 try:
@@ -140,28 +170,51 @@ class Outbox(Generic[M]):
                 if len(all_partitions) == 1
                 else self._partitioner(key, all_partitions, all_partitions)
             )
-            slot = (topic, partition)
-            batch = open_batches.get(slot)
-            if batch is None:
-                batch = open_batches[slot] = (producer.create_batch(), [])
-            if batch[0].append(timestamp=None, key=key, value=value, headers=headers) is None:
-                # Full: submit it and start the next (a batch always takes its first record).
-                await self._send(slot, *open_batches.pop(slot))
-                batch = open_batches[slot] = (producer.create_batch(), [])
-                batch[0].append(timestamp=None, key=key, value=value, headers=headers)
-            batch[1].append(member)
-        for slot, (builder, members) in open_batches.items():
-            await self._send(slot, builder, members)
+            slots.setdefault((topic, partition), []).append(record)
+        for slot, slot_records in slots.items():
+            await self._send(slot, slot_records)
 
-    async def _send(self, slot: tuple[str, int], builder: Any, members: list[M]) -> None:
+    async def _send(
+        self,
+        slot: tuple[str, int],
+        records: list[tuple[str, bytes | None, bytes | None, Headers, M]],
+    ) -> None:
+        """Hand `records` (one partition's, in order) to the producer in as many batches as
+        they fill, leaving out those taken back meanwhile."""
+        while records := [r for r in records if id(r[4]) not in self._taken_back]:
+            builder = self._producer.create_batch()
+            count = 0
+            for _, key, value, headers, _ in records:
+                # A batch always takes its first record.
+                if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
+                    break
+                count += 1
+            batch, records = records[:count], records[count:]
+            builder.close()
+            if not await self._hand(slot, builder, [r[4] for r in batch]):
+                records = batch + records  # withdrawn: built again without what was taken back
+
+    async def _hand(self, slot: tuple[str, int], builder: Any, members: list[M]) -> bool:
+        """Submit one batch; False when it was withdrawn unsent (`drop` took some of its records
+        back while it waited for the producer)."""
         topic, partition = slot
-        builder.close()
+        send = asyncio.ensure_future(self._producer.send_batch(builder, topic, partition=partition))
+        self._waiting = (send, members)
         try:
-            delivery = await self._producer.send_batch(builder, topic, partition=partition)
+            await asyncio.wait({send})
+        finally:
+            self._waiting = None
+            if not send.done():
+                send.cancel()  # the outbox is closing
+        if send.cancelled():
+            return False
+        try:
+            delivery = send.result()
         except KafkaError as exc:
             self._fail(members, exc)
-            return
+            return True
         self._handed(members, delivery)
+        return True
 
     def _fail(self, members: list[M], exc: BaseException) -> None:
         failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -169,5 +222,6 @@ class Outbox(Generic[M]):
         self._handed(members, failed)
 
     def _handed(self, members: list[M], delivery: asyncio.Future[Any]) -> None:
-        self._pending -= len(members)
+        # One taken back as the producer took it anyway was counted off by `drop` already.
+        self._pending -= sum(self._in_lot.pop(id(m), None) is not None for m in members)
         self._on_submitted(members, delivery)
