@@ -57,10 +57,9 @@ class Outbox(Generic[M]):
         self._idle.set()
         self._partitioner = DefaultPartitioner()
         self._task: asyncio.Task[None] | None = None
-        # The lot being submitted: its members not handed to the producer yet (by id), those
-        # of them taken back meanwhile, and the batch waiting in `send_batch` with its members.
+        # The lot being submitted: its members neither handed to the producer nor taken back
+        # yet (by id), and the batch waiting in `send_batch` with its members.
         self._in_lot: dict[int, M] = {}
-        self._taken_back: set[int] = set()
         self._waiting: tuple[asyncio.Future[Any], list[M]] | None = None
 
     def start(self) -> None:
@@ -100,10 +99,9 @@ class Outbox(Generic[M]):
         in_lot = [key for key, member in self._in_lot.items() if whose(member)]
         for key in in_lot:
             del self._in_lot[key]
-            self._taken_back.add(key)
         if in_lot and self._waiting is not None:
             send, members = self._waiting
-            if any(id(member) in self._taken_back for member in members):
+            if any(id(member) not in self._in_lot for member in members):
                 # At once, so that a producer taking batches again right after cannot send it.
                 send.cancel()
         dropped += len(in_lot)
@@ -141,7 +139,6 @@ class Outbox(Generic[M]):
             await self._submit_lot(records)
         finally:
             self._in_lot = {}
-            self._taken_back = set()
 
     async def _submit_lot(
         self, records: Sequence[tuple[str, bytes | None, bytes | None, Headers, M]]
@@ -181,7 +178,8 @@ class Outbox(Generic[M]):
     ) -> None:
         """Hand `records` (one partition's, in order) to the producer in as many batches as
         they fill, leaving out those taken back meanwhile."""
-        while records := [r for r in records if id(r[4]) not in self._taken_back]:
+        # What is not handed yet is in `_in_lot` unless it was taken back.
+        while records := [r for r in records if id(r[4]) in self._in_lot]:
             builder = self._producer.create_batch()
             count = 0
             for _, key, value, headers, _ in records:
