@@ -276,6 +276,60 @@ BOUNDS = Bounds(
 )
 
 
+@pytest.mark.parametrize(
+    ("removed", "why", "killed_first", "flagged"),
+    [
+        (None, None, False, True),
+        ("m0", "session timed out", False, False),
+        ("m0", "did not rejoin within the rebalance timeout", False, False),
+        ("m0", "left", False, True),
+        ("m1", "session timed out", False, True),
+        ("m0", "session timed out", True, True),
+    ],
+)
+def test_a_death_count_needs_a_kill_or_the_group_removing_the_live_owner(
+    removed: str | None, why: str | None, killed_first: bool, flagged: bool
+) -> None:
+    """A death counted in an offset map with no process killed is the worker blaming a job
+    wrongly, unless the coordinator removed the partition's owner, alive, for a missed session
+    or rebalance timeout (seed 41578 of `--hostile`: a coordinator away past the rebalance
+    timeout; to the group that member died with its jobs in flight, and its next owner cannot
+    tell it from a kill). A member that left, another partition's owner, or one whose process
+    was already killed (that kill is counted once) excuses nothing."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
+    cluster.produce(
+        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
+    )
+    for member, process in (("m0", "w0#1"), ("m1", "w1#1")):
+        history.add("start", worker=process)
+        history.add("joined", client=member, process=process, member=member, generation=1, tps=[])
+    history.add("generation", group="g", generation=1, members={"m0": ["jobs-0"], "m1": []})
+    now[0] = 5.0
+    if killed_first:
+        history.add("kill", worker="w0#1", why="injected")
+    if removed is not None:
+        history.add("member_removed", group="g", member=removed, why=why)
+    now[0] = 10.0
+    blamed = encode_offset_map(0, (), deaths={0: 1 + killed_first})
+    history.add(
+        "commit",
+        client="w1",
+        tp="jobs-0",
+        offset=0,
+        previous=None,
+        metadata=blamed,
+        metadata_bytes=len(blamed),
+    )
+    wrongly = [
+        v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "wrongly_blamed"
+    ]
+    assert bool(wrongly) is flagged, wrongly
+
+
 def test_invalid_records_that_name_one_job_id_are_not_duplicates_of_each_other() -> None:
     """Hostile records may all carry `{"job_id": "x"}`: each is answered once, as invalid,
     under the id it names. Those answers are not one job answered twice (seeds 41050, 41241,

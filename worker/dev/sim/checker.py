@@ -21,8 +21,11 @@ Invariants (each violation names one):
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
   `--offset-map-max-bytes`;
 - `wrongly_blamed`: a record's death count (the crash-loop breaker's, in the offset map the
-  group stores) never exceeds the process kills between its append and that commit: a
-  death that was not a kill (a clean stop, an update that killed the engine) blames nothing;
+  group stores) never exceeds the process kills between its append and that commit, plus the
+  times the group removed a live owner of its partition for a missed session or rebalance
+  timeout: a death that was not a kill (a clean stop, an update that killed the engine)
+  blames nothing, and a member the coordinator removed is dead to the group (its hand-over
+  can no longer land, and the next owner cannot tell it from a kill);
 - `weights_diverged`: every live worker serves, at the end, the latest weights any worker
   acknowledged applying (read from the status topic's acknowledgements; a worker's served
   version is what its status reports).
@@ -361,6 +364,7 @@ def _blame(
     """`wrongly_blamed`: death counts in the committed offset maps against the kills that
     happened while each record was unanswered."""
     kills = [e.at for e in history.of("kill")]
+    evictions = _live_owners_removed(history)
     jobs = cluster.topics[bounds.jobs_topic]
     worst: dict[tuple[str, int], tuple[int, float]] = {}
     for event, tp, offset_map in maps:
@@ -377,7 +381,9 @@ def _blame(
         entry = ledger.records.get((tp, offset))
         # Kills until the count was committed: a record answered, delivered again after a
         # rebalance and in flight at a kill then is rightly counted.
-        possible = sum(1 for k in kills if appended <= k <= at)
+        possible = sum(1 for k in kills if appended <= k <= at) + sum(
+            1 for removed in evictions.get(tp, []) if appended <= removed <= at
+        )
         if deaths > possible:
             violations.append(
                 Violation(
@@ -388,3 +394,30 @@ def _blame(
                 )
             )
     return violations
+
+
+def _live_owners_removed(history: History) -> dict[str, list[float]]:
+    """Per partition, when the group removed its owner for a missed session or rebalance
+    timeout while the owner's process was alive (a coordinator away for longer than the
+    timeouts): the member's jobs in flight were a death to the group, as Kafka's
+    ClassicGroup sees it, though no process died."""
+    alive: set[str] = set()
+    process_of: dict[str, str] = {}
+    held: dict[str, list[str]] = {}
+    removed: dict[str, list[float]] = {}
+    for event in history.events:
+        fields = event.fields
+        if event.kind == "start":
+            alive.add(fields["worker"])
+        elif event.kind in ("kill", "exit"):
+            alive.discard(fields["worker"])
+        elif event.kind == "joined":
+            process_of[fields["member"]] = fields["process"]
+        elif event.kind == "generation":
+            held = {member: [str(tp) for tp in tps] for member, tps in fields["members"].items()}
+        elif event.kind == "member_removed" and fields["why"] != "left":
+            member = fields["member"]
+            if process_of.get(member) in alive:
+                for tp in held.get(member, []):
+                    removed.setdefault(tp, []).append(event.at)
+    return removed

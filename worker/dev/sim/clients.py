@@ -298,6 +298,7 @@ class SimConsumer:
         self.cluster.history.add(
             "joined",
             client=self.client_id,
+            process=self.process.name,
             member=member_id,
             generation=generation,
             tps=sorted(f"{tp.topic}-{tp.partition}" for tp in assignment),
