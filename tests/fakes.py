@@ -11,6 +11,7 @@ from typing import Any
 
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import (
+    IllegalStateError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
     OffsetMetadataTooLargeError,
@@ -320,7 +321,14 @@ class FakeConsumer:
     def paused(self) -> set[TopicPartition]:
         return set(self._paused)
 
+    def start_at(self, tp: TopicPartition, offset: int) -> None:
+        """Set up: where `tp` is fetched from once assigned (`seek` needs it assigned)."""
+        self._positions[tp] = offset
+
     def seek(self, tp: TopicPartition, offset: int) -> None:
+        # aiokafka: SubscriptionState._assigned_state.
+        if tp not in self._assigned:
+            raise IllegalStateError(f"No current assignment for partition {tp}")
         self._positions[tp] = offset
 
     def highwater(self, tp: TopicPartition) -> int:
@@ -335,15 +343,7 @@ class FakeConsumer:
         self.getmany_calls += 1
         if self._next_assignment is not None:
             new, self._next_assignment = self._next_assignment, None
-            # Incremental, as in Kafka's cooperative protocol: only lost partitions are revoked,
-            # so jobs of kept partitions are still running when the assignment arrives.
-            if (revoked := self._assigned - new) and self._listener is not None:
-                await self._listener.on_partitions_revoked(revoked)
-            self._assigned, self._paused = new, set()
-            for tp in new:
-                self._positions.setdefault(tp, 0)
-            if self._listener is not None:
-                await self._listener.on_partitions_assigned(set(new))
+            await self.rebalance_now(new)
         out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
         budget = max_records if max_records is not None else 1 << 30
         for tp in sorted(self._assigned - self._paused):
@@ -357,6 +357,19 @@ class FakeConsumer:
             cap = self.empty_wait_cap_ms
             await asyncio.sleep((timeout_ms if cap is None else min(timeout_ms, cap)) / 1000)
         return out
+
+    async def rebalance_now(self, new: set[TopicPartition]) -> None:
+        """A rebalance to `new`, carried out at once (aiokafka's coordinator task runs one
+        beside whatever the loop awaits). Incremental, as in Kafka's cooperative protocol: only
+        lost partitions are revoked, so jobs of kept partitions are still running when the
+        assignment arrives."""
+        if (revoked := self._assigned - new) and self._listener is not None:
+            await self._listener.on_partitions_revoked(revoked)
+        self._assigned, self._paused = set(new), set()
+        for tp in new:
+            self._positions.setdefault(tp, 0)
+        if self._listener is not None:
+            await self._listener.on_partitions_assigned(set(new))
 
     async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
         self.commits_started += 1

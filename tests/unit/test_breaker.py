@@ -58,7 +58,7 @@ class Lives:
             for value in records:
                 process.consumer.add(tp, value)
             position = self.committed.get(tp, (0, ""))[0]
-            process.consumer.seek(tp, position)
+            process.consumer.start_at(tp, position)
         process.consumer.assign(set(self.records))
         engine = ScriptedEngine(max_concurrency=64)
         self.engines.append(engine)

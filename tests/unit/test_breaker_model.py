@@ -113,7 +113,7 @@ class BreakerMachine(RuleBasedStateMachine):
         for tp in PARTITIONS:
             for job_id, bad in self.model.records[tp]:
                 process.consumer.add(tp, self._value(job_id, bad))
-            process.consumer.seek(tp, self.committed.get(tp, (0, ""))[0])
+            process.consumer.start_at(tp, self.committed.get(tp, (0, ""))[0])
         process.consumer.assign(partitions)
         engine = ScriptedEngine(max_concurrency=64)
 
@@ -226,7 +226,7 @@ class BreakerMachine(RuleBasedStateMachine):
             (first,) = self.owners
             # A partition newly assigned is read from its committed offset, as Kafka's
             # consumer does (the in-memory one would go on from where it last read).
-            first.process.consumer.seek(P1, self.committed.get(P1, (0, ""))[0])
+            first.process.consumer.start_at(P1, self.committed.get(P1, (0, ""))[0])
             first.process.consumer.assign(set(PARTITIONS))
             first.partitions = set(PARTITIONS)
         self._step()

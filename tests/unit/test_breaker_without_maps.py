@@ -134,3 +134,46 @@ async def test_a_suspect_whose_commit_keeps_failing_waits_without_spinning(death
     # consumer's empty fetch returns in 10 ms).
     assert fetches.rewinds < 20
     assert fetches.count < 200
+
+
+@pytest.mark.parametrize("deaths", list(SUSPECT_OF))
+async def test_a_suspect_whose_partition_moved_while_its_commit_was_awaited_is_left_to_its_owner(
+    deaths,
+):
+    # The commit that was to name the suspect running did not land, and a whole rebalance ran
+    # while it was awaited (aiokafka's coordinator task runs beside the loop; the commit first
+    # waits for the one already on its way): the suspect's partition now belongs to another
+    # member. Taking the suspect back seeked a partition no longer assigned, and aiokafka's
+    # IllegalStateError ended the worker.
+    committed: dict[TopicPartition, Commit] = {P0: (0, SUSPECT_OF[deaths])}
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, Commit]:
+        return {tp: committed[tp] for tp in tps if tp in committed}
+
+    process = _process(committed)
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(), read_committed)
+    write_ahead_exact = worker._committer.write_ahead_exact
+    moved: list[bool] = []
+
+    async def rebalanced_meanwhile() -> bool:
+        if moved:
+            return await write_ahead_exact()
+        moved.append(True)
+        await process.consumer.rebalance_now({P1})
+        return False
+
+    worker._committer.write_ahead_exact = rebalanced_meanwhile  # type: ignore[method-assign]
+    task = run(worker)
+    try:
+        await wait_for(
+            lambda: committed.get(P1, (0, ""))[0] == 2 or task.done(),
+            10,
+            lambda: f"the other partition's jobs to be committed (committed {committed})",
+        )
+        assert not task.done(), f"the worker stopped: {task.result()}"
+    finally:
+        worker.request_stop()
+        assert await asyncio.wait_for(task, 10) == 0
+    assert moved
+    assert sorted(engine.started) == ["other-0", "other-1"]

@@ -266,8 +266,7 @@ class Worker:
                     alone.tp.partition,
                     alone.offset,
                 )
-                alone.partition.unstart(alone.offset)
-                self._gate.rewind(alone.tp, alone.offset)
+                self._take_back(alone.tp, alone.partition, alone.offset)
                 runnable = [r for r in runnable if r[2].offset != alone.offset or r[0] != alone.tp]
             self._breaker.confirmed(landed)
         elif retried := [r for r in runnable if self._breaker.retries(r[1], r[2].offset)]:
@@ -280,10 +279,11 @@ class Worker:
                     len(retried),
                 )
                 # Each is the last start of its partition (`CrashLoopBreaker.take`).
+                waiting: set[TopicPartition] = set()
                 for tp, partition, record in retried:
-                    partition.unstart(record.offset)
-                    self._gate.rewind(tp, record.offset)
-                self._breaker.retry_later({tp for tp, _, _ in retried})
+                    if self._take_back(tp, partition, record.offset):
+                        waiting.add(tp)
+                self._breaker.retry_later(waiting)
                 taken_back = {id(r) for r in retried}
                 runnable = [r for r in runnable if id(r) not in taken_back]
         elif self._breaker.enabled and runnable:
@@ -296,6 +296,17 @@ class Worker:
                 # the committed position): its next owner runs it, and only once.
                 continue
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
+
+    def _take_back(self, tp: TopicPartition, partition: PartitionOffsets, offset: int) -> bool:
+        """`offset` of `tp` does not start now: fetch it again later. False when `tp` moved
+        while the commit before it was awaited (aiokafka runs a whole rebalance beside the
+        loop meanwhile): its owner now, maybe this member again, reads it from the committed
+        position, and seeking a partition no longer assigned raises."""
+        if not self._committer.holds(tp, partition):
+            return False
+        partition.unstart(offset)
+        self._gate.rewind(tp, offset)
+        return True
 
     def _runnable(
         self, tp: TopicPartition, fetched: list[ConsumerRecord[bytes, bytes]]
