@@ -10,8 +10,10 @@ commit had not landed yet) and committed behind the position its own late commit
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import CommitFailedError
 
 from tests.fakes import FakeConsumer
 from worker.core.config import settings_from
@@ -75,6 +77,60 @@ async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_befo
     consumer.commit_gate.set()  # the coordinator is back within the grace
     assert await stopping
     assert consumer.commits == [{TP: 1}, {TP: 1}]
+    handed_over = decode_offset_map(1, consumer.metadata[-1][TP])
+    assert handed_over.clean
+    assert handed_over.answered == {2}
+
+
+class _Rejoining(FakeConsumer):
+    """A member as `worker.core.kafka` sees it through aiokafka's `_coordinator`: while its
+    generation is forgotten (-1: the group refused a commit of it, and a join is under way),
+    every commit is refused, as noida-db refuses the old generation's from the moment another
+    member asks to join; once the join completes, commits are taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generation = 1
+        self.refused = 0
+        self._coordinator = self
+
+    async def commit_offsets(self, assignment: Any, offsets: dict[TopicPartition, Any]) -> None:
+        await self.commit({tp: (o.offset, o.metadata) for tp, o in offsets.items()})
+
+    async def commit(self, offsets: dict[TopicPartition, tuple[int, str]]) -> None:
+        if self.generation < 0:
+            self.refused += 1
+            raise CommitFailedError("the group has already rebalanced")
+        await super().commit(offsets)
+
+
+async def test_a_stopping_worker_lands_a_refused_hand_over_once_its_join_completes():
+    """Found by the fleet simulation (`bench/sim.py --seed 71272 --workers 3 --flavour noida
+    --static`, and 71040, 71134, 71231): SIGTERM, then a member joined; noida-db refused the
+    revoke's hand-over at once, and the stopping worker's final try, made while aiokafka was
+    still rejoining, was refused for the same reason and dropped. The worker exited within its
+    grace with its jobs named running, and the next owner counted a death against each."""
+    consumer = _Rejoining()
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics())
+    partition = committer.partition(TP)
+    for offset in (0, 1, 2):
+        partition.start(offset)
+    partition.finish(0)
+    await committer.commit_now()  # lands, naming 1 and 2 as running
+    partition.finish(2)  # offset 1 is still running
+    consumer.generation = -1  # another member asked to join
+
+    await committer.revoked({TP})
+    assert consumer.refused == 1
+    stopping = asyncio.create_task(
+        committer.hand_over_until(asyncio.get_running_loop().time() + 30)
+    )
+    await wait_for(
+        lambda: consumer.refused >= 3 or stopping.done(), what="the final hand-over refused"
+    )
+    consumer.generation = 2  # the join completed within the grace
+    assert await stopping
     handed_over = decode_offset_map(1, consumer.metadata[-1][TP])
     assert handed_over.clean
     assert handed_over.answered == {2}

@@ -9,12 +9,14 @@ a death: they then ran one at a time, as suspects of a crash.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import GroupCoordinatorNotAvailableError, KafkaError
 from aiokafka.protocol.admin import DescribeGroupsResponse_v1
 
-from tests.fakes import FakeConsumer
+from tests.fakes import FakeConsumer, VirtualClockLoop
 from worker.core.config import settings_from
 from worker.core.incarnation import incarnation_assignor, incarnations_of_members, new_incarnation
 from worker.core.metrics import Metrics
@@ -50,6 +52,14 @@ def test_a_group_that_is_rebalancing_says_nothing_about_who_is_alive():
 
 
 def _committer(reads: list[str], live: set[int] | None) -> Committer:
+    return _committer_answering(reads, [live])
+
+
+def _committer_answering(
+    reads: list[str], answers: list[set[int] | KafkaError | None]
+) -> Committer:
+    """A committer whose group answers "who is alive" with `answers`, one per ask (the last
+    one from then on): a set of incarnations, None (rebalancing) or an error it raises."""
     consumer = FakeConsumer()
     for _ in range(10):
         consumer.add(TP, b"{}")
@@ -58,7 +68,10 @@ def _committer(reads: list[str], live: set[int] | None) -> Committer:
         return {TP: (0, reads.pop(0) if len(reads) > 1 else reads[0])}
 
     async def live_incarnations() -> set[int] | None:
-        return live
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if isinstance(answer, KafkaError):
+            raise answer
+        return answer
 
     settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
     return Committer(
@@ -80,10 +93,60 @@ async def test_a_live_member_whose_hand_over_lands_while_the_group_rebalances_bl
     assert partition.answered_before == {0, 1, 2, 3}
 
 
-async def test_a_member_whose_hand_over_never_lands_while_the_group_rebalances_counts_as_dead():
+def test_a_member_whose_hand_over_never_lands_while_the_group_rebalances_counts_as_dead():
     # Nothing tells a dead writer from a live one then but its hand-over, which a live member
-    # makes as soon as it rejoins: without it, the breaker stays on the safe side.
+    # makes as soon as it rejoins: without it, and with the group unable to say even when asked
+    # again, the breaker stays on the safe side.
     writer = new_incarnation()
-    committer = _committer([encode_offset_map(0, [2], running=[1, 3], writer=writer)], live=None)
-    await committer.assigned({TP})
-    assert committer.partition(TP).deaths == {1: 1, 3: 1}
+
+    async def inherit() -> None:
+        committer = _committer(
+            [encode_offset_map(0, [2], running=[1, 3], writer=writer)], live=None
+        )
+        await committer.assigned({TP})
+        assert committer.partition(TP).deaths == {1: 1, 3: 1}
+
+    _on_virtual_time(inherit())
+
+
+def _on_virtual_time(body: Coroutine[Any, Any, None]) -> None:
+    """Run `body` on a loop whose clock jumps over the new owner's wait for the hand-over."""
+    loop = VirtualClockLoop()
+    try:
+        loop.run_until_complete(body)
+    finally:
+        loop.close()
+
+
+def test_a_live_member_the_group_vouches_for_once_asked_again_blames_nobody():
+    # Seed 71239 (`bench/sim.py --flavour noida --static`): a broker outage began as the group
+    # formed; the new owner could not ask who was alive, counted the live last owner (its
+    # hand-over refused during the rebalance) as dead, and its job in flight as a suspect.
+    # Asked again after the wait for the hand-over, the group vouches for it.
+    writer = new_incarnation()
+
+    async def inherit(first: KafkaError | None) -> None:
+        committer = _committer_answering(
+            [encode_offset_map(0, [2], running=[1, 3], writer=writer)], [first, {writer}]
+        )
+        await committer.assigned({TP})
+        assert committer.partition(TP).deaths == {}, first
+
+    for first in (GroupCoordinatorNotAvailableError(), None):
+        _on_virtual_time(inherit(first))
+
+
+def test_a_writer_the_group_cannot_vouch_for_when_asked_again_counts_as_dead():
+    writer = new_incarnation()
+
+    async def inherit(again: set[int] | KafkaError | None) -> None:
+        committer = _committer_answering(
+            [encode_offset_map(0, [2], running=[1, 3], writer=writer)],
+            [GroupCoordinatorNotAvailableError(), again],
+        )
+        await committer.assigned({TP})
+        assert committer.partition(TP).deaths == {1: 1, 3: 1}, again
+
+    answers: list[set[int] | KafkaError | None] = [GroupCoordinatorNotAvailableError(), None, set()]
+    for again in answers:
+        _on_virtual_time(inherit(again))

@@ -185,6 +185,14 @@ def member_id(consumer: AIOKafkaConsumer) -> str | None:
     return str(coordinator.member_id)
 
 
+def rejoining(consumer: AIOKafkaConsumer) -> bool:
+    """Whether aiokafka has forgotten this member's generation (the group refused a commit of
+    it) and a join is under way: a commit made now is refused for the same reason, and one made
+    once the join completes is taken in the new generation."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    return coordinator is not None and coordinator.generation < 0
+
+
 async def leave_group(consumer: AIOKafkaConsumer, last_member_id: str | None = None) -> None:
     """Leave the group now, also as a static member, whose partitions the group otherwise
     keeps for it until its session times out (or, on a broker that never evicts, for ever).

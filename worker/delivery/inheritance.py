@@ -17,7 +17,7 @@ from typing import Final
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from worker.core.kafka import commit_handed_over
+from worker.core.kafka import commit_handed_over, rejoining
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker, describe_commits
@@ -36,6 +36,8 @@ LiveIncarnations = Callable[[], Awaitable[set[int] | None]]
 # hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
 _HAND_OVER_WAIT_S: Final = 2.0
 _HAND_OVER_POLL_S: Final = 0.1
+# How often a new owner asks again who is alive while the group cannot say.
+_ASK_AGAIN_S: Final = 0.5
 
 # The group's answer that this member's generation is over: a hand-over refused with it is
 # not tried again.
@@ -125,6 +127,7 @@ class Inheritance:
         if maps is None:
             return {}
         await self._await_hand_overs(maps, alive)
+        alive.waited()
         for tp, (position, previous) in sorted(maps.items()):
             if previous is None:
                 self._tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
@@ -257,9 +260,11 @@ class Inheritance:
         and not committed, blaming nobody: the map names a live writer). Made before this
         member starts anything, it cannot move back a position a new owner committed since.
 
-        Refused again, it is dropped: the member's generation is over, and the new owners run
-        again what was answered and not committed. Not answered in time, it is kept for the
-        next try: the coordinator may be back by then.
+        Refused again in a generation of its own, it is dropped: the member's generation is
+        over, and the new owners run again what was answered and not committed. Refused while
+        the member has no generation (its join under way: a stopping worker tries before
+        aiokafka has rejoined), or not answered in time, it is kept for the next try: the join
+        may have completed by then, or the coordinator be back.
         """
         if not self._unlanded:
             return
@@ -273,7 +278,7 @@ class Inheritance:
                 await commit_handed_over(self._consumer, offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
-            if isinstance(exc, _REFUSED):
+            if isinstance(exc, _REFUSED) and not rejoining(self._consumer):
                 logger.warning(
                     "the hand-over of %s was refused again (%r); the records answered and not "
                     "committed will run again",
@@ -360,38 +365,60 @@ def _awaits_hand_over(written: OffsetMap) -> bool:
 class _AliveWriters:
     """Whether the writer of a map is a live member of the group: this process itself, or an
     incarnation a live member announces. The group is asked once per assignment, and only
-    about a map that was not a clean hand-over; a writer that names no incarnation, or a
-    group that cannot be asked, counts as dead (the breaker's counts stay on the safe side).
-    A group that is rebalancing cannot say (None): the new owner then waits for the writer's
-    hand-over, as for a live one, and counts it dead only when none lands."""
+    about a map that was not a clean hand-over; a writer that names no incarnation counts as
+    dead. A group that cannot say (rebalancing: its members come back without the metadata
+    that announces them; or not answering) is asked again once the new owner has waited for
+    the writer's hand-over (`waited`); a writer it still cannot vouch for, whose hand-over
+    never landed, counts as dead (the breaker's counts stay on the safe side)."""
 
     def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
         self._own = own
         self._ask = ask
         self._timeout_s = timeout_s
         self._asked = False
+        self._waited = False
+        self._asked_again = False
         self._live: set[int] | None = None
 
     async def __call__(self, writer: int) -> bool | None:
-        """Whether `writer` is alive; None when the group could not say (it was rebalancing:
-        its members come back without the metadata that announces them)."""
+        """Whether `writer` is alive; None when the group could not say."""
         if not writer:
             return False
         if writer == self._own:
             return True
         if not self._asked:
             self._asked = True
-            self._live = set()
-            if self._ask is not None:
-                try:
-                    async with asyncio.timeout(self._timeout_s):
-                        self._live = await self._ask()
-                except (KafkaError, TimeoutError) as exc:
-                    logger.warning(
-                        "cannot ask the group which members are alive (%r); a previous owner "
-                        "that did not hand over counts as dead",
-                        exc,
-                    )
+            self._live = await self._ask_group()
+        if self._live is None and self._waited and not self._asked_again:
+            self._asked_again = True
+            self._live = await self._ask_until_it_says()
         if self._live is None:
             return None
         return writer in self._live
+
+    def waited(self) -> None:
+        """The new owner has waited for the hand-overs: a group that could not say is asked
+        again, when a map still needs its answer."""
+        self._waited = True
+
+    async def _ask_until_it_says(self) -> set[int] | None:
+        """Ask every `_ASK_AGAIN_S` until the group says or `timeout_s` has passed. A
+        coordinator away for a few seconds (a broker restarting as the group formed) must not
+        make a live member's jobs suspects of a death that did not happen; the partitions wait
+        paused meanwhile, and nothing of theirs could be committed before it is back anyway."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            live = await self._ask_group()
+            if live is not None or time.monotonic() >= deadline:
+                return live
+            await asyncio.sleep(_ASK_AGAIN_S)
+
+    async def _ask_group(self) -> set[int] | None:
+        if self._ask is None:
+            return set()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._ask()
+        except (KafkaError, TimeoutError) as exc:
+            logger.warning("cannot ask the group which members are alive (%r)", exc)
+            return None
