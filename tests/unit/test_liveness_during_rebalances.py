@@ -9,6 +9,7 @@ a death: they then ran one at a time, as suspects of a crash.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
@@ -51,12 +52,25 @@ def test_a_group_that_is_rebalancing_says_nothing_about_who_is_alive():
     assert incarnations_of_members([_description("CompletingRebalance", [b""])], "g") is None
 
 
+def test_a_stable_group_whose_members_carry_no_metadata_says_nothing_about_who_is_alive():
+    # tansu never returns member metadata (the simulation's `Flavour.TANSU`; seed 72088 of
+    # `bench/sim.py --flavour tansu`): read as "no live member announces that incarnation",
+    # every live last owner counted as dead, its new owner did not wait for the hand-over, and
+    # committed behind it once it landed. The asking worker is a member that announces itself,
+    # so a group where nobody does is the broker keeping quiet.
+    ours = new_incarnation()
+    announced = incarnation_assignor(ours).metadata(["jobs"]).encode()
+    assert incarnations_of_members([_description("Stable", [b"", b""])], "g") is None
+    assert incarnations_of_members([_description("Stable", [announced, b""])], "g") == {ours}
+    assert incarnations_of_members([_description("Empty", [])], "g") == set()
+
+
 def _committer(reads: list[str], live: set[int] | None) -> Committer:
     return _committer_answering(reads, [live])
 
 
 def _committer_answering(
-    reads: list[str], answers: list[set[int] | KafkaError | None]
+    reads: list[str], answers: list[set[int] | KafkaError | None], asked: list[float] | None = None
 ) -> Committer:
     """A committer whose group answers "who is alive" with `answers`, one per ask (the last
     one from then on): a set of incarnations, None (rebalancing) or an error it raises."""
@@ -68,6 +82,8 @@ def _committer_answering(
         return {TP: (0, reads.pop(0) if len(reads) > 1 else reads[0])}
 
     async def live_incarnations() -> set[int] | None:
+        if asked is not None:
+            asked.append(asyncio.get_running_loop().time())
         answer = answers.pop(0) if len(answers) > 1 else answers[0]
         if isinstance(answer, KafkaError):
             raise answer
@@ -150,3 +166,31 @@ def test_a_writer_the_group_cannot_vouch_for_when_asked_again_counts_as_dead():
     answers: list[set[int] | KafkaError | None] = [GroupCoordinatorNotAvailableError(), None, set()]
     for again in answers:
         _on_virtual_time(inherit(again))
+
+
+def test_the_group_is_asked_again_while_its_coordinator_does_not_answer_and_once_otherwise():
+    """A coordinator that does not answer is asked every 0.5 s for up to --commit-timeout-s
+    (10 s); a group that answers that it cannot say (rebalancing, or a broker that never
+    returns member metadata) once more, after the wait for the hand-over."""
+    writer = new_incarnation()
+
+    async def asks(again: KafkaError | None) -> list[float]:
+        asked: list[float] = []
+        committer = _committer_answering(
+            [encode_offset_map(0, [2], running=[1, 3], writer=writer)], [None, again], asked
+        )
+        await committer.assigned({TP})
+        assert committer.partition(TP).deaths == {1: 1, 3: 1}
+        return asked
+
+    def on_virtual_time(again: KafkaError | None) -> list[float]:
+        loop = VirtualClockLoop()
+        try:
+            return loop.run_until_complete(asks(again))
+        finally:
+            loop.close()
+
+    assert len(on_virtual_time(None)) == 2
+    retried = on_virtual_time(GroupCoordinatorNotAvailableError())
+    assert 15 <= len(retried) <= 25
+    assert 9.5 <= retried[-1] - retried[1] <= 10.5

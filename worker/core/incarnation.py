@@ -52,8 +52,10 @@ def incarnations_of_members(descriptions: Sequence[Any], group_id: str) -> set[i
     """The incarnations announced by the live members of `group_id`, from aiokafka's
     `describe_consumer_groups` responses; None while the group rebalances, when Apache Kafka
     returns its members without their metadata (`GroupMetadata.summaryNoMetadata`), so the
-    answer says nothing about who is alive. A member whose metadata is missing otherwise (a
-    broker that never returns it) or holds no incarnation names none."""
+    answer says nothing about who is alive. None too when no member of a group that has members
+    carries metadata (tansu never returns it): the asking worker is a member and announces
+    itself, so that is the broker, not the members. A member whose metadata is missing
+    otherwise, or holds no incarnation, names none."""
     found: set[int] = set()
     for response in descriptions:
         for group in response.to_object().get("groups", []):
@@ -61,7 +63,10 @@ def incarnations_of_members(descriptions: Sequence[Any], group_id: str) -> set[i
                 continue
             if group.get("state") in _REBALANCING:
                 return None
-            for member in group.get("members", []):
+            members = group.get("members", [])
+            if members and not any(member.get("member_metadata") for member in members):
+                return None
+            for member in members:
                 raw = member.get("member_metadata") or b""
                 try:
                     user_data = ConsumerProtocolMemberMetadata.decode(raw).user_data or b""

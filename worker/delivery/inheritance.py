@@ -402,23 +402,30 @@ class _AliveWriters:
         self._waited = True
 
     async def _ask_until_it_says(self) -> set[int] | None:
-        """Ask every `_ASK_AGAIN_S` until the group says or `timeout_s` has passed. A
-        coordinator away for a few seconds (a broker restarting as the group formed) must not
-        make a live member's jobs suspects of a death that did not happen; the partitions wait
-        paused meanwhile, and nothing of theirs could be committed before it is back anyway."""
+        """Ask again; while the coordinator does not answer, every `_ASK_AGAIN_S` until
+        `timeout_s` has passed. A coordinator away for a few seconds (a broker restarting as
+        the group formed) must not make a live member's jobs suspects of a death that did not
+        happen; the partitions wait paused meanwhile, and nothing of theirs could be committed
+        before it is back anyway. A group that answers that it cannot say is not asked again."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            live = await self._ask_group()
-            if live is not None or time.monotonic() >= deadline:
-                return live
+            try:
+                return await self._ask_once()
+            except (KafkaError, TimeoutError) as exc:
+                if time.monotonic() >= deadline:
+                    logger.warning("cannot ask the group which members are alive (%r)", exc)
+                    return None
             await asyncio.sleep(_ASK_AGAIN_S)
 
     async def _ask_group(self) -> set[int] | None:
-        if self._ask is None:
-            return set()
         try:
-            async with asyncio.timeout(self._timeout_s):
-                return await self._ask()
+            return await self._ask_once()
         except (KafkaError, TimeoutError) as exc:
             logger.warning("cannot ask the group which members are alive (%r)", exc)
             return None
+
+    async def _ask_once(self) -> set[int] | None:
+        if self._ask is None:
+            return set()
+        async with asyncio.timeout(self._timeout_s):
+            return await self._ask()
