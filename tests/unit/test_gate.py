@@ -7,11 +7,14 @@ fetched the same records again and again.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from aiokafka import TopicPartition
+from aiokafka.errors import GroupCoordinatorNotAvailableError, UnknownMemberIdError
 
-from tests.fakes import FakeConsumer
+from tests.fakes import FakeConsumer, VirtualClockLoop
+from worker.core.kafka import LeaveGroupByInstanceId
 from worker.loop.gate import PartitionGate
 
 P0 = TopicPartition("jobs", 0)
@@ -84,18 +87,43 @@ async def test_a_fetch_counts_as_the_poll_the_keepalive_waits_for() -> None:
 
 
 class _Coordinator:
-    """aiokafka's group coordinator, as far as leaving the group goes."""
+    """aiokafka's group coordinator, as far as leaving the group goes, and the group behind it:
+    its members, and which of them holds this worker's instance id (a static member)."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance_id: str | None = "pod-0") -> None:
         self.group_id = "g"
+        self._group_instance_id = instance_id
         self.generation, self.member_id = 3, "worker-3"
+        self.members = {"worker-3"}
+        self.holding_instance = "worker-3"
         self.left_as: list[str] = []
+        #: Requests that fail before the coordinator answers (it is moving, or away).
+        self.unreachable = 0
 
-    async def _send_req(self, request: Any) -> None:
-        self.left_as.append(request._member_id)
+    async def _send_req(self, request: Any) -> Any:
+        if self.unreachable:
+            self.unreachable -= 1
+            raise GroupCoordinatorNotAvailableError()
+        if isinstance(request, LeaveGroupByInstanceId):
+            self.left_as.append(f"instance {request.instance_id}")
+            found = request.instance_id == self._group_instance_id
+            leaving = self.holding_instance if found else ""
+        else:
+            self.left_as.append(request._member_id)
+            leaving = request._member_id
+        if leaving not in self.members:
+            return SimpleNamespace(error_code=UnknownMemberIdError.errno)
+        self.members.discard(leaving)
+        return SimpleNamespace(error_code=0)
 
     def reset_generation(self) -> None:
         self.generation, self.member_id = -1, ""
+
+
+def _gate_on(coordinator: _Coordinator) -> PartitionGate:
+    consumer = FakeConsumer()
+    consumer._coordinator = coordinator  # type: ignore[attr-defined]
+    return PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
 
 
 async def test_a_static_member_scaled_in_leaves_under_the_id_aiokafka_forgot():
@@ -104,18 +132,64 @@ async def test_a_static_member_scaled_in_leaves_under_the_id_aiokafka_forgot():
     # reset its member id, though the group keeps the member and waits for it to rejoin. A
     # worker stopping just then sent no LeaveGroup, and on a broker that never evicts the
     # group waited for it for ever: no partition moved again.
-    consumer = FakeConsumer()
-    coordinator = consumer._coordinator = _Coordinator()  # type: ignore[attr-defined]
-    gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
+    coordinator = _Coordinator()
+    gate = _gate_on(coordinator)
     gate.joined()
     coordinator.reset_generation()
     await gate.stop(leave=True)
     assert coordinator.left_as == ["worker-3"]
+    assert coordinator.members == set()
+    await gate.stop(leave=True)  # stopping again leaves no more
+    assert coordinator.left_as == ["worker-3"]
 
 
-async def test_a_member_that_never_joined_sends_no_leave():
-    consumer = FakeConsumer()
-    coordinator = consumer._coordinator = _Coordinator()  # type: ignore[attr-defined]
+async def test_a_static_member_whose_rejoin_gave_its_instance_a_new_id_leaves_by_instance():
+    # Seed 71294 of `bench/sim.py --flavour noida --static`: aiokafka rejoined under the
+    # instance id while the worker drained, and the group gave the instance a new member id
+    # whose JoinGroup answer had not come back. The leave under the old id was refused
+    # (UNKNOWN_MEMBER_ID), and the new member held its partitions for ever.
+    coordinator = _Coordinator()
+    gate = _gate_on(coordinator)
+    gate.joined()
     coordinator.reset_generation()
-    await PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S).stop(leave=True)
-    assert coordinator.left_as == []
+    coordinator.members = {"worker-5"}
+    coordinator.holding_instance = "worker-5"
+    await gate.stop(leave=True)
+    assert coordinator.left_as == ["worker-3", "instance pod-0"]
+    assert coordinator.members == set()
+
+
+async def test_a_static_member_scaled_in_before_its_first_join_completed_leaves_by_instance():
+    # Seed 71250: started and scaled in at once; its JoinGroup made it a member, the answer
+    # never came, and the group waited for it for ever.
+    coordinator = _Coordinator()
+    coordinator.reset_generation()
+    await _gate_on(coordinator).stop(leave=True)
+    assert coordinator.left_as == ["instance pod-0"]
+    assert coordinator.members == set()
+
+
+async def test_a_dynamic_member_that_never_joined_sends_no_leave():
+    coordinator = _Coordinator(instance_id=None)
+    coordinator.reset_generation()
+    await _gate_on(coordinator).stop(leave=True)
+    assert coordinator.members == {"worker-3"}
+
+
+def test_a_leave_is_tried_again_while_the_coordinator_cannot_be_reached():
+    # Seed 71238: a worker scaled in during a broker outage stopped at once; its one leave
+    # failed and the group kept it for ever.
+    async def stop(unreachable: int) -> list[str]:
+        coordinator = _Coordinator()
+        coordinator.unreachable = unreachable
+        gate = _gate_on(coordinator)
+        gate.joined()
+        await gate.stop(leave=True, leave_within_s=5.0)
+        return coordinator.left_as
+
+    loop = VirtualClockLoop()
+    try:
+        assert loop.run_until_complete(stop(3)) == ["worker-3"]
+        assert loop.run_until_complete(stop(100)) == []  # given up after 5 s
+    finally:
+        loop.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -15,12 +17,16 @@ from aiokafka.errors import (
     KafkaError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
+    UnknownMemberIdError,
     UnknownTopicOrPartitionError,
+    UnsupportedVersionError,
     for_code,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.protocol.metadata import MetadataRequest
+from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 from aiokafka.structs import TopicPartition
 from aiokafka.util import commit_structure_validate
 
@@ -29,9 +35,13 @@ from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import incarnation_assignor
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
 
+# How often a stopping worker tries again to leave while the coordinator cannot be reached.
+_LEAVE_RETRY_S: Final = 0.5
+
 __all__ = [
     "CONTROL_TOPIC_CONFIGS",
     "RECORD_OVERHEAD_BYTES",
+    "LeaveGroupByInstanceId",
     "broker_has_topic",
     "client_kwargs",
     "commit_handed_over",
@@ -42,6 +52,7 @@ __all__ = [
     "make_producer",
     "member_id",
     "read_record_limits",
+    "rejoining",
     "record_size_limit",
     "topic_max_message_bytes",
     "topics_max_message_bytes",
@@ -193,29 +204,105 @@ def rejoining(consumer: AIOKafkaConsumer) -> bool:
     return coordinator is not None and coordinator.generation < 0
 
 
-async def leave_group(consumer: AIOKafkaConsumer, last_member_id: str | None = None) -> None:
+async def leave_group(
+    consumer: AIOKafkaConsumer, last_member_id: str | None = None, *, within_s: float = 0.0
+) -> None:
     """Leave the group now, also as a static member, whose partitions the group otherwise
     keeps for it until its session times out (or, on a broker that never evicts, for ever).
 
     aiokafka sends LeaveGroup only for dynamic members: a static member is meant to come back
     under its instance id (a restart) without a rebalance. A worker scaled in does not come
     back; its LeaveGroup by member id (v0/v1, which aiokafka speaks) hands its partitions over
-    at once. Best effort, like aiokafka's own leave: an error is logged.
+    at once. Tried again while the coordinator cannot be reached, for up to `within_s`; then
+    given up with a warning, like aiokafka's own leave.
 
     `last_member_id`: the id it last held. A commit refused because the generation moved on
     (another member joining) makes aiokafka forget its member id, although the group keeps the
-    member and waits for it to rejoin; a worker stopping just then leaves under that id.
+    member and waits for it to rejoin; a worker stopping just then leaves under that id. When
+    the group knows that id no more (aiokafka rejoined under the instance id meanwhile, and the
+    group gave the instance a new member id whose JoinGroup answer has not come back), a
+    static member leaves by its instance id (LeaveGroup v3, KIP-345), which removes whichever
+    member holds that instance now.
     """
     coordinator = getattr(consumer, "_coordinator", None)
-    leaving_as = member_id(consumer) or last_member_id
-    if coordinator is None or not leaving_as:
+    if coordinator is None:
         return
-    try:
-        await coordinator._send_req(LeaveGroupRequest(coordinator.group_id, leaving_as))
-    except KafkaError as exc:
-        logger.warning("could not leave the group (%r); it waits for the session timeout", exc)
-    else:
+    deadline = time.monotonic() + within_s
+    while True:
+        error = await _leave_once(coordinator, member_id(consumer) or last_member_id)
+        if error is None or not error.retriable or time.monotonic() + _LEAVE_RETRY_S > deadline:
+            break
+        await asyncio.sleep(_LEAVE_RETRY_S)
+    if error is None:
         logger.info("left the group %s", coordinator.group_id)
+    else:
+        logger.warning("could not leave the group (%r); it waits for the session timeout", error)
+
+
+async def _leave_once(coordinator: Any, leaving_as: str | None) -> KafkaError | None:
+    instance_id: str | None = getattr(coordinator, "_group_instance_id", None)
+    error: KafkaError | None = UnknownMemberIdError()
+    if leaving_as:
+        error = await _leave(coordinator, LeaveGroupRequest(coordinator.group_id, leaving_as))
+    if instance_id is not None and isinstance(error, UnknownMemberIdError):
+        error = await _leave(coordinator, LeaveGroupByInstanceId(coordinator.group_id, instance_id))
+    return error
+
+
+async def _leave(coordinator: Any, request: Any) -> KafkaError | None:
+    """Send a LeaveGroup; the error it ended with (sending it, or in its answer), or None."""
+    try:
+        response = await coordinator._send_req(request)
+    except (KafkaError, NotImplementedError) as exc:
+        # NotImplementedError: the broker speaks none of the request's versions (aiokafka's
+        # Request.prepare).
+        return exc if isinstance(exc, KafkaError) else UnsupportedVersionError(str(exc))
+    codes = [response.error_code] + [m[-1] for m in getattr(response, "members", [])]
+    code = next((c for c in codes if c), 0)
+    return for_code(code)() if code else None
+
+
+# aiokafka's protocol classes are untyped (Any to mypy).
+class _LeaveGroupResponseV3(Response):  # type: ignore[misc]
+    API_KEY = 13
+    API_VERSION = 3
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        ("error_code", Int16),
+        (
+            "members",
+            Array(
+                ("member_id", String("utf-8")),
+                ("group_instance_id", String("utf-8")),
+                ("error_code", Int16),
+            ),
+        ),
+    )
+
+
+class _LeaveGroupRequestV3(RequestStruct):  # type: ignore[misc]
+    API_KEY = 13
+    API_VERSION = 3
+    RESPONSE_TYPE = _LeaveGroupResponseV3
+    SCHEMA = Schema(
+        ("group", String("utf-8")),
+        ("members", Array(("member_id", String("utf-8")), ("group_instance_id", String("utf-8")))),
+    )
+
+
+class LeaveGroupByInstanceId(Request[_LeaveGroupRequestV3]):  # type: ignore[misc]
+    """LeaveGroup v3 naming a static member by its instance id alone (member id empty): Kafka
+    removes whichever member holds that instance now (`GroupCoordinator.handleLeaveGroup`,
+    KIP-345's administrative removal). aiokafka speaks LeaveGroup v0/v1 only."""
+
+    API_KEY = 13
+
+    def __init__(self, group_id: str, instance_id: str) -> None:
+        self.group_id = group_id
+        self.instance_id = instance_id
+
+    def build(self, request_struct_class: type[_LeaveGroupRequestV3]) -> _LeaveGroupRequestV3:
+        return request_struct_class(self.group_id, [("", self.instance_id)])
 
 
 def produce_request_timeout_ms(settings: Settings) -> int:

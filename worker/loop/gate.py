@@ -52,6 +52,7 @@ class PartitionGate:
         self._clock = clock
         self._polled = clock()
         self._member_id: str | None = None
+        self._left = False
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
@@ -64,11 +65,15 @@ class PartitionGate:
         """The group assigned partitions: note the member id it gave, to leave under it."""
         self._member_id = member_id(self._consumer) or self._member_id
 
-    async def stop(self, *, leave: bool = False) -> None:
+    async def stop(self, *, leave: bool = False, leave_within_s: float = 0.0) -> None:
         """Close the consumer: a dynamic member leaves the group; a static member only when
-        told to `leave` (it is scaled in, not restarted)."""
-        if leave and self._member_id is not None:
-            await leave_group(self._consumer, self._member_id)
+        told to `leave` (it is scaled in, not restarted), trying for up to `leave_within_s`
+        while the coordinator cannot be reached. Once: stopping again leaves no more."""
+        if leave and not self._left:
+            # Also before any join completed: a JoinGroup may be under way, and the group then
+            # holds the instance for this process (a static member leaves by its instance id).
+            self._left = True
+            await leave_group(self._consumer, self._member_id, within_s=leave_within_s)
         await self._consumer.stop()
 
     async def fetch(self, max_records: int, timeout_ms: int) -> Batch:

@@ -385,6 +385,8 @@ class Worker:
             self._gate.stop,
             leave=self._settings.leave_group_on_stop
             and self._settings.group_instance_id is not None,
+            # Half the bound below, so the consumer is still stopped within it.
+            leave_within_s=self._settings.close_timeout_s / 2,
         )
         await bounded(stop, "consumer stop", self._settings.close_timeout_s)
         await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)

@@ -34,6 +34,7 @@ from aiokafka.errors import (
 )
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata, TopicPartition
 
+from worker.core.kafka import LeaveGroupByInstanceId
 from worker.dev.sim.cluster import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, Cluster
 
 __all__ = ["Process", "SimAdmin", "SimBatch", "SimConsumer", "SimProducer"]
@@ -103,15 +104,36 @@ class _CoordinatorView:
     async def commit_offsets(self, assignment: Any, offsets: dict[TopicPartition, Any]) -> None:
         await self._consumer.commit_offsets(offsets)
 
+    @property
+    def _group_instance_id(self) -> str | None:
+        return self._consumer.instance_id
+
     async def _send_req(self, request: Any) -> Any:
-        # The only request the worker sends itself: LeaveGroup by the member id it names.
+        """The only request the worker sends itself: LeaveGroup, by the member id it names or
+        (v3) by its instance id. A group error comes back in the answer, as from a broker."""
         consumer = self._consumer
-        await consumer.process.request(
-            lambda: consumer.cluster.leave(
-                self.group_id, request._member_id, consumer.process.now()
-            )
-        )
+        cluster = consumer.cluster
+
+        def leave() -> None:
+            now = consumer.process.now()
+            if isinstance(request, LeaveGroupByInstanceId):
+                cluster.leave_instance(self.group_id, request.instance_id, now)
+            else:
+                cluster.leave(self.group_id, request._member_id, now)
+
+        try:
+            await consumer.process.request(leave)
+        except UnknownMemberIdError:
+            return _LeaveAnswer(UnknownMemberIdError.errno)
         consumer.left_group()
+        return _LeaveAnswer(0)
+
+
+@dataclass(frozen=True)
+class _LeaveAnswer:
+    """A LeaveGroup response as the worker reads it."""
+
+    error_code: int
 
 
 class SimConsumer:

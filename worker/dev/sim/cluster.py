@@ -432,6 +432,19 @@ class Cluster:
         self._remove(group, member, "left")
         self._after_removal(group, now)
 
+    def leave_instance(self, group_id: str, instance_id: str, now: float) -> None:
+        """LeaveGroup v3 naming a static member by its instance id alone: Kafka removes
+        whichever member holds that instance now (GroupCoordinator.handleLeaveGroup, KIP-345);
+        so does noida-db. tansu 0.6.0 answers UNKNOWN_MEMBER_ID (both measured)."""
+        self._coordinator()
+        group = self.group(group_id)
+        member_id = group.static.get(instance_id)
+        member = group.members.get(member_id) if member_id is not None else None
+        if member is None or self.flavour is Flavour.TANSU:
+            raise UnknownMemberIdError()
+        self._remove(group, member, "left")
+        self._after_removal(group, now)
+
     def _after_removal(self, group: Group, now: float) -> None:
         if group.state is GroupState.PREPARING_REBALANCE:
             self._maybe_complete_round(group, now)
