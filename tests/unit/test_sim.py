@@ -514,6 +514,21 @@ FOUND_DEFECTS = {
     "that never evicts waited for it for ever (every job after went unanswered)": Scenario(
         seed=403, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
     ),
+    "noida-db refused a stopping worker's hand-over as another member asked to join; its "
+    "final try, made while aiokafka was still rejoining, was refused for the same reason and "
+    "dropped, and the next owner counted a death against the jobs it named running": Scenario(
+        seed=71272, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+    ),
+    "tansu returns no member metadata: every live last owner counted as dead, its new owner "
+    "did not wait for the hand-over and committed behind it once it landed": Scenario(
+        seed=72088, partitions=24, jobs_per_s=12, flavour=Flavour.TANSU
+    ),
+    "a static member scaled in while aiokafka rejoined under its instance id left under the "
+    "id the group had replaced; noida-db kept the new member, and its partitions, for ever": (
+        Scenario(
+            seed=71294, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+        )
+    ),
 }
 
 
