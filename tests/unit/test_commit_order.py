@@ -46,6 +46,26 @@ async def test_the_intervals_commit_waits_for_a_hand_over_on_its_way_and_skips_w
     assert consumer.commits == [{TP: 0}]
 
 
+async def _offset_1_running_after_a_landed_commit(
+    consumer: FakeConsumer, **settings: Any
+) -> Committer:
+    """A committer whose landed commit names offsets 1 and 2 as running; 2 answered since."""
+    committer = Committer(
+        consumer,
+        settings_from(
+            {"jobs_topic": "jobs", "results_topic": "r", "engine": "mock", **settings}, {}
+        ),
+        Metrics(),
+    )
+    partition = committer.partition(TP)
+    for offset in (0, 1, 2):
+        partition.start(offset)
+    partition.finish(0)
+    await committer.commit_now()  # lands, naming 1 and 2 as running
+    partition.finish(2)  # offset 1 is still running
+    return committer
+
+
 async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_before_the_worker_stops():
     """Found by the fleet simulation (`bench/sim.py --seed 2568 --workers 3`): a rebalance began,
     the coordinator went away, the revoke's hand-over timed out and the partitions were
@@ -53,17 +73,7 @@ async def test_a_hand_over_the_coordinator_did_not_answer_at_a_revoke_lands_befo
     worker stopped. The next owner read a map naming jobs as running, by a writer gone, and
     counted a death against each."""
     consumer = FakeConsumer()
-    settings = settings_from(
-        {"jobs_topic": "jobs", "results_topic": "r", "engine": "mock", "commit_timeout_s": 0.2},
-        {},
-    )
-    committer = Committer(consumer, settings, Metrics())
-    partition = committer.partition(TP)
-    for offset in (0, 1, 2):
-        partition.start(offset)
-    partition.finish(0)
-    await committer.commit_now()  # lands, naming 1 and 2 as running
-    partition.finish(2)  # offset 1 is still running
+    committer = await _offset_1_running_after_a_landed_commit(consumer, commit_timeout_s=0.2)
     consumer.commit_gate = asyncio.Event()  # the coordinator is away
 
     await committer.revoked({TP})
@@ -111,14 +121,7 @@ async def test_a_stopping_worker_lands_a_refused_hand_over_once_its_join_complet
     still rejoining, was refused for the same reason and dropped. The worker exited within its
     grace with its jobs named running, and the next owner counted a death against each."""
     consumer = _Rejoining()
-    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
-    committer = Committer(consumer, settings, Metrics())
-    partition = committer.partition(TP)
-    for offset in (0, 1, 2):
-        partition.start(offset)
-    partition.finish(0)
-    await committer.commit_now()  # lands, naming 1 and 2 as running
-    partition.finish(2)  # offset 1 is still running
+    committer = await _offset_1_running_after_a_landed_commit(consumer)
     consumer.generation = -1  # another member asked to join
 
     await committer.revoked({TP})

@@ -247,19 +247,23 @@ def test_a_job_a_hand_over_names_running_may_be_answered_twice_only_if_in_flight
         submitted_ms=int(submitted_at * 1000),
     )
     now[0] = 13.0
-    handed_over = encode_offset_map(0, (), running=(0,), clean=True)
-    history.add(
-        "commit",
-        client="w0",
-        tp="jobs-0",
-        offset=0,
-        previous=None,
-        metadata=handed_over,
-        metadata_bytes=len(handed_over),
-    )
+    _committed(history, "w0", encode_offset_map(0, (), running=(0,), clean=True))
     cluster.produce("w1", results, [(b"j0", answer, [])], producer_id=None, now_ms=14_000)
     duplicates = [v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "duplicates"]
     assert bool(duplicates) is not excused
+
+
+def _committed(history: History, client: str, metadata: str) -> None:
+    """`client` committed jobs-0 at offset 0 with `metadata`."""
+    history.add(
+        "commit",
+        client=client,
+        tp="jobs-0",
+        offset=0,
+        previous=None,
+        metadata=metadata,
+        metadata_bytes=len(metadata),
+    )
 
 
 #: What the checker's tests judge by: results on "results", jobs on "jobs".
@@ -314,16 +318,7 @@ def test_a_death_count_needs_a_kill_or_the_group_removing_the_live_owner(
     if removed is not None:
         history.add("member_removed", group="g", member=removed, why=why)
     now[0] = 10.0
-    blamed = encode_offset_map(0, (), deaths={0: 1 + killed_first})
-    history.add(
-        "commit",
-        client="w1",
-        tp="jobs-0",
-        offset=0,
-        previous=None,
-        metadata=blamed,
-        metadata_bytes=len(blamed),
-    )
+    _committed(history, "w1", encode_offset_map(0, (), deaths={0: 1 + killed_first}))
     wrongly = [
         v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "wrongly_blamed"
     ]
