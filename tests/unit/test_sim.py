@@ -524,6 +524,12 @@ FOUND_DEFECTS = {
             seed=71294, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
         )
     ),
+    "a static member scaled in during a coordinator outage, its jobs drained early, tried to "
+    "leave for 2.5 s with about 8 s of its grace left and gave up; noida-db kept it for ever": (
+        Scenario(
+            seed=77174, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+        )
+    ),
 }
 
 

@@ -99,6 +99,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
+        #: When the stop's grace ends (`time.monotonic()`), once a drain has begun.
+        self._grace_ends = 0.0
         self._serving = False
         if topic_lookup is None:
             topic_lookup = functools.partial(broker_has_topic, producer)
@@ -381,14 +383,18 @@ class Worker:
         """Stop the consumer (leaving the group), then the producer. `run` does it on its way
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
+        close_s = self._settings.close_timeout_s
+        # A scaled-in static member's leave is tried while the coordinator is away, for what
+        # the drain left of the grace (the supervisor waits that long anyway) and half of
+        # --close-timeout-s; its other half stops the consumer.
+        leave_within_s = max(self._grace_ends - time.monotonic(), 0.0) + close_s / 2
         stop = functools.partial(
             self._gate.stop,
             leave=self._settings.leave_group_on_stop
             and self._settings.group_instance_id is not None,
-            # Half the bound below, so the consumer is still stopped within it.
-            leave_within_s=self._settings.close_timeout_s / 2,
+            leave_within_s=leave_within_s,
         )
-        await bounded(stop, "consumer stop", self._settings.close_timeout_s)
+        await bounded(stop, "consumer stop", leave_within_s + close_s / 2)
         await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)
 
     def assignment(self) -> set[TopicPartition]:
@@ -479,7 +485,7 @@ class Worker:
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
-        grace_ends = time.monotonic() + grace
+        grace_ends = self._grace_ends = time.monotonic() + grace
         # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
         clean = not stop_blames_running_jobs(self._fatal)
         if clean:
