@@ -15,6 +15,7 @@ from aiokafka.errors import (
     InvalidTopicError,
     KafkaConnectionError,
     KafkaError,
+    RequestTimedOutError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
     UnknownMemberIdError,
@@ -52,8 +53,8 @@ __all__ = [
     "make_producer",
     "member_id",
     "read_record_limits",
-    "rejoining",
     "record_size_limit",
+    "rejoining",
     "topic_max_message_bytes",
     "topics_max_message_bytes",
 ]
@@ -229,7 +230,13 @@ async def leave_group(
         return
     deadline = time.monotonic() + within_s
     while True:
-        error = await _leave_once(coordinator, member_id(consumer) or last_member_id)
+        try:
+            # A request waits behind a JoinGroup on its way on the same connection, which the
+            # broker answers only when the round completes: bounded by the time left.
+            async with asyncio.timeout(max(deadline - time.monotonic(), _LEAVE_RETRY_S)):
+                error = await _leave_once(coordinator, member_id(consumer) or last_member_id)
+        except TimeoutError:
+            error = RequestTimedOutError()
         if error is None or not error.retriable or time.monotonic() + _LEAVE_RETRY_S > deadline:
             break
         await asyncio.sleep(_LEAVE_RETRY_S)

@@ -113,6 +113,7 @@ class _CoordinatorView:
         (v3) by its instance id. A group error comes back in the answer, as from a broker."""
         consumer = self._consumer
         cluster = consumer.cluster
+        await consumer._join_idle.wait()
 
         def leave() -> None:
             now = consumer.process.now()
@@ -179,6 +180,11 @@ class SimConsumer:
         self._joining = False
         self._unsubscribe: Callable[[], None] | None = None
         self._coordinator = _CoordinatorView(self) if group_id is not None else None
+        #: Clear while a JoinGroup is on its way or waits for the round: the member's next
+        #: request to the coordinator goes on the same connection, and the broker reads it only
+        #: once the JoinGroup is answered (Kafka's SocketServer mutes a channel until then).
+        self._join_idle = asyncio.Event()
+        self._join_idle.set()
         self._commit_lock = asyncio.Lock()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -288,6 +294,7 @@ class SimConsumer:
         self._positions = {}
         self._joining = True
         while True:
+            self._join_idle.clear()
             try:
                 joined = await self.process.request(
                     lambda: self.cluster.join(
@@ -314,6 +321,8 @@ class SimConsumer:
             except GroupCoordinatorNotAvailableError:
                 await asyncio.sleep(_RETRY_BACKOFF_S)
                 continue
+            finally:
+                self._join_idle.set()
             break
         self.generation, self.member_id = generation, member_id
         self._joining = False
