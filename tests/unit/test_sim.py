@@ -138,6 +138,28 @@ def test_a_static_member_takes_its_place_back_without_a_rebalance() -> None:
     _in_loop(body)
 
 
+def test_a_join_naming_a_member_the_group_does_not_have_is_refused() -> None:
+    """GroupCoordinator.doCurrentMemberJoinGroup: UNKNOWN_MEMBER_ID, and aiokafka joins afresh
+    without the id. Seed 77235 (`--flavour noida --static`): a static member left while its
+    own JoinGroup was on its way; taken as a new member, it held partitions for ever on a
+    broker that never evicts, where Kafka refuses it and aiokafka's stop comes first."""
+
+    async def body(clock: VirtualClock) -> None:
+        cluster = _cluster(clock)
+        _, member, _ = await _join(cluster, "a", instance="i")
+        await asyncio.sleep(0.01)
+        cluster.leave("g", member, now=0.0)
+        with pytest.raises(UnknownMemberIdError):
+            await _join(cluster, "a", member_id=member, instance="i")
+        with pytest.raises(UnknownMemberIdError):
+            await _join(cluster, "b", member_id="b-gone")
+        assert cluster.groups["g"].members == {}
+        _, again, _ = await _join(cluster, "a", instance="i")
+        assert again != member
+
+    _in_loop(body)
+
+
 def test_describe_returns_member_metadata_only_while_stable_and_never_on_tansu() -> None:
     async def body(clock: VirtualClock) -> None:
         cluster = _cluster(clock)

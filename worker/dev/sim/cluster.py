@@ -285,7 +285,14 @@ class Cluster:
         group.topics = sorted(set(group.topics) | set(topics))
         loop = asyncio.get_running_loop()
         member = group.members.get(member_id) if member_id else None
-        if member is None and instance_id is not None and instance_id in group.static:
+        known_instance = instance_id is not None and instance_id in group.static
+        if member is None and member_id and not known_instance:
+            # GroupCoordinator.doCurrentMemberJoinGroup: a member id the group does not have
+            # (it left, or was removed) is refused; aiokafka then joins afresh without one. (A
+            # stale id whose instance another member holds is FENCED_INSTANCE_ID there; here
+            # it takes the instance back, as a join without an id would.)
+            raise UnknownMemberIdError()
+        if member is None and instance_id is not None and known_instance:
             # KIP-345 (GroupMetadataManager.updateStaticMemberThenRebalanceOrCompleteJoin): a
             # known group.instance.id takes the old member's place under a new member id; in
             # a Stable group that keeps the selected protocol, without a rebalance.
