@@ -10,8 +10,8 @@ a death: they then ran one at a time, as suspects of a crash.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeAlias
 
 from aiokafka import TopicPartition
 from aiokafka.errors import GroupCoordinatorNotAvailableError, KafkaError
@@ -69,17 +69,29 @@ def _committer(reads: list[str], live: set[int] | None) -> Committer:
     return _committer_answering(reads, [live])
 
 
+#: What a read of the committed offsets gives: a map at position 0, a (position, map), or an
+#: error the read raises.
+Read: TypeAlias = str | tuple[int, str] | KafkaError
+
+
 def _committer_answering(
-    reads: list[str], answers: list[set[int] | KafkaError | None], asked: list[float] | None = None
+    reads: Sequence[Read],
+    answers: list[set[int] | KafkaError | None],
+    asked: list[float] | None = None,
 ) -> Committer:
-    """A committer whose group answers "who is alive" with `answers`, one per ask (the last
-    one from then on): a set of incarnations, None (rebalancing) or an error it raises."""
+    """A committer whose reads of the committed offsets give `reads`, and whose group answers
+    "who is alive" with `answers`, one per ask (the last one from then on): a set of
+    incarnations, None (rebalancing) or an error it raises."""
     consumer = FakeConsumer()
     for _ in range(10):
         consumer.add(TP, b"{}")
+    pending = list(reads)
 
     async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
-        return {TP: (0, reads.pop(0) if len(reads) > 1 else reads[0])}
+        read = pending.pop(0) if len(pending) > 1 else pending[0]
+        if isinstance(read, KafkaError):
+            raise read
+        return {TP: (0, read) if isinstance(read, str) else read}
 
     async def live_incarnations() -> set[int] | None:
         if asked is not None:
@@ -194,3 +206,30 @@ def test_the_group_is_asked_again_while_its_coordinator_does_not_answer_and_once
     retried = on_virtual_time(GroupCoordinatorNotAvailableError())
     assert 15 <= len(retried) <= 25
     assert 9.5 <= retried[-1] - retried[1] <= 10.5
+
+
+def test_a_hand_over_that_lands_while_the_coordinator_cannot_be_read_is_waited_for():
+    # Seed 81012 (`bench/sim.py --workers 16 --flavour noida --static`): the new owner read the
+    # live last owner's map, the hand-over landed just after, and the coordinator went away;
+    # every read again failed, the wait for the hand-over ended after 2 s, and the new owner
+    # fetched from the position read before: its first commit moved the position back.
+    writer = new_incarnation()
+
+    async def inherit() -> dict[TopicPartition, int]:
+        committer = _committer_answering(
+            [
+                encode_offset_map(0, [], running=[0], writer=writer),
+                *[GroupCoordinatorNotAvailableError()] * 40,  # 4 s at one read every 0.1 s
+                (1, encode_offset_map(1, [], clean=True, writer=writer)),
+            ],
+            [{writer}],
+        )
+        positions = await committer.assigned({TP})
+        assert committer.partition(TP).deaths == {}
+        return positions
+
+    loop = VirtualClockLoop()
+    try:
+        assert loop.run_until_complete(inherit()) == {TP: 1}
+    finally:
+        loop.close()

@@ -552,6 +552,16 @@ FOUND_DEFECTS = {
             seed=77174, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
         )
     ),
+    "16 workers: a new owner read a live last owner's map, the hand-over landed just after "
+    "and the coordinator went away; the wait for it ended with every read failing, and the "
+    "new owner's first commit moved the position back": Scenario(
+        seed=81012,
+        workers=16,
+        partitions=128,
+        jobs_per_s=64,
+        flavour=Flavour.NOIDA,
+        static_members=True,
+    ),
 }
 
 
