@@ -14,6 +14,7 @@ from aiokafka import TopicPartition
 from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from worker.core.config import Settings, settings_from
+from worker.core.errors import EngineLostToUpdateError
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.commits import CommittedReader, Committer
@@ -513,6 +514,34 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
     await polls_pass(consumer)
     assert "late" not in loop.answered()
     assert engine.peak_running <= 1
+
+
+async def test_a_worker_a_weight_update_left_without_engine_hands_over_within_the_grace(
+    start_loop,
+):
+    # Found by the fleet simulation (`bench/sim.py --seed 73583 --workers 3
+    # --weight-update-every-s 4 --engine-killing-updates 0.3`, and 73476): the update that left
+    # no engine came during a coordinator outage; the stop blames no job, but its hand-over
+    # had only --close-timeout-s to land (no grace after a fatal error), so the next owner
+    # counted a death against every job the worker had in flight.
+    consumer = consumer_with_jobs(1)
+    consumer.add(P0, job("cut short by the stop", gate="g"))
+    engine = ScriptedEngine()
+    loop = await start_loop(
+        consumer, engine, commit_timeout_s=0.2, close_timeout_s=0.2, shutdown_grace_s=5
+    )
+    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
+    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 1}, what="a commit")
+    await wait_for(lambda: engine.running == 1, what="the second job to start")
+    consumer.commit_gate = asyncio.Event()  # the coordinator is away
+    tried = consumer.commits_started
+    loop.worker.fail(EngineLostToUpdateError("the engine died loading v3"), "control plane")
+    await wait_for(lambda: consumer.commits_started >= tried + 4, what="the hand-over tried again")
+    assert not loop.task.done()
+    consumer.commit_gate.set()  # back within the grace
+    assert await asyncio.wait_for(loop.task, 10) == 1
+    handed_over = decode_offset_map(1, consumer.metadata[-1][P0])
+    assert handed_over.clean and handed_over.running == {1}
 
 
 async def test_a_stopping_worker_hands_over_once_the_coordinator_is_back_within_the_grace(

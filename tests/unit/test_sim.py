@@ -562,6 +562,15 @@ FOUND_DEFECTS = {
         flavour=Flavour.NOIDA,
         static_members=True,
     ),
+    "a weight update left no engine during a coordinator outage: the stop blames no job, "
+    "but its hand-over had only --close-timeout-s to land, and the next owners counted a death "
+    "against every job in flight": Scenario(
+        seed=73583,
+        partitions=24,
+        jobs_per_s=12,
+        weight_update_every_s=4,
+        engine_killing_update_share=0.3,
+    ),
 }
 
 

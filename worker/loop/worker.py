@@ -484,8 +484,10 @@ class Worker:
 
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
+        # Jobs get the grace unless a fatal error stopped the worker (they cannot finish then);
+        # the hand-over gets it either way, to wait out a coordinator that is away.
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
-        grace_ends = self._grace_ends = time.monotonic() + grace
+        grace_ends = self._grace_ends = time.monotonic() + self._settings.shutdown_grace_s
         # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
         clean = not stop_blames_running_jobs(self._fatal)
         if clean:
@@ -502,8 +504,11 @@ class Worker:
         final_commit: Callable[[], Awaitable[object]]
         if clean:
             # Tried again until the grace ends (and --close-timeout-s past what the drain
-            # took of it): a hand-over that never lands makes the next owner blame these jobs
-            # for a death, and the grace is there to wait out a coordinator that is away.
+            # took of it), also after a fatal error that blames nobody (a weight update that
+            # left no engine: seeds 73476 and 73583 of `--weight-update-every-s 4
+            # --engine-killing-updates 0.3`, during a coordinator outage): a hand-over that
+            # never lands makes the next owner blame these jobs for a death, and the grace is
+            # there to wait out a coordinator that is away.
             budget_s = max(grace_ends - time.monotonic(), 0.0) + close_s
             final_commit = functools.partial(
                 self._committer.hand_over_until, time.monotonic() + budget_s

@@ -593,7 +593,14 @@ async def test_broker_gone_longer_than_publish_timeout_stops_the_worker_uncommit
         [job_record(job("first")), job_record(job("orphan", metadata={"gate": "g"}))],
     )
     run = await start_worker(
-        topics, bootstrap_servers=bs, publish_timeout_s=2, close_timeout_s=3, commit_timeout_s=1
+        topics,
+        bootstrap_servers=bs,
+        publish_timeout_s=2,
+        close_timeout_s=3,
+        commit_timeout_s=1,
+        # The hand-over is tried for the grace after a fatal error too; with no broker to
+        # land it, a short grace keeps the stop short.
+        shutdown_grace_s=2,
     )
     await results(bs, topics.results, 1)
     await wait_for(lambda: "orphan" in run.engine.started, what="the second job to start")
