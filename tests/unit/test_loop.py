@@ -516,6 +516,22 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
     assert engine.peak_running <= 1
 
 
+async def _first_job_committed_second_gated(
+    start_loop: Any,
+) -> tuple[FakeConsumer, ScriptedEngine, Loop]:
+    """A worker with short commit and close timeouts and a 5 s grace, whose first job is
+    answered and committed, and whose second waits for the gate "g"."""
+    consumer = consumer_with_jobs(1)
+    consumer.add(P0, job("second", gate="g"))
+    engine = ScriptedEngine()
+    loop = await start_loop(
+        consumer, engine, commit_timeout_s=0.2, close_timeout_s=0.2, shutdown_grace_s=5
+    )
+    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
+    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 1}, what="a commit")
+    return consumer, engine, loop
+
+
 async def test_a_worker_a_weight_update_left_without_engine_hands_over_within_the_grace(
     start_loop,
 ):
@@ -524,14 +540,7 @@ async def test_a_worker_a_weight_update_left_without_engine_hands_over_within_th
     # no engine came during a coordinator outage; the stop blames no job, but its hand-over
     # had only --close-timeout-s to land (no grace after a fatal error), so the next owner
     # counted a death against every job the worker had in flight.
-    consumer = consumer_with_jobs(1)
-    consumer.add(P0, job("cut short by the stop", gate="g"))
-    engine = ScriptedEngine()
-    loop = await start_loop(
-        consumer, engine, commit_timeout_s=0.2, close_timeout_s=0.2, shutdown_grace_s=5
-    )
-    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
-    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 1}, what="a commit")
+    consumer, engine, loop = await _first_job_committed_second_gated(start_loop)
     await wait_for(lambda: engine.running == 1, what="the second job to start")
     consumer.commit_gate = asyncio.Event()  # the coordinator is away
     tried = consumer.commits_started
@@ -551,14 +560,7 @@ async def test_a_stopping_worker_hands_over_once_the_coordinator_is_back_within_
     # coordinator outage; the hand-over and the final commit each timed out once and the
     # worker exited, so the next owner found its jobs named as running by a writer gone, and
     # counted a death against each.
-    consumer = consumer_with_jobs(1)
-    consumer.add(P0, job("answered during the drain", gate="g"))
-    engine = ScriptedEngine()
-    loop = await start_loop(
-        consumer, engine, commit_timeout_s=0.2, close_timeout_s=0.2, shutdown_grace_s=5
-    )
-    await wait_for(lambda: "j0" in loop.answered(), what="the first job")
-    await wait_for(lambda: consumer.commits and consumer.commits[-1] == {P0: 1}, what="a commit")
+    consumer, engine, loop = await _first_job_committed_second_gated(start_loop)
     consumer.commit_gate = asyncio.Event()  # the coordinator is away
     tried = consumer.commits_started
     loop.worker.request_stop()
