@@ -233,3 +233,27 @@ def test_a_hand_over_that_lands_while_the_coordinator_cannot_be_read_is_waited_f
         assert loop.run_until_complete(inherit()) == {TP: 1}
     finally:
         loop.close()
+
+
+def test_the_first_read_at_an_assignment_is_made_again_while_the_coordinator_cannot_be_read():
+    # Seed 88476 (`bench/sim.py --flavour noida --static`): a broker outage began as the group
+    # formed; the new owner's first read of the committed offsets failed, it fetched from the
+    # position aiokafka had looked up as it joined, older than the hand-over the last owner
+    # landed just after, and its first commit moved the position back.
+    writer = new_incarnation()
+
+    async def inherit() -> dict[TopicPartition, int]:
+        committer = _committer_answering(
+            [
+                *[GroupCoordinatorNotAvailableError()] * 20,  # 2 s at one read every 0.1 s
+                (1, encode_offset_map(1, [], clean=True, writer=writer)),
+            ],
+            [{writer}],
+        )
+        return await committer.assigned({TP})
+
+    loop = VirtualClockLoop()
+    try:
+        assert loop.run_until_complete(inherit()) == {TP: 1}
+    finally:
+        loop.close()

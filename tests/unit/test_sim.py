@@ -571,6 +571,13 @@ FOUND_DEFECTS = {
         weight_update_every_s=4,
         engine_killing_update_share=0.3,
     ),
+    "a broker outage as the group formed: the new owner's first read of the committed offsets "
+    "failed, it fetched from the position aiokafka looked up as it joined, older than the "
+    "last owner's hand-over landed just after, and its first commit moved the position back": (
+        Scenario(
+            seed=88476, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+        )
+    ),
 }
 
 

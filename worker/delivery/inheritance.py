@@ -123,7 +123,7 @@ class Inheritance:
         if self._read_committed is None or not partitions:
             return {}
         alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
-        maps = await self._read_maps(partitions)
+        maps = await self._first_read(partitions)
         if maps is None:
             return {}
         await self._await_hand_overs(maps, alive)
@@ -172,6 +172,25 @@ class Inheritance:
             for tp, (position, _) in maps.items()
             if tp in ends and position <= ends[tp]
         }
+
+    async def _first_read(
+        self, partitions: set[TopicPartition]
+    ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
+        """The maps of the partitions just assigned, read again every `_HAND_OVER_POLL_S` while
+        the committed offsets cannot be read, up to `timeout_s`. Without them the consumer
+        fetches from the position aiokafka looked up as it joined, which may be older than a
+        hand-over the last owner landed since, and this owner's first commit would move the
+        position back (seed 88476 of `--flavour noida --static`: a broker outage began as the
+        group formed)."""
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            maps = await self._read_maps(partitions, warn=False)
+            if maps is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(_HAND_OVER_POLL_S)
+        if maps is None:
+            logger.warning("cannot read the committed offset maps; answered records may run again")
+        return maps
 
     async def _read_maps(
         self, partitions: set[TopicPartition], *, warn: bool = True
