@@ -184,7 +184,7 @@ class Inheritance:
         group formed)."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            maps = await self._read_maps(partitions, warn=False)
+            maps = await self._read_maps(partitions)
             if maps is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_HAND_OVER_POLL_S)
@@ -193,11 +193,11 @@ class Inheritance:
         return maps
 
     async def _read_maps(
-        self, partitions: set[TopicPartition], *, warn: bool = True
+        self, partitions: set[TopicPartition]
     ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
         """The committed position and offset map of each of `partitions` that has a commit
-        (None for a map that cannot be decoded); None when they cannot be read at all (said
-        in a warning unless not to `warn`)."""
+        (None for a map that cannot be decoded); None when they cannot be read at all. Read
+        again and again while that lasts: the callers say it once."""
         if self._read_committed is None:
             return {}
         try:
@@ -205,11 +205,7 @@ class Inheritance:
                 committed = await self._read_committed(sorted(partitions))
             ends = await self._end_offsets(partitions)
         except (KafkaError, TimeoutError) as exc:
-            if warn:
-                logger.warning(
-                    "cannot read the committed offset maps (%r); answered records may run again",
-                    exc,
-                )
+            logger.debug("cannot read the committed offset maps (%r)", exc)
             return None
         maps: dict[TopicPartition, tuple[int, OffsetMap | None]] = {}
         for tp, (position, metadata) in committed.items():
@@ -252,7 +248,7 @@ class Inheritance:
         latest_deadline = deadline + self._timeout_s
         while waiting and time.monotonic() < deadline:
             await asyncio.sleep(_HAND_OVER_POLL_S)
-            again = await self._read_maps(waiting, warn=False)
+            again = await self._read_maps(waiting)
             if again is None:
                 # The coordinator cannot be read: the hand-over may land (or have landed)
                 # unseen, and fetching from the position read before would have this owner
@@ -418,10 +414,10 @@ class _AliveWriters:
             return True
         if not self._asked:
             self._asked = True
-            self._live = await self._ask_group()
+            self._live = await self._ask_group(within_s=0.0)
         if self._live is None and self._waited and not self._asked_again:
             self._asked_again = True
-            self._live = await self._ask_until_it_says()
+            self._live = await self._ask_group(within_s=self._timeout_s)
         if self._live is None:
             return None
         return writer in self._live
@@ -431,13 +427,14 @@ class _AliveWriters:
         again, when a map still needs its answer."""
         self._waited = True
 
-    async def _ask_until_it_says(self) -> set[int] | None:
-        """Ask again; while the coordinator does not answer, every `_ASK_AGAIN_S` until
-        `timeout_s` has passed. A coordinator away for a few seconds (a broker restarting as
-        the group formed) must not make a live member's jobs suspects of a death that did not
-        happen; the partitions wait paused meanwhile, and nothing of theirs could be committed
-        before it is back anyway. A group that answers that it cannot say is not asked again."""
-        deadline = time.monotonic() + self._timeout_s
+    async def _ask_group(self, *, within_s: float) -> set[int] | None:
+        """Ask; while the coordinator does not answer, again every `_ASK_AGAIN_S` until
+        `within_s` has passed (asked again after the wait for the hand-overs: a coordinator
+        away for a few seconds, a broker restarting as the group formed, must not make a live
+        member's jobs suspects of a death that did not happen; the partitions wait paused
+        meanwhile, and nothing of theirs could be committed before it is back anyway). A group
+        that answers that it cannot say (None) is not asked again."""
+        deadline = time.monotonic() + within_s
         while True:
             try:
                 return await self._ask_once()
@@ -446,13 +443,6 @@ class _AliveWriters:
                     logger.warning("cannot ask the group which members are alive (%r)", exc)
                     return None
             await asyncio.sleep(_ASK_AGAIN_S)
-
-    async def _ask_group(self) -> set[int] | None:
-        try:
-            return await self._ask_once()
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning("cannot ask the group which members are alive (%r)", exc)
-            return None
 
     async def _ask_once(self) -> set[int] | None:
         if self._ask is None:
