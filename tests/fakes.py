@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import selectors
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.errors import (
@@ -23,6 +23,8 @@ from schemas import Job
 from worker.core.errors import EngineDeadError, EngineError, InvalidJobError
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
+
+T = TypeVar("T")
 
 
 class ScriptedEngine:
@@ -419,6 +421,15 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def advance(self, seconds: float) -> None:
         self._now += seconds
+
+
+def run_on_virtual_time(body: Coroutine[Any, Any, T]) -> T:
+    """Run `body` to its end on a fresh `VirtualClockLoop` and return its result."""
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(body)
+    finally:
+        loop.close()
 
 
 class ClockStandsStillError(RuntimeError):

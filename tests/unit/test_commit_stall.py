@@ -9,26 +9,16 @@ was killed; the next owners ran everything it had answered since its last landed
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from aiokafka import TopicPartition
 
-from tests.fakes import FakeConsumer, VirtualClockLoop
+from tests.fakes import FakeConsumer, run_on_virtual_time
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
 
 TP = TopicPartition("jobs", 0)
 OTHER = TopicPartition("jobs", 1)
-
-
-def on_virtual_time(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    loop = VirtualClockLoop()
-    try:
-        loop.run_until_complete(body())
-    finally:
-        loop.close()
 
 
 def committer_on(
@@ -74,7 +64,7 @@ def test_fetching_stops_once_answers_past_the_cap_wait_for_commits_that_do_not_l
         assert consumer.commits[-1][TP] == 5
         assert committer.held() == set()
 
-    on_virtual_time(body)
+    run_on_virtual_time(body())
 
 
 def test_answers_up_to_the_cap_or_commits_that_land_hold_nothing() -> None:
@@ -96,7 +86,7 @@ def test_answers_up_to_the_cap_or_commits_that_land_hold_nothing() -> None:
             assert committer.held() == set()
         assert consumer.commits[-1][TP] == 204
 
-    on_virtual_time(body)
+    run_on_virtual_time(body())
 
 
 def test_an_answer_that_leaves_the_commit_as_the_broker_holds_it_does_not_wait() -> None:
@@ -116,4 +106,4 @@ def test_an_answer_that_leaves_the_commit_as_the_broker_holds_it_does_not_wait()
         await asyncio.sleep(10)
         assert committer.held() == set()
 
-    on_virtual_time(body)
+    run_on_virtual_time(body())

@@ -13,7 +13,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from aiokafka.errors import GroupCoordinatorNotAvailableError, UnknownMemberIdError
 
-from tests.fakes import FakeConsumer, VirtualClockLoop
+from tests.fakes import FakeConsumer, run_on_virtual_time
 from worker.core.kafka import LeaveGroupByInstanceId
 from worker.loop.gate import PartitionGate
 
@@ -187,9 +187,5 @@ def test_a_leave_is_tried_again_while_the_coordinator_cannot_be_reached():
         await gate.stop(leave=True, leave_within_s=5.0)
         return coordinator.left_as
 
-    loop = VirtualClockLoop()
-    try:
-        assert loop.run_until_complete(stop(3)) == ["worker-3"]
-        assert loop.run_until_complete(stop(100)) == []  # given up after 5 s
-    finally:
-        loop.close()
+    assert run_on_virtual_time(stop(3)) == ["worker-3"]
+    assert run_on_virtual_time(stop(100)) == []  # given up after 5 s

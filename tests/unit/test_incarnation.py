@@ -10,7 +10,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaConnectionError
 from aiokafka.protocol.admin import DescribeGroupsResponse_v1
 
-from tests.fakes import FakeConsumer, VirtualClockLoop
+from tests.fakes import FakeConsumer, run_on_virtual_time
 from worker.core.config import Settings, settings_from
 from worker.core.incarnation import (
     incarnation_assignor,
@@ -134,13 +134,9 @@ def test_a_group_that_cannot_be_asked_counts_the_writer_as_dead(group: _Group) -
     # On virtual time: the new owner waits for the hand-over, then asks again for up to
     # --commit-timeout-s before it counts the writer as dead.
     writer = new_incarnation()
-    loop = VirtualClockLoop()
-    try:
-        committer = loop.run_until_complete(
-            _assigned({TP: encode_offset_map(0, [], running=[4], writer=writer)}, group)
-        )
-    finally:
-        loop.close()
+    committer = run_on_virtual_time(
+        _assigned({TP: encode_offset_map(0, [], running=[4], writer=writer)}, group)
+    )
     assert committer.partition(TP).deaths == {4: 1}
     assert group.asked > 2
 

@@ -10,14 +10,14 @@ a death: they then ran one at a time, as suspects of a crash.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 from aiokafka import TopicPartition
 from aiokafka.errors import GroupCoordinatorNotAvailableError, KafkaError
 from aiokafka.protocol.admin import DescribeGroupsResponse_v1
 
-from tests.fakes import FakeConsumer, VirtualClockLoop
+from tests.fakes import FakeConsumer, run_on_virtual_time
 from worker.core.config import settings_from
 from worker.core.incarnation import incarnation_assignor, incarnations_of_members, new_incarnation
 from worker.core.metrics import Metrics
@@ -134,16 +134,7 @@ def test_a_member_whose_hand_over_never_lands_while_the_group_rebalances_counts_
         await committer.assigned({TP})
         assert committer.partition(TP).deaths == {1: 1, 3: 1}
 
-    _on_virtual_time(inherit())
-
-
-def _on_virtual_time(body: Coroutine[Any, Any, None]) -> None:
-    """Run `body` on a loop whose clock jumps over the new owner's wait for the hand-over."""
-    loop = VirtualClockLoop()
-    try:
-        loop.run_until_complete(body)
-    finally:
-        loop.close()
+    run_on_virtual_time(inherit())
 
 
 def test_a_live_member_the_group_vouches_for_once_asked_again_blames_nobody():
@@ -161,7 +152,7 @@ def test_a_live_member_the_group_vouches_for_once_asked_again_blames_nobody():
         assert committer.partition(TP).deaths == {}, first
 
     for first in (GroupCoordinatorNotAvailableError(), None):
-        _on_virtual_time(inherit(first))
+        run_on_virtual_time(inherit(first))
 
 
 def test_a_writer_the_group_cannot_vouch_for_when_asked_again_counts_as_dead():
@@ -177,7 +168,7 @@ def test_a_writer_the_group_cannot_vouch_for_when_asked_again_counts_as_dead():
 
     answers: list[set[int] | KafkaError | None] = [GroupCoordinatorNotAvailableError(), None, set()]
     for again in answers:
-        _on_virtual_time(inherit(again))
+        run_on_virtual_time(inherit(again))
 
 
 def test_the_group_is_asked_again_while_its_coordinator_does_not_answer_and_once_otherwise():
@@ -195,15 +186,8 @@ def test_the_group_is_asked_again_while_its_coordinator_does_not_answer_and_once
         assert committer.partition(TP).deaths == {1: 1, 3: 1}
         return asked
 
-    def on_virtual_time(again: KafkaError | None) -> list[float]:
-        loop = VirtualClockLoop()
-        try:
-            return loop.run_until_complete(asks(again))
-        finally:
-            loop.close()
-
-    assert len(on_virtual_time(None)) == 2
-    retried = on_virtual_time(GroupCoordinatorNotAvailableError())
+    assert len(run_on_virtual_time(asks(None))) == 2
+    retried = run_on_virtual_time(asks(GroupCoordinatorNotAvailableError()))
     assert 15 <= len(retried) <= 25
     assert 9.5 <= retried[-1] - retried[1] <= 10.5
 
@@ -228,11 +212,7 @@ def test_a_hand_over_that_lands_while_the_coordinator_cannot_be_read_is_waited_f
         assert committer.partition(TP).deaths == {}
         return positions
 
-    loop = VirtualClockLoop()
-    try:
-        assert loop.run_until_complete(inherit()) == {TP: 1}
-    finally:
-        loop.close()
+    assert run_on_virtual_time(inherit()) == {TP: 1}
 
 
 def test_the_first_read_at_an_assignment_is_made_again_while_the_coordinator_cannot_be_read():
@@ -252,8 +232,4 @@ def test_the_first_read_at_an_assignment_is_made_again_while_the_coordinator_can
         )
         return await committer.assigned({TP})
 
-    loop = VirtualClockLoop()
-    try:
-        assert loop.run_until_complete(inherit()) == {TP: 1}
-    finally:
-        loop.close()
+    assert run_on_virtual_time(inherit()) == {TP: 1}
