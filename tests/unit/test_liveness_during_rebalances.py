@@ -233,3 +233,79 @@ def test_the_first_read_at_an_assignment_is_made_again_while_the_coordinator_can
         return await committer.assigned({TP})
 
     assert run_on_virtual_time(inherit()) == {TP: 1}
+
+
+def _first_commits(reads: Sequence[Read]) -> tuple[FakeConsumer, Committer]:
+    """A new owner that could not read the partition's map at its assignment (the reads fail
+    for all of --commit-timeout-s), started records 0 and 1 from position 0 and answered 1;
+    its reads of the committed offsets give `reads` from then on, one each (the last one
+    from then on)."""
+    consumer = FakeConsumer()
+    for _ in range(10):
+        consumer.add(TP, b"{}")
+    pending: list[Read] = []
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        if not pending:
+            raise GroupCoordinatorNotAvailableError()
+        read = pending.pop(0) if len(pending) > 1 else pending[0]
+        if isinstance(read, KafkaError):
+            raise read
+        return {TP: (0, read) if isinstance(read, str) else read}
+
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics(), read_committed)
+
+    async def assign_and_answer() -> None:
+        assert await committer.assigned({TP}) == {}
+        partition = committer.partition(TP)
+        assert partition.start(0) and partition.start(1)
+        partition.finish(1)
+
+    run_on_virtual_time(assign_and_answer())
+    pending.extend(reads)
+    return consumer, committer
+
+
+def test_a_hand_over_that_landed_after_the_map_was_read_is_taken_over_not_committed_behind():
+    # Seed 89102 (`bench/sim.py --flavour noida --static`): a coordinator outage began as the
+    # group formed; the new owner could not read the committed offsets for longer than its
+    # bounded waits and fetched from the position aiokafka looked up as it joined. The last
+    # owner's hand-over landed just before the outage, and once the coordinator was back the
+    # new owner's first commit moved the position back, from 17 to 16.
+    writer = new_incarnation()
+    landed = (2, encode_offset_map(2, [3], clean=True, writer=writer))
+    consumer, committer = _first_commits([landed])
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == []  # not at 0, behind the hand-over at 2
+    partition = committer.partition(TP)
+    # Below 2 the last owner answered; 3 it answered too: skipped as fetched.
+    assert partition.start(2) and not partition.start(3) and partition.start(4)
+    partition.finish(2)
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [{TP: 4}]
+
+
+def test_a_first_commit_waits_while_the_committed_offsets_cannot_be_read():
+    consumer, committer = _first_commits([GroupCoordinatorNotAvailableError(), (0, "")])
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == []
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [{TP: 0}]
+    # Once one landed, commits are made without reading first.
+    committer.partition(TP).finish(0)
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits[-1] == {TP: 2}
+
+
+def test_a_first_commit_ahead_of_what_another_member_committed_since_is_made():
+    consumer, committer = _first_commits([(0, encode_offset_map(0, [1], clean=True))])
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [{TP: 0}]
+
+
+def test_a_committed_position_past_the_log_end_is_a_truncated_log_not_a_hand_over():
+    # The log was truncated under the commit: the consumer's reset to its start stands.
+    consumer, committer = _first_commits([(50, "")])
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [{TP: 0}]

@@ -178,3 +178,34 @@ def test_a_start_taken_back_leaves_the_position_where_it_was():
     assert p.idle
     assert p.commit_position() == 9
     assert p.start(9) is True
+
+
+def test_a_commit_that_overtook_this_owner_moves_its_position_and_what_it_skips():
+    # Another member's commit at 13 (answering 15) landed after this owner read the map.
+    p = PartitionOffsets()
+    for offset in range(10, 15):
+        p.start(offset)
+    p.finish(11)
+    p.finish(14)
+    p.deaths[12] = 1
+    assert p.overtaken(13, OffsetMap(answered=frozenset({15}), clean=True)) == 2  # 10, 12
+    assert p.commit_position() == 13  # 13 still runs; never below the other commit
+    p.finish(10)  # answered twice: acknowledged after it was taken over, changes nothing
+    p.unstart(12)  # below the floor: nothing to take back
+    assert p.commit_position() == 13 and p.deaths == {}
+    assert not p.start(15) and p.start(16)
+    p.finish(13)
+    assert p.commit_position() == 16
+    p.finish(16)
+    assert p.commit_position() == 17 and p.pending == 0
+    commit = p.to_commit()
+    assert commit is not None and decode_offset_map(*commit) == OffsetMap()
+
+
+def test_records_fetched_below_a_commit_that_overtook_this_owner_are_skipped():
+    p = PartitionOffsets()
+    p.anchor = 5  # assigned at 5, nothing fetched yet
+    assert p.overtaken(8, None) == 0
+    assert p.commit_position() == 8
+    assert not p.start(5) and not p.start(7)
+    assert p.start(8) and p.commit_position() == 8

@@ -578,6 +578,13 @@ FOUND_DEFECTS = {
             seed=88476, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
         )
     ),
+    "a coordinator outage as the group formed outlasted the new owner's bounded waits for the "
+    "committed offsets; the last owner's hand-over had landed just before it, and the new "
+    "owner's first commit moved the position back": (
+        Scenario(
+            seed=89102, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+        )
+    ),
 }
 
 

@@ -395,6 +395,8 @@ class Committer:
         (or answered with a transient error), to be made again: nothing when it landed or was
         refused."""
         offsets = self._plan(partitions, clean=clean or self._handing_over)
+        if offsets:
+            offsets = await self._inheritance.first_commits(offsets)
         if not offsets:
             self._update_lag()  # the partitions' ends move without us
             return {}
@@ -446,6 +448,7 @@ class Committer:
             )
             return offsets
         self.tracker.committed(offsets)
+        self._inheritance.landed(offsets)
         self._metrics.commits.labels("ok").inc()
         logger.debug("committed %s", describe_commits(offsets))
         self._update_lag()

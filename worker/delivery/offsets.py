@@ -68,6 +68,7 @@ class PartitionOffsets:
         "answered_before",
         "committed",
         "deaths",
+        "floor",
         "last_started",
     )
 
@@ -100,9 +101,15 @@ class PartitionOffsets:
         #: The committed offset the inherited map was written for, until the first record is
         #: started: one started below it means the log was reset under the map.
         self.anchor: int | None = None
+        #: Records below it were answered by another member, whose commit there landed after
+        #: this owner read the partition's map (`overtaken`): they are skipped, never committed
+        #: below.
+        self.floor = 0
 
     def start(self, offset: int) -> bool:
         """Mark `offset` started; False when it was answered before and must not run again."""
+        if offset < self.floor:
+            return False
         if self.last_started is not None and offset <= self.last_started:
             raise ValueError(
                 f"offset {offset} started after {self.last_started}: records must be in order"
@@ -138,8 +145,38 @@ class PartitionOffsets:
             return False
         return True
 
+    def overtaken(self, position: int, previous: OffsetMap | None) -> int:
+        """Another member committed `position` (with `previous`, its map) after this owner read
+        the partition's map: a last owner's hand-over that landed after the new owner stopped
+        waiting for it. What lies below `position` was answered there; committing below it
+        would move the group's position back. Records of this owner's below it that are in
+        flight are answered twice; returns how many."""
+        self.floor = max(self.floor, position)
+        below = {o for o in self._running if o < position}
+        self._running -= below
+        while self._started and self._started[0] < position:
+            self._started.popleft()
+        self._drop_finished_below(position)
+        if self._run_starts and self._run_starts[0] < position:
+            self._run_starts[0] = position
+        last = -1 if self.last_started is None else self.last_started
+        if previous is not None:
+            self.answered_before |= {o for o in previous.answered if o > last}
+            for offset, count in previous.deaths.items():
+                self.deaths[offset] = max(self.deaths.get(offset, 0), count)
+        self.answered_before = {o for o in self.answered_before if o >= position}
+        self.deaths = {o: n for o, n in self.deaths.items() if o >= position}
+        if self.anchor is not None:
+            self.anchor = max(self.anchor, position)
+        self._version += 1
+        self._drop_finished_head()
+        return len(below)
+
     def unstart(self, offset: int) -> None:
-        """Take back the start of `offset`, the last one started: it did not run after all."""
+        """Take back the start of `offset`, the last one started: it did not run after all.
+        One below the floor is no longer tracked (answered by another member, `overtaken`)."""
+        if offset < self.floor:
+            return
         if offset != self.last_started or offset not in self._running:
             raise ValueError(f"offset {offset} is not the last one started and unfinished")
         self._running.discard(offset)
@@ -231,12 +268,12 @@ class PartitionOffsets:
     def commit_position(self) -> int | None:
         """The offset to commit (the next record to read), or None when nothing was started."""
         if self._started:
-            return self._started[0]
+            return max(self._started[0], self.floor)
         if self.last_started is None:
             # Nothing started yet: the position it was assigned at, so that its first commit
             # replaces the previous owner's map (whose running jobs are not running here).
             return self.anchor
-        return self.last_started + 1
+        return max(self.last_started + 1, self.floor)
 
     def to_commit(self, *, clean: bool = False, writer: int = 0) -> Commit | None:
         """Position and offset map, or None when nothing was started (see `plan`)."""

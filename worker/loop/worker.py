@@ -293,9 +293,14 @@ class Worker:
             # one kills the process, the next owner knows which records were in flight.
             await self._committer.write_ahead()
         for tp, partition, record in runnable:
-            if tp in self._revoking or not self._committer.holds(tp, partition):
+            if (
+                tp in self._revoking
+                or not self._committer.holds(tp, partition)
+                or record.offset < partition.floor
+            ):
                 # Revoked while the commit above was awaited (and maybe assigned back, from
-                # the committed position): its next owner runs it, and only once.
+                # the committed position): its next owner runs it, and only once. Or answered
+                # by the last owner, whose hand-over that commit found landed after all.
                 continue
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
