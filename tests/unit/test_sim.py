@@ -303,25 +303,31 @@ BOUNDS = Bounds(
 
 
 @pytest.mark.parametrize(
-    ("removed", "why", "killed_first", "flagged"),
+    ("removed", "why", "before", "flagged"),
     [
-        (None, None, False, True),
-        ("m0", "session timed out", False, False),
-        ("m0", "did not rejoin within the rebalance timeout", False, False),
-        ("m0", "left", False, True),
-        ("m1", "session timed out", False, True),
-        ("m0", "session timed out", True, True),
+        (None, None, None, True),
+        ("m0", "session timed out", None, False),
+        ("m0", "did not rejoin within the rebalance timeout", None, False),
+        ("m0", "left", None, True),
+        ("m1", "session timed out", None, True),
+        ("m0", "session timed out", "kill", True),
+        ("m0", "session timed out", "exit, coordinator away", False),
+        ("m0", "session timed out", "exit", True),
     ],
 )
 def test_a_death_count_needs_a_kill_or_the_group_removing_the_live_owner(
-    removed: str | None, why: str | None, killed_first: bool, flagged: bool
+    removed: str | None, why: str | None, before: str | None, flagged: bool
 ) -> None:
     """A death counted in an offset map with no process killed is the worker blaming a job
     wrongly, unless the coordinator removed the partition's owner, alive, for a missed session
     or rebalance timeout (seed 41578 of `--hostile`: a coordinator away past the rebalance
     timeout; to the group that member died with its jobs in flight, and its next owner cannot
-    tell it from a kill). A member that left, another partition's owner, or one whose process
-    was already killed (that kill is counted once) excuses nothing."""
+    tell it from a kill), or removed it after its process stopped while the coordinator could
+    not be reached (seed 87031 of `--offset-metadata-max-bytes 300`: scaled in during an
+    outage that outlasted its grace, it could neither hand over nor leave). A member that
+    left, another partition's owner, one whose process was already killed (that kill is
+    counted once) or one that exited with the coordinator there to take its hand-over excuses
+    nothing."""
     now = [0.0]
     history = History(lambda: now[0])
     cluster = Cluster(history)
@@ -335,8 +341,18 @@ def test_a_death_count_needs_a_kill_or_the_group_removing_the_live_owner(
         history.add("joined", client=member, process=process, member=member, generation=1, tps=[])
     history.add("generation", group="g", generation=1, members={"m0": ["jobs-0"], "m1": []})
     now[0] = 5.0
+    killed_first = before == "kill"
     if killed_first:
         history.add("kill", worker="w0#1", why="injected")
+    elif before is not None:
+        history.add(
+            "exit",
+            worker="w0#1",
+            status=0,
+            asked=True,
+            fatal=None,
+            coordinator_away=before.endswith("away"),
+        )
     if removed is not None:
         history.add("member_removed", group="g", member=removed, why=why)
     now[0] = 10.0

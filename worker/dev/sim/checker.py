@@ -25,7 +25,9 @@ Invariants (each violation names one):
   times the group removed a live owner of its partition for a missed session or rebalance
   timeout: a death that was not a kill (a clean stop, an update that killed the engine)
   blames nothing, and a member the coordinator removed is dead to the group (its hand-over
-  can no longer land, and the next owner cannot tell it from a kill);
+  can no longer land, and the next owner cannot tell it from a kill), as is one whose process
+  exited while the coordinator could not be reached (its hand-over and its leave had no way
+  to land within its grace);
 - `weights_diverged`: every live worker serves, at the end, the latest weights any worker
   acknowledged applying (read from the status topic's acknowledgements; a worker's served
   version is what its status reports).
@@ -399,9 +401,12 @@ def _blame(
 def _live_owners_removed(history: History) -> dict[str, list[float]]:
     """Per partition, when the group removed its owner for a missed session or rebalance
     timeout while the owner's process was alive (a coordinator away for longer than the
-    timeouts): the member's jobs in flight were a death to the group, as Kafka's
-    ClassicGroup sees it, though no process died."""
+    timeouts), or after it exited while the coordinator could not be reached (stopped within
+    its grace, with no way to hand over or leave: seed 87031 of `--offset-metadata-max-bytes
+    300`): the member's jobs in flight were a death to the group, as Kafka's ClassicGroup
+    sees it, though no process died."""
     alive: set[str] = set()
+    cut_off: set[str] = set()
     process_of: dict[str, str] = {}
     held: dict[str, list[str]] = {}
     removed: dict[str, list[float]] = {}
@@ -411,13 +416,15 @@ def _live_owners_removed(history: History) -> dict[str, list[float]]:
             alive.add(fields["worker"])
         elif event.kind in ("kill", "exit"):
             alive.discard(fields["worker"])
+            if fields.get("coordinator_away"):
+                cut_off.add(fields["worker"])
         elif event.kind == "joined":
             process_of[fields["member"]] = fields["process"]
         elif event.kind == "generation":
             held = {member: [str(tp) for tp in tps] for member, tps in fields["members"].items()}
         elif event.kind == "member_removed" and fields["why"] != "left":
             member = fields["member"]
-            if process_of.get(member) in alive:
+            if process_of.get(member) in alive | cut_off:
                 for tp in held.get(member, []):
                     removed.setdefault(tp, []).append(event.at)
     return removed

@@ -155,6 +155,7 @@ class Fleet:
             status=status,
             asked=worker_id in self.stopping,
             fatal=None if fatal is None else str(fatal)[:200],
+            coordinator_away=self.cluster.coordinator_down or self.cluster.broker_down,
         )
         if worker_id not in self.stopping and not self.ended:
             # Its supervisor starts it again after a back-off.
