@@ -309,3 +309,16 @@ def test_a_committed_position_past_the_log_end_is_a_truncated_log_not_a_hand_ove
     consumer, committer = _first_commits([(50, "")])
     run_on_virtual_time(committer.commit_now())
     assert consumer.commits == [{TP: 0}]
+
+
+def test_a_newer_position_is_neither_taken_over_nor_committed_behind_while_the_log_end_is_unknown():
+    # Ahead of the commit: a hand-over, or a log truncated under the commit; only the log's end
+    # tells them apart.
+    consumer, committer = _first_commits([(2, "")])
+
+    async def no_end_offsets(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        raise GroupCoordinatorNotAvailableError()
+
+    consumer.end_offsets = no_end_offsets  # type: ignore[method-assign]
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [] and committer.partition(TP).floor == 0

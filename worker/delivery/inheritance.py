@@ -135,11 +135,13 @@ class Inheritance:
         ends = await self._end_offsets(ahead) if ahead else {}
         for tp in sorted(unconfirmed):
             position, latest = now.get(tp, (-1, None))
-            if tp not in ahead or position > ends.get(tp, -1):
+            if tp not in ahead or (tp in ends and position > ends[tp]):
                 # Unchanged, behind this commit, or past the log's end (truncated under it:
                 # the consumer's reset stands).
                 kept[tp] = offsets[tp]
                 continue
+            if tp not in ends:
+                continue  # a hand-over or a truncated log: cannot tell yet, so it waits
             self._read_at[tp] = position
             twice = self._tracker.partition(tp).overtaken(position, latest)
             logger.warning(
