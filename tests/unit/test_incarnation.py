@@ -3,6 +3,8 @@ to the group, named in the offset maps, and checked by the next owner."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -207,6 +209,47 @@ async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_re
     # map was read); then once to check nobody committed there since the member's own commit,
     # landed, and only then were the maps of the new assignment read back.
     assert read == [0, 0, 1, 2]
+
+
+def test_a_stopping_worker_waits_for_the_hand_over_its_assignment_callback_is_landing() -> None:
+    # Seed 94081 of `--flavour noida --static --weight-update-every-s 4
+    # --engine-killing-updates 0.3`: an update left no engine just as the member rejoined. The
+    # assignment callback had taken the refused hand-over on its way; the stopping worker found
+    # nothing left to land, left the group, and that landing failed with it: the next owner
+    # counted a death against the jobs the last landed map named as running.
+    consumer = Refusing()
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {}
+
+    async def scenario() -> None:
+        committer = Committer(consumer, _settings(), Metrics(), read_committed)
+        await committer.assigned({TP})
+        partition = committer.partition(TP)
+        for offset in range(3):
+            partition.start(offset)
+        partition.finish(0)
+        await committer.commit_now({TP})  # lands: 1 and 2 running
+        consumer.refuse = True
+        partition.finish(1)
+        partition.finish(2)
+        await committer.commit_now({TP}, clean=True)  # the revoke's hand-over, refused
+        committer.forget({TP})
+        consumer.refuse = False
+        consumer.commit_gate = asyncio.Event()  # the landing's commit is on its way
+        started = consumer.commits_started
+        rejoined = asyncio.create_task(committer.assigned({TP}))
+        await asyncio.sleep(1)
+        assert consumer.commits_started == started + 1
+        stopping = asyncio.create_task(committer.hand_over_until(time.monotonic() + 30))
+        await asyncio.sleep(5)
+        assert not stopping.done()  # it waits for the landing on its way
+        consumer.commit_gate.set()
+        assert await stopping
+        await rejoined
+        assert consumer.commits[-1] == {TP: 3}  # everything answered: nothing left running
+
+    run_on_virtual_time(scenario())
 
 
 async def test_a_refused_hand_over_is_not_landed_later_over_a_map_the_next_owner_does_not_wait_for():

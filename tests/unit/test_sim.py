@@ -601,6 +601,18 @@ FOUND_DEFECTS = {
             seed=89102, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
         )
     ),
+    "an update left no engine just as the member rejoined: the stopping worker found no "
+    "hand-over to land (the assignment callback was landing it), left the group, and the "
+    "landing failed with it": Scenario(
+        seed=94081,
+        partitions=24,
+        jobs_per_s=12,
+        flavour=Flavour.NOIDA,
+        static_members=True,
+        weight_update_every_s=4,
+        engine_killing_update_share=0.3,
+        hostile={k: HOSTILE_SHARES[k] for k in (Kind.INVALID, Kind.REPLY_SMALL, Kind.REPLY_LOCKED)},
+    ),
 }
 
 

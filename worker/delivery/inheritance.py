@@ -76,6 +76,9 @@ class Inheritance:
         # The committed position of each partition assigned, as read here (-1: none; None: it
         # could not be read), until this member's first commit of it lands (`first_commits`).
         self._read_at: dict[TopicPartition, int | None] = {}
+        # One landing of hand-overs at a time: a stopping worker waits for the one its
+        # assignment callback has on its way instead of finding nothing left to land.
+        self._landing = asyncio.Lock()
 
     def refused(
         self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
@@ -335,8 +338,9 @@ class Inheritance:
 
     @property
     def hand_overs_unlanded(self) -> bool:
-        """Whether a hand-over of revoked partitions is still to be landed (`land_hand_overs`)."""
-        return bool(self._unlanded)
+        """Whether a hand-over of revoked partitions is still to be landed, or on its way
+        (`land_hand_overs`)."""
+        return bool(self._unlanded) or self._landing.locked()
 
     async def land_hand_overs(self) -> None:
         """Commit again, in the member's current generation, the hand-overs of revoked
@@ -357,7 +361,17 @@ class Inheritance:
         the member has no generation (its join under way: a stopping worker tries before
         aiokafka has rejoined), or not answered in time, it is kept for the next try: the join
         may have completed by then, or the coordinator be back.
+
+        A call made while another lands waits for it (seed 94081 of `--flavour noida
+        --static --weight-update-every-s 4 --engine-killing-updates 0.3`: an update left no
+        engine just as the member rejoined; the stopping worker found nothing to land, as the
+        assignment callback had taken the refused hand-over on its way, left the group, and
+        that landing failed with it).
         """
+        async with self._landing:
+            await self._land_hand_overs()
+
+    async def _land_hand_overs(self) -> None:
         if not self._unlanded:
             return
         offsets, self._unlanded = self._unlanded, {}
