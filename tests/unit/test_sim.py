@@ -463,6 +463,18 @@ def test_the_checker_flags_a_worker_that_commits_before_the_acknowledgement() ->
     assert run(scenario(seed, None)).violations == []
 
 
+def _noida_static(seed: int, **more: Any) -> Scenario:
+    """Three workers on noida-db's rules, as static members (`--flavour noida --static`)."""
+    return Scenario(
+        seed=seed,
+        partitions=24,
+        jobs_per_s=12,
+        flavour=Flavour.NOIDA,
+        static_members=True,
+        **more,
+    )
+
+
 #: Each seed found a defect (the key says what the checker saw), and now guards its fix.
 FOUND_DEFECTS = {
     "refused offset maps, then a partition carrying a death count: no job of that worker's "
@@ -529,9 +541,7 @@ FOUND_DEFECTS = {
     "hand-over, not a defect": Scenario(seed=14619, partitions=24, jobs_per_s=12),
     "a new owner looked the position up as it joined, the last owner's refused hand-over "
     "landed just after, and the new owner fetched from the old position: the records between "
-    "ran again and its commit moved the position back": Scenario(
-        seed=402, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
-    ),
+    "ran again and its commit moved the position back": _noida_static(402),
     "a revoke during a broker outage: an answer waiting in aiokafka's send_batch (its "
     "partition's previous batch unsent) was not taken back, was sent after the hand-over and "
     "answered its job twice": Scenario(seed=51687, partitions=24, jobs_per_s=12),
@@ -544,29 +554,25 @@ FOUND_DEFECTS = {
     ),
     "a static member scaled in while another joined: its commit refused for the moved "
     "generation made aiokafka forget its member id, it stopped without leaving, and a broker "
-    "that never evicts waited for it for ever (every job after went unanswered)": Scenario(
-        seed=403, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+    "that never evicts waited for it for ever (every job after went unanswered)": _noida_static(
+        403
     ),
     "noida-db refused a stopping worker's hand-over as another member asked to join; its "
     "final try, made while aiokafka was still rejoining, was refused for the same reason and "
-    "dropped, and the next owner counted a death against the jobs it named running": Scenario(
-        seed=71272, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
+    "dropped, and the next owner counted a death against the jobs it named running": _noida_static(
+        71272
     ),
     "tansu returns no member metadata: every live last owner counted as dead, its new owner "
     "did not wait for the hand-over and committed behind it once it landed": Scenario(
         seed=72088, partitions=24, jobs_per_s=12, flavour=Flavour.TANSU
     ),
     "a static member scaled in while aiokafka rejoined under its instance id left under the "
-    "id the group had replaced; noida-db kept the new member, and its partitions, for ever": (
-        Scenario(
-            seed=71294, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
-        )
+    "id the group had replaced; noida-db kept the new member, and its partitions, for ever": _noida_static(
+        71294
     ),
     "a static member scaled in during a coordinator outage, its jobs drained early, tried to "
-    "leave for 2.5 s with about 8 s of its grace left and gave up; noida-db kept it for ever": (
-        Scenario(
-            seed=77174, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
-        )
+    "leave for 2.5 s with about 8 s of its grace left and gave up; noida-db kept it for ever": _noida_static(
+        77174
     ),
     "16 workers: a new owner read a live last owner's map, the hand-over landed just after "
     "and the coordinator went away; the wait for it ended with every read failing, and the "
@@ -589,26 +595,16 @@ FOUND_DEFECTS = {
     ),
     "a broker outage as the group formed: the new owner's first read of the committed offsets "
     "failed, it fetched from the position aiokafka looked up as it joined, older than the "
-    "last owner's hand-over landed just after, and its first commit moved the position back": (
-        Scenario(
-            seed=88476, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
-        )
+    "last owner's hand-over landed just after, and its first commit moved the position back": _noida_static(
+        88476
     ),
     "a coordinator outage as the group formed outlasted the new owner's bounded waits for the "
     "committed offsets; the last owner's hand-over had landed just before it, and the new "
-    "owner's first commit moved the position back": (
-        Scenario(
-            seed=89102, partitions=24, jobs_per_s=12, flavour=Flavour.NOIDA, static_members=True
-        )
-    ),
+    "owner's first commit moved the position back": _noida_static(89102),
     "an update left no engine just as the member rejoined: the stopping worker found no "
     "hand-over to land (the assignment callback was landing it), left the group, and the "
-    "landing failed with it": Scenario(
-        seed=94081,
-        partitions=24,
-        jobs_per_s=12,
-        flavour=Flavour.NOIDA,
-        static_members=True,
+    "landing failed with it": _noida_static(
+        94081,
         weight_update_every_s=4,
         engine_killing_update_share=0.3,
         hostile={k: HOSTILE_SHARES[k] for k in (Kind.INVALID, Kind.REPLY_SMALL, Kind.REPLY_LOCKED)},
