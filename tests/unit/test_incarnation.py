@@ -211,6 +211,36 @@ async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_re
     assert read == [0, 0, 1, 2]
 
 
+async def test_a_hand_over_refused_again_in_a_generation_of_its_own_lands_in_the_next() -> None:
+    # Generations can end as they form (`--flavour noida --static --weight-update-every-s 4
+    # --engine-killing-updates 0.3`: a restarted member died at each join), and the hand-over
+    # made again at the rejoin is refused again. Dropped then, the last landed map would name
+    # this member's jobs as running, and once this process had stopped, the next owner would
+    # count a death against each.
+    consumer = Refusing()
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        return {}
+
+    committer = Committer(consumer, _settings(), Metrics(), read_committed)
+    await committer.assigned({TP})
+    partition = committer.partition(TP)
+    for offset in range(3):
+        partition.start(offset)
+    partition.finish(0)
+    await committer.commit_now({TP})  # lands: 1 and 2 running
+    consumer.refuse = True
+    partition.finish(1)
+    partition.finish(2)
+    await committer.commit_now({TP}, clean=True)  # the revoke's hand-over, refused
+    committer.forget({TP})
+    await committer.assigned({TP1})  # made again in the new generation: over already
+    assert consumer.commits == [{TP: 1}]
+    consumer.refuse = False
+    await committer.assigned({TP1})  # the next generation takes it
+    assert consumer.commits == [{TP: 1}, {TP: 3}]
+
+
 def test_a_stopping_worker_waits_for_the_hand_over_its_assignment_callback_is_landing() -> None:
     # Seed 94081 of `--flavour noida --static --weight-update-every-s 4
     # --engine-killing-updates 0.3`: an update left no engine just as the member rejoined. The

@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 
-from worker.core.kafka import commit_handed_over, rejoining
+from worker.core.kafka import commit_handed_over
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker, describe_commits
@@ -38,10 +38,6 @@ _HAND_OVER_WAIT_S: Final = 2.0
 _HAND_OVER_POLL_S: Final = 0.1
 # How often a new owner asks again who is alive while the group cannot say.
 _ASK_AGAIN_S: Final = 0.5
-
-# The group's answer that this member's generation is over: a hand-over refused with it is
-# not tried again.
-_REFUSED: Final = (CommitFailedError, IllegalStateError)
 
 
 class Inheritance:
@@ -356,11 +352,15 @@ class Inheritance:
         and not committed, blaming nobody: the map names a live writer). Made before this
         member starts anything, it cannot move back a position a new owner committed since.
 
-        Refused again in a generation of its own, it is dropped: the member's generation is
-        over, and the new owners run again what was answered and not committed. Refused while
-        the member has no generation (its join under way: a stopping worker tries before
-        aiokafka has rejoined), or not answered in time, it is kept for the next try: the join
-        may have completed by then, or the coordinator be back.
+        Refused (a generation that was over again as it landed, or the member's join still
+        under way), or not answered in time, it is kept for the next try: at the next rejoin,
+        or by a stopping worker until its grace ends. It lands unless another member committed
+        there since (`_not_overtaken`); a new owner that read the older map and has not
+        committed yet takes it over at its first commit (`first_commits`). Dropped, it would
+        leave the last landed map naming this member's jobs as running, and once this process
+        is gone a next owner would count a death against each (generations can end as they
+        form: a restarted member that dies at each join, seen in `--flavour noida --static
+        --weight-update-every-s 4 --engine-killing-updates 0.3`).
 
         A call made while another lands waits for it (seed 94081 of `--flavour noida
         --static --weight-update-every-s 4 --engine-killing-updates 0.3`: an update left no
@@ -384,14 +384,6 @@ class Inheritance:
                 await commit_handed_over(self._consumer, offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
-            if isinstance(exc, _REFUSED) and not rejoining(self._consumer):
-                logger.warning(
-                    "the hand-over of %s was refused again (%r); the records answered and not "
-                    "committed will run again",
-                    describe_commits(offsets),
-                    exc,
-                )
-                return
             logger.info(
                 "the hand-over of %s did not land (%r); it is tried again",
                 describe_commits(offsets),
