@@ -25,9 +25,9 @@ Invariants (each violation names one):
   times the group removed a live owner of its partition for a missed session or rebalance
   timeout: a death that was not a kill (a clean stop, an update that killed the engine)
   blames nothing, and a member the coordinator removed is dead to the group (its hand-over
-  can no longer land, and the next owner cannot tell it from a kill), as is one whose process
-  exited while the coordinator could not be reached (its hand-over and its leave had no way
-  to land within its grace);
+  can no longer land, and the next owner cannot tell it from a kill), as is a process that
+  stopped with no way to land its hand-over (no generation for its member since its last
+  landed commit, and at its exit the coordinator away or the group rebalancing);
 - `weights_diverged`: every live worker serves, at the end, the latest weights any worker
   acknowledged applying (read from the status topic's acknowledgements; a worker's served
   version is what its status reports).
@@ -365,7 +365,7 @@ def _blame(
 ) -> list[Violation]:
     """`wrongly_blamed`: death counts in the committed offset maps against the kills that
     happened while each record was unanswered."""
-    kills = [e.at for e in history.of("kill")]
+    kills = sorted([e.at for e in history.of("kill")] + _exits_with_no_way_to_hand_over(history))
     evictions = _live_owners_removed(history)
     jobs = cluster.topics[bounds.jobs_topic]
     worst: dict[tuple[str, int], tuple[int, float]] = {}
@@ -398,15 +398,99 @@ def _blame(
     return violations
 
 
+def _exits_with_no_way_to_hand_over(history: History) -> list[float]:
+    """When a process stopped with no way to land its hand-over: from its last landed commit
+    to its exit no generation gave its member a place in the group, and at the exit the
+    coordinator could not be reached or the group was rebalancing (a rebalance its own leave
+    did not begin). Its last landed map names its jobs as running, as a kill's does, and its
+    next owner cannot tell the two apart (seed 87031 of `--offset-metadata-max-bytes 300`:
+    scaled in during coordinator outages that covered its whole grace; seed 94150 of
+    `--flavour noida --static` with updates that kill the engine: a rebalance noida-db held
+    open for 50 s, waiting for a restarting static member, took no commit of the member that
+    stopped meanwhile)."""
+    chances = _HandOverChances()
+    stopped: list[float] = []
+    for event in history.events:
+        if event.kind == "exit" and chances.none_at_exit(event.fields):
+            stopped.append(event.at)
+        chances.see(event)
+    return stopped
+
+
+#: How long a generation must last, with the coordinator there, for a member to land a
+#: hand-over in it: a read and a commit, each a round trip.
+_HAND_OVER_WINDOW_S = 0.1
+
+
+@dataclass
+class _HandOverChances:
+    """What the history says so far about where each process could land a commit."""
+
+    process_of_client: dict[str, str] = field(default_factory=dict)
+    #: process -> its member id now
+    member_of: dict[str, str] = field(default_factory=dict)
+    #: process -> when a commit of its landed last
+    committed_at: dict[str, float] = field(default_factory=dict)
+    #: process -> when it joined each generation (not one already rebalancing)
+    joined_at: dict[str, list[float]] = field(default_factory=dict)
+    #: when each rebalance began
+    rebalances: list[float] = field(default_factory=list)
+    #: member -> whether the group was rebalancing already when it left (or its leave began
+    #: a rebalance)
+    left_into_rebalance: dict[str, bool] = field(default_factory=dict)
+    rebalancing_since: float | None = None
+
+    def see(self, event: Event) -> None:
+        fields = event.fields
+        if event.kind == "joined":
+            self.process_of_client[fields["client"]] = fields["process"]
+            self.member_of[fields["process"]] = fields["member"]
+            if self.rebalancing_since is None:  # else its generation was over already
+                self.joined_at.setdefault(fields["process"], []).append(event.at)
+        elif event.kind == "commit" and fields["client"] in self.process_of_client:
+            self.committed_at[self.process_of_client[fields["client"]]] = event.at
+        elif event.kind == "generation":
+            self.rebalancing_since = None
+        elif event.kind == "rebalance":
+            self.rebalances.append(event.at)
+            if self.rebalancing_since is None:
+                self.rebalancing_since = event.at
+        elif event.kind == "member_removed" and fields["why"] == "left":
+            self.left_into_rebalance[fields["member"]] = self.rebalancing_since is not None
+
+    def none_at_exit(self, exit_fields: dict[str, object]) -> bool:
+        """Whether the process exiting had no way to land a hand-over since its last landed
+        commit (see `_exits_with_no_way_to_hand_over`)."""
+        process = str(exit_fields["worker"])
+        member = self.member_of.get(process)
+        last_commit = self.committed_at.get(process)
+        if member is None or last_commit is None or self._placed_since(process, last_commit):
+            return False  # nothing landed to name its jobs, or a generation to hand over in
+        rebalancing = self.rebalancing_since is not None and self.left_into_rebalance.get(
+            member, True
+        )
+        return bool(exit_fields.get("coordinator_away")) or rebalancing
+
+    def _placed_since(self, process: str, since: float) -> bool:
+        """Whether `process` joined a generation after `since` that no rebalance ended within
+        `_HAND_OVER_WINDOW_S` (noida-db refuses commits from a rebalance's start on: a
+        generation a member that died at once ended too soon is no place to hand over in,
+        seed 94248)."""
+        for joined in self.joined_at.get(process, []):
+            if joined <= since:
+                continue
+            i = bisect.bisect_left(self.rebalances, joined)
+            if i == len(self.rebalances) or self.rebalances[i] > joined + _HAND_OVER_WINDOW_S:
+                return True
+        return False
+
+
 def _live_owners_removed(history: History) -> dict[str, list[float]]:
     """Per partition, when the group removed its owner for a missed session or rebalance
     timeout while the owner's process was alive (a coordinator away for longer than the
-    timeouts), or after it exited while the coordinator could not be reached (stopped within
-    its grace, with no way to hand over or leave: seed 87031 of `--offset-metadata-max-bytes
-    300`): the member's jobs in flight were a death to the group, as Kafka's ClassicGroup
-    sees it, though no process died."""
+    timeouts): the member's jobs in flight were a death to the group, as Kafka's
+    ClassicGroup sees it, though no process died."""
     alive: set[str] = set()
-    cut_off: set[str] = set()
     process_of: dict[str, str] = {}
     held: dict[str, list[str]] = {}
     removed: dict[str, list[float]] = {}
@@ -416,15 +500,13 @@ def _live_owners_removed(history: History) -> dict[str, list[float]]:
             alive.add(fields["worker"])
         elif event.kind in ("kill", "exit"):
             alive.discard(fields["worker"])
-            if fields.get("coordinator_away"):
-                cut_off.add(fields["worker"])
         elif event.kind == "joined":
             process_of[fields["member"]] = fields["process"]
         elif event.kind == "generation":
             held = {member: [str(tp) for tp in tps] for member, tps in fields["members"].items()}
         elif event.kind == "member_removed" and fields["why"] != "left":
             member = fields["member"]
-            if process_of.get(member) in alive | cut_off:
+            if process_of.get(member) in alive:
                 for tp in held.get(member, []):
                     removed.setdefault(tp, []).append(event.at)
     return removed
