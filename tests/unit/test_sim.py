@@ -709,3 +709,23 @@ def test_answers_are_owed_settle_s_after_the_last_death_not_only_after_the_last_
         pytest.fail("no seed had a death after the faults' settle period")
     assert outcome.virtual_s >= last_death + scenario.settle_s - 1e-6  # float sums
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
+def test_a_mock_checkpoint_is_never_rewritten_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs side by side share the checkpoints' folder; a config.json truncated and rewritten
+    while another run read it read as empty (seed 95194 of `--weight-update-every-s 4
+    --engine-killing-updates 0.3` diverged only in a two-process run)."""
+    from worker.dev.sim import run as sim_run  # noqa: PLC0415
+
+    monkeypatch.setattr(sim_run, "WEIGHTS_ROOT", tmp_path)
+    config = Path(sim_run._checkpoint("v1")) / "config.json"
+    first = config.stat()
+    sim_run._checkpoint("v1")
+    assert config.stat().st_ino == first.st_ino  # the same file, untouched
+    config.write_text("")  # as a reader saw it mid-rewrite
+    torn = config.stat().st_ino
+    sim_run._checkpoint("v1")
+    assert config.stat().st_ino != torn  # replaced by a rename, not written into
+    assert '"num_hidden_layers": 2' in config.read_text()

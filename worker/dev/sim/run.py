@@ -468,12 +468,23 @@ async def _faults(  # noqa: PLR0912 - one branch per fault kind
 
 
 def _checkpoint(name: str) -> str:
-    """A mock checkpoint directory (created once; same contents every run)."""
+    """A mock checkpoint directory (created once; same contents every run). Written by a
+    rename, never in place: runs side by side (`bench/sim.py --processes`) share the folder,
+    and a config.json read while another run rewrote it read as empty, so one worker failed
+    an update the rest applied (seed 95194 of `--weight-update-every-s 4
+    --engine-killing-updates 0.3`, reported as `weights_diverged` in a two-process run only)."""
     directory = WEIGHTS_ROOT / name
     directory.mkdir(parents=True, exist_ok=True)
     layers = 99 if name.startswith("other-architecture") else 2
     config = {"num_hidden_layers": layers, "num_experts_per_tok": 2, "num_experts": 8}
-    (directory / "config.json").write_text(json.dumps(config, sort_keys=True))
+    text = json.dumps(config, sort_keys=True)
+    path = directory / "config.json"
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return str(directory)
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as staged:
+        staged.write(text)
+    Path(staged.name).replace(path)
     return str(directory)
 
 
