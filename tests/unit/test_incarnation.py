@@ -211,13 +211,10 @@ async def test_a_hand_over_refused_during_the_rebalance_lands_once_the_member_re
     assert read == [0, 0, 1, 2]
 
 
-async def test_a_hand_over_refused_again_in_a_generation_of_its_own_lands_in_the_next() -> None:
-    # Generations can end as they form (`--flavour noida --static --weight-update-every-s 4
-    # --engine-killing-updates 0.3`: a restarted member died at each join), and the hand-over
-    # made again at the rejoin is refused again. Dropped then, the last landed map would name
-    # this member's jobs as running, and once this process had stopped, the next owner would
-    # count a death against each.
-    consumer = Refusing()
+async def _refused_hand_over(consumer: Refusing) -> Committer:
+    """A committer on `consumer` that held TP, landed a commit naming 1 and 2 as running, then
+    answered them and had its revoke's hand-over (at 3) refused; TP is revoked, and the group
+    takes commits again."""
 
     async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
         return {}
@@ -234,6 +231,19 @@ async def test_a_hand_over_refused_again_in_a_generation_of_its_own_lands_in_the
     partition.finish(2)
     await committer.commit_now({TP}, clean=True)  # the revoke's hand-over, refused
     committer.forget({TP})
+    consumer.refuse = False
+    return committer
+
+
+async def test_a_hand_over_refused_again_in_a_generation_of_its_own_lands_in_the_next() -> None:
+    # Generations can end as they form (`--flavour noida --static --weight-update-every-s 4
+    # --engine-killing-updates 0.3`: a restarted member died at each join), and the hand-over
+    # made again at the rejoin is refused again. Dropped then, the last landed map would name
+    # this member's jobs as running, and once this process had stopped, the next owner would
+    # count a death against each.
+    consumer = Refusing()
+    committer = await _refused_hand_over(consumer)
+    consumer.refuse = True
     await committer.assigned({TP1})  # made again in the new generation: over already
     assert consumer.commits == [{TP: 1}]
     consumer.refuse = False
@@ -249,23 +259,8 @@ def test_a_stopping_worker_waits_for_the_hand_over_its_assignment_callback_is_la
     # counted a death against the jobs the last landed map named as running.
     consumer = Refusing()
 
-    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
-        return {}
-
     async def scenario() -> None:
-        committer = Committer(consumer, _settings(), Metrics(), read_committed)
-        await committer.assigned({TP})
-        partition = committer.partition(TP)
-        for offset in range(3):
-            partition.start(offset)
-        partition.finish(0)
-        await committer.commit_now({TP})  # lands: 1 and 2 running
-        consumer.refuse = True
-        partition.finish(1)
-        partition.finish(2)
-        await committer.commit_now({TP}, clean=True)  # the revoke's hand-over, refused
-        committer.forget({TP})
-        consumer.refuse = False
+        committer = await _refused_hand_over(consumer)
         consumer.commit_gate = asyncio.Event()  # the landing's commit is on its way
         started = consumer.commits_started
         rejoined = asyncio.create_task(committer.assigned({TP}))
