@@ -54,6 +54,7 @@ __all__ = [
     "member_id",
     "read_record_limits",
     "record_size_limit",
+    "rejoining",
     "topic_max_message_bytes",
     "topics_max_message_bytes",
 ]
@@ -194,6 +195,14 @@ def member_id(consumer: AIOKafkaConsumer) -> str | None:
     if coordinator is None or coordinator.generation < 0 or not coordinator.member_id:
         return None
     return str(coordinator.member_id)
+
+
+def rejoining(consumer: AIOKafkaConsumer) -> bool:
+    """Whether aiokafka has forgotten this member's generation (the group refused a commit of
+    it) and a join is under way: a commit made now is refused for the same reason, and one made
+    once the join completes is taken in the new generation."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    return coordinator is not None and coordinator.generation < 0
 
 
 async def leave_group(

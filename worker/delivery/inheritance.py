@@ -15,9 +15,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from worker.core.kafka import commit_handed_over
+from worker.core.kafka import commit_handed_over, rejoining
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker, describe_commits
@@ -38,6 +38,10 @@ _HAND_OVER_WAIT_S: Final = 2.0
 _HAND_OVER_POLL_S: Final = 0.1
 # How often a new owner asks again who is alive while the group cannot say.
 _ASK_AGAIN_S: Final = 0.5
+
+# The group's answer that this member's generation is over: a hand-over refused with it is
+# not tried again.
+_REFUSED: Final = (CommitFailedError, IllegalStateError)
 
 
 class Inheritance:
@@ -69,8 +73,10 @@ class Inheritance:
         # committed there before (None: nothing).
         self._unlanded: dict[TopicPartition, Commit] = {}
         self._before: dict[TopicPartition, Commit | None] = {}
-        # The committed position of each partition assigned, as read here (-1: none; None: it
-        # could not be read), until this member's first commit of it lands (`first_commits`).
+        # Partitions whose last owner's hand-over may still land after this member read them
+        # (their map could not be read, or a live owner's hand-over was waited for in vain),
+        # with the committed position as read here (None: unread), until this member's first
+        # commit of each lands (`first_commits`).
         self._read_at: dict[TopicPartition, int | None] = {}
         # One landing of hand-overs at a time: a stopping worker waits for the one its
         # assignment callback has on its way instead of finding nothing left to land.
@@ -106,14 +112,15 @@ class Inheritance:
         self, offsets: dict[TopicPartition, Commit]
     ) -> dict[TopicPartition, Commit]:
         """Of `offsets`, those to commit now. A partition this member has not committed since
-        it was assigned is read again first: another member's commit that landed after the
-        map was read (a last owner's hand-over past the new owner's bounded waits, through a
-        coordinator outage) must not be committed behind. There the partition takes it over
-        (`PartitionOffsets.overtaken`: what it answered is skipped) and commits at the next
-        turn. While the committed offsets cannot be read, such a partition is not committed:
-        its commit could land behind one that did unseen (seed 89102 of `--flavour noida
-        --static`). Read without a lock, so a commit racing this read can still land first;
-        the window is one round trip, not the whole outage."""
+        it was assigned, and whose last owner's hand-over may still land (its map could not be
+        read, or that hand-over was waited for in vain), is read again first: another member's
+        commit that landed after the map was read (a last owner's hand-over past the new
+        owner's bounded waits, through a coordinator outage) must not be committed behind.
+        There the partition takes it over (`PartitionOffsets.overtaken`: what it answered is
+        skipped) and commits at the next turn. While the committed offsets cannot be read,
+        such a partition is not committed: its commit could land behind one that did unseen
+        (seed 89102 of `--flavour noida --static`). Read without a lock, so a commit racing
+        this read can still land first; the window is one round trip, not the whole outage."""
         unconfirmed = {tp for tp in offsets if tp in self._read_at}
         if not unconfirmed:
             return offsets
@@ -189,10 +196,9 @@ class Inheritance:
         if maps is None:
             self._read_at.update(dict.fromkeys(partitions))
             return {}
-        await self._await_hand_overs(maps, alive)
+        for tp in await self._await_hand_overs(maps, alive):
+            self._read_at[tp] = maps[tp][0]
         alive.waited()
-        for tp in partitions:
-            self._read_at[tp] = maps[tp][0] if tp in maps else -1
         for tp, (position, previous) in sorted(maps.items()):
             if previous is None:
                 self._tracker.assigned(tp, OffsetMap(), anchor=position)  # replaced at once
@@ -292,12 +298,13 @@ class Inheritance:
 
     async def _await_hand_overs(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
-    ) -> None:
+    ) -> set[TopicPartition]:
         """Read again, for a little while, the maps of partitions whose last owner is alive but
         whose hand-over has not landed: that owner commits it again as soon as it rejoins
         (`land_hand_overs`), in the same round that assigned them here. Waiting for it saves
         running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
-        blaming nobody. What lands replaces the partition's entry in `maps`."""
+        blaming nobody. What lands replaces the partition's entry in `maps`. Returns the
+        partitions whose hand-over did not land: it may still land later (`first_commits`)."""
         waiting = set()
         for tp, (_, previous) in maps.items():
             if (
@@ -331,6 +338,7 @@ class Inheritance:
                 ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(waiting)),
                 _HAND_OVER_WAIT_S,
             )
+        return waiting
 
     @property
     def hand_overs_unlanded(self) -> bool:
@@ -352,15 +360,11 @@ class Inheritance:
         and not committed, blaming nobody: the map names a live writer). Made before this
         member starts anything, it cannot move back a position a new owner committed since.
 
-        Refused (a generation that was over again as it landed, or the member's join still
-        under way), or not answered in time, it is kept for the next try: at the next rejoin,
-        or by a stopping worker until its grace ends. It lands unless another member committed
-        there since (`_not_overtaken`); a new owner that read the older map and has not
-        committed yet takes it over at its first commit (`first_commits`). Dropped, it would
-        leave the last landed map naming this member's jobs as running, and once this process
-        is gone a next owner would count a death against each (generations can end as they
-        form: a restarted member that dies at each join, seen in `--flavour noida --static
-        --weight-update-every-s 4 --engine-killing-updates 0.3`).
+        Refused again in a generation of its own, it is dropped: the member's generation is
+        over, and the new owners run again what was answered and not committed. Refused while
+        the member has no generation (its join under way: a stopping worker tries before
+        aiokafka has rejoined), or not answered in time, it is kept for the next try: the join
+        may have completed by then, or the coordinator be back.
 
         A call made while another lands waits for it (seed 94081 of `--flavour noida
         --static --weight-update-every-s 4 --engine-killing-updates 0.3`: an update left no
@@ -384,6 +388,14 @@ class Inheritance:
                 await commit_handed_over(self._consumer, offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
+            if isinstance(exc, _REFUSED) and not rejoining(self._consumer):
+                logger.warning(
+                    "the hand-over of %s was refused again (%r); the records answered and not "
+                    "committed will run again",
+                    describe_commits(offsets),
+                    exc,
+                )
+                return
             logger.info(
                 "the hand-over of %s did not land (%r); it is tried again",
                 describe_commits(offsets),
