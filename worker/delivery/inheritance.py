@@ -125,41 +125,35 @@ class Inheritance:
         if not unconfirmed:
             return offsets
         kept = {tp: c for tp, c in offsets.items() if tp not in unconfirmed}
-        now = await self._read_maps(unconfirmed)
-        if now is None:
+        read = await self._read_maps_and_ends(unconfirmed)
+        if read is None:
             logger.info(
                 "cannot read the committed offsets of %s before their first commit; it waits",
                 ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(unconfirmed)),
             )
             return kept
-        ahead = {
-            tp
-            for tp in unconfirmed
-            if (position := now.get(tp, (-1, None))[0]) != self._read_at[tp]
-            and position > offsets[tp][0]
-        }
-        ends = await self._end_offsets(ahead) if ahead else {}
+        now, ends = read
         for tp in sorted(unconfirmed):
             position, latest = now.get(tp, (-1, None))
-            if tp not in ahead or (tp in ends and position > ends[tp]):
-                # Unchanged, behind this commit, or past the log's end (truncated under it:
-                # the consumer's reset stands).
-                kept[tp] = offsets[tp]
-                continue
-            if tp not in ends:
-                continue  # a hand-over or a truncated log: cannot tell yet, so it waits
-            self._read_at[tp] = position
-            twice = self._tracker.partition(tp).overtaken(position, latest)
-            logger.warning(
-                "%s-%s: another member committed %d after this owner read the partition, "
-                "ahead of its commit at %d; taking that over (%d records in flight below it "
-                "are answered twice)",
-                tp.topic,
-                tp.partition,
-                position,
-                offsets[tp][0],
-                twice,
-            )
+            if position == self._read_at[tp] or position <= offsets[tp][0]:
+                kept[tp] = offsets[tp]  # unchanged since it was read, or behind this commit
+            elif tp not in ends:
+                pass  # a hand-over or a truncated log: cannot tell yet, so it waits
+            elif position > ends[tp]:
+                kept[tp] = offsets[tp]  # past the log's end: truncated, the reset stands
+            else:
+                self._read_at[tp] = position
+                twice = self._tracker.partition(tp).overtaken(position, latest)
+                logger.warning(
+                    "%s-%s: another member committed %d after this owner read the partition, "
+                    "ahead of its commit at %d; taking that over (%d records in flight below "
+                    "it are answered twice)",
+                    tp.topic,
+                    tp.partition,
+                    position,
+                    offsets[tp][0],
+                    twice,
+                )
         return kept
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
@@ -269,8 +263,18 @@ class Inheritance:
         """The committed position and offset map of each of `partitions` that has a commit
         (None for a map that cannot be decoded); None when they cannot be read at all. Read
         again and again while that lasts: the callers say it once."""
+        read = await self._read_maps_and_ends(partitions)
+        return None if read is None else read[0]
+
+    async def _read_maps_and_ends(
+        self, partitions: set[TopicPartition]
+    ) -> (
+        tuple[dict[TopicPartition, tuple[int, OffsetMap | None]], dict[TopicPartition, int]] | None
+    ):
+        """`_read_maps`, with the partitions' end offsets read for them (none when those could
+        not be read)."""
         if self._read_committed is None:
-            return {}
+            return {}, {}
         try:
             async with asyncio.timeout(self._timeout_s):
                 committed = await self._read_committed(sorted(partitions))
@@ -294,7 +298,7 @@ class Inheritance:
                     exc,
                 )
                 maps[tp] = (position, None)
-        return maps
+        return maps, ends
 
     async def _await_hand_overs(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters

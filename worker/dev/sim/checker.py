@@ -365,7 +365,7 @@ def _blame(
 ) -> list[Violation]:
     """`wrongly_blamed`: death counts in the committed offset maps against the kills that
     happened while each record was unanswered."""
-    kills = sorted([e.at for e in history.of("kill")] + _exits_with_no_way_to_hand_over(history))
+    kills = [e.at for e in history.of("kill")] + _exits_with_no_way_to_hand_over(history)
     evictions = _live_owners_removed(history)
     jobs = cluster.topics[bounds.jobs_topic]
     worst: dict[tuple[str, int], tuple[int, float]] = {}
