@@ -322,3 +322,17 @@ def test_a_newer_position_is_neither_taken_over_nor_committed_behind_while_the_l
     consumer.end_offsets = no_end_offsets  # type: ignore[method-assign]
     run_on_virtual_time(committer.commit_now())
     assert consumer.commits == [] and committer.partition(TP).floor == 0
+
+
+def test_a_forged_map_ahead_of_a_first_commit_costs_only_its_own_map():
+    # Anyone who can commit to the group can write any metadata: ahead of this owner and
+    # within the log, the position is taken over and the unreadable map ignored, with a warning.
+    consumer, committer = _first_commits([(2, "vkw2:not-a-map!")])
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == []
+    partition = committer.partition(TP)
+    assert partition.floor == 2 and partition.answered_before == set()
+    assert partition.start(2) and partition.start(3)
+    partition.finish(2)
+    run_on_virtual_time(committer.commit_now())
+    assert consumer.commits == [{TP: 3}]
