@@ -279,6 +279,7 @@ class FakeConsumer:
         #: polling). A test that checks nothing happens waits for turns, not for a time.
         self.getmany_calls = 0
         self.pause_calls = 0
+        self.closed = False
 
     def add(self, tp: TopicPartition, value: bytes, key: bytes | None = None) -> None:
         records = self.records.setdefault(tp, [])
@@ -308,7 +309,12 @@ class FakeConsumer:
         return
 
     async def stop(self) -> None:
-        return
+        """aiokafka's close ends with its coordinator's `_maybe_leave_group` (a test may give
+        the consumer a `_coordinator`); closing again does nothing."""
+        coordinator = getattr(self, "_coordinator", None)
+        if coordinator is not None and not self.closed:
+            self.closed = True
+            await coordinator._maybe_leave_group()
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)

@@ -119,6 +119,18 @@ class _Coordinator:
     def reset_generation(self) -> None:
         self.generation, self.member_id = -1, ""
 
+    async def _maybe_leave_group(self) -> None:
+        """aiokafka's, run by its close once its coordination has stopped: a static member
+        does not leave (and this fake has no dynamic one of a generation to leave)."""
+        assert self._group_instance_id is not None or self.generation < 0
+        self.reset_generation()
+
+    def rejoin(self, as_member: str) -> None:
+        """aiokafka's coordination joins again under the instance id, as `as_member`."""
+        self.members = (self.members - {self.holding_instance}) | {as_member}
+        self.holding_instance = as_member
+        self.generation, self.member_id = 4, as_member
+
 
 def _gate_on(coordinator: _Coordinator) -> PartitionGate:
     consumer = FakeConsumer()
@@ -167,6 +179,30 @@ async def test_a_static_member_scaled_in_before_its_first_join_completed_leaves_
     await _gate_on(coordinator).stop(leave=True)
     assert coordinator.left_as == ["instance pod-0"]
     assert coordinator.members == set()
+
+
+async def test_a_static_member_leaves_as_the_member_its_last_join_made_it():
+    # Seed 99100 of `bench/sim.py --flavour noida --static`: a restarted static member was
+    # scaled in during a coordinator outage, before its first join completed. Its leave by
+    # instance id removed its dead predecessor's member; aiokafka's coordination, still
+    # running, then joined again under the instance id, the process exited, and the group held
+    # the new member and its partitions for ever. The leave belongs after the last join: in
+    # the close, once aiokafka's coordination has stopped.
+    coordinator = _Coordinator()
+    coordinator.reset_generation()
+
+    class RejoiningConsumer(FakeConsumer):
+        async def stop(self) -> None:
+            coordinator.rejoin("worker-7")  # the join its close lets finish
+            await super().stop()
+
+    consumer = RejoiningConsumer()
+    consumer._coordinator = coordinator  # type: ignore[attr-defined]
+    gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
+    await gate.stop(leave=True)
+    assert coordinator.left_as == ["worker-7"]
+    assert coordinator.members == set()
+    assert coordinator.generation < 0
 
 
 async def test_a_dynamic_member_that_never_joined_sends_no_leave():

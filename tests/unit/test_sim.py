@@ -651,6 +651,9 @@ FOUND_DEFECTS = {
         engine_killing_update_share=0.3,
         hostile={k: HOSTILE_SHARES[k] for k in (Kind.INVALID, Kind.REPLY_SMALL, Kind.REPLY_LOCKED)},
     ),
+    "a restarted static member scaled in during a coordinator outage, before its first join "
+    "completed: its leave removed its dead predecessor's member, aiokafka joined again, and "
+    "noida-db kept the new member, and its partitions, for ever": _noida_static(99100),
 }
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "create_topics",
     "ensure_topics",
     "leave_group",
+    "leave_group_on_close",
     "make_consumer",
     "make_producer",
     "member_id",
@@ -203,6 +204,30 @@ def rejoining(consumer: AIOKafkaConsumer) -> bool:
     once the join completes is taken in the new generation."""
     coordinator = getattr(consumer, "_coordinator", None)
     return coordinator is not None and coordinator.generation < 0
+
+
+def leave_group_on_close(
+    consumer: AIOKafkaConsumer, last_member_id: str | None = None, *, within_s: float = 0.0
+) -> None:
+    """Make the consumer's `stop()` leave the group (`leave_group`), also as a static member.
+
+    The leave is made where aiokafka makes its own (`GroupCoordinator.close` calls
+    `_maybe_leave_group` once its coordination task has finished): no JoinGroup is on its way
+    then and none is sent after, so the leave removes the member this process finally became.
+    A leave made before the close is not final: aiokafka, finding its member gone or its
+    coordinator back, joins again, and the group holds the new member until its session times
+    out (on a broker that never evicts, for ever; `bench/sim.py --flavour noida --static`
+    seed 99100). A consumer never started has no coordinator and is no member: nothing to do.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None:
+        return
+
+    async def leave_then_forget() -> None:
+        await leave_group(consumer, last_member_id, within_s=within_s)
+        coordinator.reset_generation()
+
+    coordinator._maybe_leave_group = leave_then_forget
 
 
 async def leave_group(

@@ -15,7 +15,7 @@ from typing import Protocol, TypeAlias
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
-from worker.core.kafka import leave_group, member_id
+from worker.core.kafka import leave_group_on_close, member_id
 
 __all__ = ["Batch", "HoldReason", "PartitionGate"]
 
@@ -72,8 +72,9 @@ class PartitionGate:
         if leave and not self._left:
             # Also before any join completed: a JoinGroup may be under way, and the group then
             # holds the instance for this process (a static member leaves by its instance id).
+            # Left as the consumer closes, after its last join, not before it.
             self._left = True
-            await leave_group(self._consumer, self._member_id, within_s=leave_within_s)
+            leave_group_on_close(self._consumer, self._member_id, within_s=leave_within_s)
         await self._consumer.stop()
 
     async def fetch(self, max_records: int, timeout_ms: int) -> Batch:

@@ -389,9 +389,10 @@ class Worker:
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
         close_s = self._settings.close_timeout_s
-        # A scaled-in static member's leave is tried while the coordinator is away, for what
-        # the drain left of the grace (the supervisor waits that long anyway) and half of
-        # --close-timeout-s; its other half stops the consumer.
+        # A scaled-in static member leaves as its consumer closes, after the join it may
+        # have under way; the leave is tried while the coordinator is away, for what the drain
+        # left of the grace (the supervisor waits that long anyway) and half of
+        # --close-timeout-s; its other half is for the rest of the close.
         leave_within_s = max(self._grace_ends - time.monotonic(), 0.0) + close_s / 2
         stop = functools.partial(
             self._gate.stop,

@@ -1,5 +1,6 @@
 """A static member scaled in leaves the group on a real broker, also under an id the group no
-longer knows (LeaveGroup v3 by instance id, which aiokafka does not speak)."""
+longer knows (LeaveGroup v3 by instance id, which aiokafka does not speak), and from inside
+aiokafka's close, where the worker leaves."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from worker.core.kafka import leave_group
+from worker.core.kafka import leave_group, leave_group_on_close
 from worker.dev.harness.waiting import wait_for
 
 #: Long enough that a partition moving within the test is the leave's doing, not an eviction.
@@ -34,9 +35,9 @@ async def _polled(*consumers: AIOKafkaConsumer) -> None:
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize("known_id", [True, False], ids=["by member id", "by instance id"])
+@pytest.mark.parametrize("how", ["by member id", "by instance id", "on close"])
 async def test_a_static_member_that_leaves_hands_its_partitions_over_at_once(
-    kafka_bootstrap_servers: str, new_topic: Any, known_id: bool
+    kafka_bootstrap_servers: str, new_topic: Any, how: str
 ) -> None:
     topic = await new_topic(2)
     group = f"g-{uuid.uuid4().hex}"
@@ -51,12 +52,18 @@ async def test_a_static_member_that_leaves_hands_its_partitions_over_at_once(
             return len(leaving.assignment()) == len(staying.assignment()) == 1
 
         await wait_for(both_hold_one, 60, "both members to hold a partition")
-        if not known_id:
+        if how == "by instance id":
             # What aiokafka knows is an id the group replaced (its rejoin under the instance
             # id got a new one, whose JoinGroup answer had not come back): the broker answers
             # UNKNOWN_MEMBER_ID, and the instance id does it.
             leaving._coordinator.member_id = ""
-        await leave_group(leaving, None if known_id else "an-id-the-group-replaced")
+            await leave_group(leaving, "an-id-the-group-replaced")
+        elif how == "by member id":
+            await leave_group(leaving)
+        else:
+            # Without it aiokafka's close leaves no static member: the partition would stay
+            # with the instance for the whole session timeout.
+            leave_group_on_close(leaving)
         await leaving.stop()
 
         async def staying_holds_both() -> bool:

@@ -108,6 +108,22 @@ class _CoordinatorView:
     def _group_instance_id(self) -> str | None:
         return self._consumer.instance_id
 
+    async def _maybe_leave_group(self) -> None:
+        """aiokafka's: a dynamic member of a generation leaves (once, errors ignored); every
+        member forgets its generation. The worker puts its own in its place
+        (`worker.core.kafka.leave_group_on_close`)."""
+        consumer = self._consumer
+        if consumer.generation > 0 and consumer.instance_id is None:
+            member_id = consumer.member_id
+            with contextlib.suppress(KafkaError):
+                await consumer.process.request(
+                    lambda: consumer.cluster.leave(self.group_id, member_id, consumer.process.now())
+                )
+        self.reset_generation()
+
+    def reset_generation(self) -> None:
+        self._consumer.left_group()
+
     async def _send_req(self, request: Any) -> Any:
         """The only request the worker sends itself: LeaveGroup, by the member id it names or
         (v3) by its instance id. A group error comes back in the answer, as from a broker."""
@@ -178,6 +194,10 @@ class SimConsumer:
         self._last_poll = 0.0
         self._poll_expired = False
         self._joining = False
+        #: A join is under way, from the revoke callback to the assign callback: a close lets
+        #: it finish. Set once closing: no join is begun.
+        self._in_join = False
+        self._closing = False
         self._unsubscribe: Callable[[], None] | None = None
         self._coordinator = _CoordinatorView(self) if group_id is not None else None
         #: Clear while a JoinGroup is on its way or waits for the round: the member's next
@@ -205,22 +225,23 @@ class SimConsumer:
             ]
 
     async def stop(self) -> None:
-        """aiokafka's close: a dynamic member leaves the group; a static one does not
-        (KIP-345: it is expected back under its instance id)."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """aiokafka's close (`GroupCoordinator.close`): no join is begun once closing, and one
+        on its way is let finish, callbacks and all; then `_maybe_leave_group`, where a dynamic
+        member leaves the group and a static one does not (KIP-345: it is expected back under
+        its instance id)."""
+        self._closing = True
+        heartbeat, coordinate = self._tasks or (None, None)
         self._tasks = []
+        if heartbeat is not None and coordinate is not None:
+            heartbeat.cancel()
+            if not self._in_join:
+                coordinate.cancel()
+            await asyncio.gather(heartbeat, coordinate, return_exceptions=True)
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self.group_id is not None and self.instance_id is None and self.member_id:
-            with contextlib.suppress(KafkaError):
-                await self.process.request(
-                    lambda: self.cluster.leave(
-                        self.group_id or "", self.member_id, self.process.now()
-                    )
-                )
+        if self._coordinator is not None:
+            await self._coordinator._maybe_leave_group()
         self.left_group()
 
     def _appended(self, tp: TopicPartition) -> None:
@@ -277,12 +298,16 @@ class SimConsumer:
                 pass  # looked up again at the next beat
 
     async def _coordinate(self) -> None:
-        while True:
+        while not self._closing:
             await self._rejoin.wait()
             while self._poll_expired:  # noqa: ASYNC110 - aiokafka rejoins at the next poll
                 await asyncio.sleep(self._heartbeat_s)
             self._rejoin.clear()
-            await self._join()
+            self._in_join = True
+            try:
+                await self._join()
+            finally:
+                self._in_join = False
 
     async def _join(self) -> None:
         # aiokafka's _on_join_prepare: the whole assignment is revoked first (eager protocol),
@@ -316,10 +341,12 @@ class SimConsumer:
                 await self.process.hop()
             except UnknownMemberIdError:
                 self.left_group()
-                await asyncio.sleep(_RETRY_BACKOFF_S)
+                if await self._closed_after_backoff():
+                    return
                 continue
             except GroupCoordinatorNotAvailableError:
-                await asyncio.sleep(_RETRY_BACKOFF_S)
+                if await self._closed_after_backoff():
+                    return
                 continue
             finally:
                 self._join_idle.set()
@@ -341,7 +368,8 @@ class SimConsumer:
                     lambda: self.cluster.fetch_committed(self.group_id or "", assignment)
                 )
             except GroupCoordinatorNotAvailableError:
-                await asyncio.sleep(_RETRY_BACKOFF_S)
+                if await self._closed_after_backoff():
+                    return
                 continue
             break
         self._assigned = set(assignment)
@@ -349,6 +377,16 @@ class SimConsumer:
         self._wake.set()
         if self._listener is not None:
             await self._listener.on_partitions_assigned(set(assignment))
+
+    async def _closed_after_backoff(self) -> bool:
+        """After a failed try: whether the consumer is closing (aiokafka tries a join once per
+        turn of its coordination loop, which ends once closing)."""
+        self._join_idle.set()
+        if not self._closing:
+            await asyncio.sleep(_RETRY_BACKOFF_S)
+        if self._closing:
+            self._joining = False
+        return self._closing
 
     # -- fetching ---------------------------------------------------------------------------
 
