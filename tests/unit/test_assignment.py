@@ -54,7 +54,7 @@ async def test_new_partitions_are_held_while_the_members_own_hand_over_lands_fir
     # This member's hand-over of OTHER was refused during the rebalance; its last landed map
     # names a job running, so the next owner waits for it, and it lands on rejoining.
     running = (2, encode_offset_map(2, [], running=[2]))
-    committer._inheritance.refused({OTHER: (3, "")}, {OTHER: running})
+    committer._hand_overs.refused({OTHER: (3, "")}, {OTHER: running})
     consumer.commit_gate = asyncio.Event()
     assigning = asyncio.create_task(committer.assigned({TP}))
     await wait_for(lambda: consumer.commits_started == 1, what="the hand-over sent")

@@ -7,7 +7,7 @@ from aiokafka import TopicPartition
 
 from tests.fakes import FakeConsumer
 from worker.core.metrics import Metrics
-from worker.delivery.inheritance import Inheritance
+from worker.delivery.hand_overs import RefusedHandOvers
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
 from worker.delivery.offsets import OffsetTracker
 
@@ -58,15 +58,8 @@ class _Group:
         return {tp: self.committed[tp] for tp in tps if tp in self.committed}
 
 
-def _inheritance(group: _Group, consumer: FakeConsumer) -> Inheritance:
-    return Inheritance(
-        consumer,
-        OffsetTracker(),
-        Metrics(),
-        incarnation=7,
-        timeout_s=1.0,
-        read_committed=group.read,
-    )
+def _hand_overs(group: _Group, consumer: FakeConsumer) -> RefusedHandOvers:
+    return RefusedHandOvers(consumer, Metrics(), timeout_s=1.0, read_committed=group.read)
 
 
 async def test_a_late_hand_over_does_not_move_back_a_position_the_new_owner_committed():
@@ -77,9 +70,9 @@ async def test_a_late_hand_over_does_not_move_back_a_position_the_new_owner_comm
     hand_over = (5, encode_offset_map(5, [], running=[5], clean=True, writer=7))
     theirs = (9, encode_offset_map(9, [], running=[9], writer=8))
     consumer = FakeConsumer()
-    inheritance = _inheritance(_Group({P0: theirs}), consumer)
-    inheritance.refused({P0: hand_over}, {P0: mine})
-    assert await inheritance.assigned(set()) == {}
+    hand_overs = _hand_overs(_Group({P0: theirs}), consumer)
+    hand_overs.refused({P0: hand_over}, {P0: mine})
+    await hand_overs.land()
     assert consumer.commits == []
 
 
@@ -87,7 +80,7 @@ async def test_a_late_hand_over_lands_where_nobody_committed_since():
     mine = (3, encode_offset_map(3, [4], running=[3], writer=7))
     hand_over = (5, encode_offset_map(5, [], running=[5], clean=True, writer=7))
     consumer = FakeConsumer()
-    inheritance = _inheritance(_Group({P0: mine}), consumer)
-    inheritance.refused({P0: hand_over}, {P0: mine})
-    await inheritance.assigned(set())
+    hand_overs = _hand_overs(_Group({P0: mine}), consumer)
+    hand_overs.refused({P0: hand_over}, {P0: mine})
+    await hand_overs.land()
     assert consumer.commits == [{P0: 5}]

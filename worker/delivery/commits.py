@@ -29,7 +29,9 @@ from worker.core.config import Settings
 from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
-from worker.delivery.inheritance import CommittedReader, Inheritance, LiveIncarnations
+from worker.delivery.alive import LiveIncarnations
+from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers
+from worker.delivery.inheritance import Inheritance
 from worker.delivery.offsets import (
     Commit,
     OffsetTracker,
@@ -129,10 +131,13 @@ class Committer:
         #: hand-over did not land asks the group whether this process is still a member.
         self.incarnation = incarnation or new_incarnation()
         self.tracker = OffsetTracker(writer=self.incarnation)
+        self._hand_overs = RefusedHandOvers(
+            consumer, metrics, timeout_s=self._timeout_s, read_committed=read_committed
+        )
         self._inheritance = Inheritance(
             consumer,
             self.tracker,
-            metrics,
+            self._hand_overs,
             incarnation=self.incarnation,
             timeout_s=self._timeout_s,
             read_committed=read_committed,
@@ -286,10 +291,10 @@ class Committer:
             await self.commit_now(clean=True)
             # Also the partitions revoked meanwhile whose hand-over did not land: the member,
             # not yet gone, may still commit them in its generation.
-            await self._inheritance.land_hand_overs()
+            await self._hand_overs.land()
             if (
                 not self.tracker.plan(None, clean=True, limit=limit)
-                and not self._inheritance.hand_overs_unlanded
+                and not self._hand_overs.unlanded
             ):
                 return True
             remaining = deadline - time.monotonic()
@@ -338,7 +343,7 @@ class Committer:
 
     def _keep_unlanded(self, offsets: dict[TopicPartition, Commit]) -> None:
         """A hand-over the group refused or did not answer in time: made again later
-        (`Inheritance.land_hand_overs`), after rejoining or by a stopping worker, rather than
+        (`RefusedHandOvers.land`), after rejoining or by a stopping worker, rather than
         dropped. The next owner, finding a live writer's map that names jobs as running, waits
         a little for it; once this worker stopped, it would count a death against each.
 
@@ -346,7 +351,7 @@ class Committer:
         what the next owner reads, and does not wait past (a later commit could land after
         it read, and its own commit then move the position back)."""
         if offsets:
-            self._inheritance.refused(offsets, {tp: self.tracker.last_commit(tp) for tp in offsets})
+            self._hand_overs.refused(offsets, {tp: self.tracker.last_commit(tp) for tp in offsets})
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after

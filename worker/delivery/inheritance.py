@@ -2,8 +2,8 @@
 
 On assignment their committed offset maps are read back (the records they name were answered,
 or were in flight at a death), waiting briefly for the hand-over of a previous owner that is
-still alive; and this member's own hand-overs that the group refused during the rebalance are
-committed again first. `Committer` owns the commits; this reads and lands hand-overs.
+still alive; this member's own hand-overs that the group refused during the rebalance are
+landed first (`RefusedHandOvers`). `Committer` owns the commits; this reads what they left.
 """
 
 from __future__ import annotations
@@ -11,48 +11,36 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 
-from worker.core.kafka import commit_handed_over, rejoining
-from worker.core.metrics import Metrics
+from worker.delivery.alive import AliveWriters, LiveIncarnations
+from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers, awaits_hand_over
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
-from worker.delivery.offsets import Commit, OffsetTracker, describe_commits
+from worker.delivery.offsets import Commit, OffsetTracker
 
 __all__ = ["CommittedReader", "Inheritance", "LiveIncarnations"]
 
 logger = logging.getLogger(__name__)
 
-#: Reads the group's committed offsets and metadata of some partitions (`GroupOffsetsReader`).
-CommittedReader = Callable[[list[TopicPartition]], Awaitable[dict[TopicPartition, Commit]]]
-#: The incarnations the group's live members announce (`GroupOffsetsReader.live_incarnations`);
-#: None when the group cannot say (it is rebalancing).
-LiveIncarnations = Callable[[], Awaitable[set[int] | None]]
-
 # How long a new owner reads again the map of a partition whose last owner is alive but whose
 # hand-over has not landed (that owner makes it again as soon as it rejoins), and how often.
 _HAND_OVER_WAIT_S: Final = 2.0
 _HAND_OVER_POLL_S: Final = 0.1
-# How often a new owner asks again who is alive while the group cannot say.
-_ASK_AGAIN_S: Final = 0.5
-
-# The group's answer that this member's generation is over: a hand-over refused with it is
-# not tried again.
-_REFUSED: Final = (CommitFailedError, IllegalStateError)
 
 
 class Inheritance:
-    """Reads the offset maps of the partitions assigned to this member into its `tracker`, and
-    lands again the hand-overs the group refused it (`refused`)."""
+    """Reads the offset maps of the partitions assigned to this member into its `tracker`,
+    after landing this member's own refused `hand_overs`."""
 
     def __init__(
         self,
         consumer: AIOKafkaConsumer,
         tracker: OffsetTracker,
-        metrics: Metrics,
+        hand_overs: RefusedHandOvers,
         *,
         incarnation: int,
         timeout_s: float,
@@ -61,42 +49,18 @@ class Inheritance:
     ) -> None:
         self._consumer = consumer
         self._tracker = tracker
-        self._metrics = metrics
+        self._hand_overs = hand_overs
         self._incarnation = incarnation
         self._timeout_s = timeout_s
         self._read_committed = read_committed
         self._live_incarnations = live_incarnations
         #: Partitions whose committed map is being read: none of their records may start yet.
         self.reading: set[TopicPartition] = set()
-        # Hand-over commits of revoked partitions that the group refused during the rebalance,
-        # made again once this member has rejoined (see `assigned`), and what this member had
-        # committed there before (None: nothing).
-        self._unlanded: dict[TopicPartition, Commit] = {}
-        self._before: dict[TopicPartition, Commit | None] = {}
         # Partitions whose last owner's hand-over may still land after this member read them
         # (their map could not be read, or a live owner's hand-over was waited for in vain),
         # with the committed position as read here (None: unread), until this member's first
         # commit of each lands (`first_commits`).
         self._read_at: dict[TopicPartition, int | None] = {}
-        # One landing of hand-overs at a time: a stopping worker waits for the one its
-        # assignment callback has on its way instead of finding nothing left to land.
-        self._landing = asyncio.Lock()
-
-    def refused(
-        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
-    ) -> None:
-        """The group refused this hand-over, or did not answer it in time: land it later
-        (`land_hand_overs`), unless someone committed there since `before` (this member's last
-        commit landed there).
-
-        Kept only where the next owner waits for it: where `before` names jobs as running and
-        is not a clean hand-over (`_await_hand_overs`). Over any other map the next owner
-        fetches at once, and a hand-over landing after it read would have that owner's first
-        commit move the position back; what was answered since `before` runs again instead."""
-        for tp, commit in offsets.items():
-            mine = before.get(tp)
-            if mine is not None and _waited_for(mine):
-                self._unlanded[tp], self._before[tp] = commit, mine
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.reading -= partitions
@@ -163,7 +127,7 @@ class Inheritance:
         Returns where to fetch each partition read from: its committed position as read here,
         where that lies within the log.
         The consumer looked its positions up as it joined, and they may have moved since: this
-        member's own refused hand-over, made again (`land_hand_overs`), the last owner's,
+        member's own refused hand-over, made again (`RefusedHandOvers.land`), the last owner's,
         awaited (`_await_hand_overs`) or landed as this member joined. Fetched from below, a
         record would run again and its commit move the position back. A partition that could
         not be read keeps the consumer's position.
@@ -182,10 +146,10 @@ class Inheritance:
             self.reading -= partitions
 
     async def _inherit(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
-        await self.land_hand_overs()
+        await self._hand_overs.land()
         if self._read_committed is None or not partitions:
             return {}
-        alive = _AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
+        alive = AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
         maps = await self._first_read(partitions)
         if maps is None:
             self._read_at.update(dict.fromkeys(partitions))
@@ -301,11 +265,11 @@ class Inheritance:
         return maps, ends
 
     async def _await_hand_overs(
-        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: _AliveWriters
+        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: AliveWriters
     ) -> set[TopicPartition]:
         """Read again, for a little while, the maps of partitions whose last owner is alive but
         whose hand-over has not landed: that owner commits it again as soon as it rejoins
-        (`land_hand_overs`), in the same round that assigned them here. Waiting for it saves
+        (`RefusedHandOvers.land`), in the same round that assigned them here. Waiting for it saves
         running again what it answered; past `_HAND_OVER_WAIT_S` the records run again,
         blaming nobody. What lands replaces the partition's entry in `maps`. Returns the
         partitions whose hand-over did not land: it may still land later (`first_commits`)."""
@@ -313,7 +277,7 @@ class Inheritance:
         for tp, (_, previous) in maps.items():
             if (
                 previous is not None
-                and _awaits_hand_over(previous)
+                and awaits_hand_over(previous)
                 and previous.writer != self._incarnation
                 and await alive(previous.writer) is not False
             ):
@@ -344,107 +308,6 @@ class Inheritance:
             )
         return waiting
 
-    @property
-    def hand_overs_unlanded(self) -> bool:
-        """Whether a hand-over of revoked partitions is still to be landed, or on its way
-        (`land_hand_overs`)."""
-        return bool(self._unlanded) or self._landing.locked()
-
-    async def land_hand_overs(self) -> None:
-        """Commit again, in the member's current generation, the hand-overs of revoked
-        partitions that did not land: refused by the group in the old generation, or not
-        answered in time (a coordinator that is away). Made on rejoining, before anything
-        else, and by a stopping worker within its grace.
-
-        A broker may refuse the old generation's commits from the moment another member asks
-        to join, before this member even hears of the rebalance (noida-db does; Apache Kafka
-        takes them until the rebalance completes). The group takes a commit of the current
-        generation for any partition, so the hand-over lands now: the new owners, assigned in
-        this same round, read it unless they read first (they then run again what was answered
-        and not committed, blaming nobody: the map names a live writer). Made before this
-        member starts anything, it cannot move back a position a new owner committed since.
-
-        Refused again in a generation of its own, it is dropped: the member's generation is
-        over, and the new owners run again what was answered and not committed. Refused while
-        the member has no generation (its join under way: a stopping worker tries before
-        aiokafka has rejoined), or not answered in time, it is kept for the next try: the join
-        may have completed by then, or the coordinator be back.
-
-        A call made while another lands waits for it (seed 94081 of `--flavour noida
-        --static --weight-update-every-s 4 --engine-killing-updates 0.3`: an update left no
-        engine just as the member rejoined; the stopping worker found nothing to land, as the
-        assignment callback had taken the refused hand-over on its way, left the group, and
-        that landing failed with it).
-        """
-        async with self._landing:
-            await self._land_hand_overs()
-
-    async def _land_hand_overs(self) -> None:
-        if not self._unlanded:
-            return
-        offsets, self._unlanded = self._unlanded, {}
-        before, self._before = self._before, {}
-        try:
-            offsets = await self._not_overtaken(offsets, before)
-            if not offsets:
-                return
-            async with asyncio.timeout(self._timeout_s):
-                await commit_handed_over(self._consumer, offsets)
-        except (KafkaError, TimeoutError) as exc:
-            self._metrics.commits.labels("failed").inc()
-            if isinstance(exc, _REFUSED) and not rejoining(self._consumer):
-                logger.warning(
-                    "the hand-over of %s was refused again (%r); the records answered and not "
-                    "committed will run again",
-                    describe_commits(offsets),
-                    exc,
-                )
-                return
-            logger.info(
-                "the hand-over of %s did not land (%r); it is tried again",
-                describe_commits(offsets),
-                exc,
-            )
-            for tp, commit in offsets.items():  # a newer hand-over of tp wins
-                if tp not in self._unlanded:
-                    self._unlanded[tp], self._before[tp] = commit, before.get(tp)
-            return
-        self._metrics.commits.labels("ok").inc()
-        logger.info("hand-over of %s landed after all", describe_commits(offsets))
-
-    async def _not_overtaken(
-        self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
-    ) -> dict[TopicPartition, Commit]:
-        """Of the hand-overs to land, those whose partition nobody committed since this member
-        did (`before`): the new owner may have read the map without it and committed already,
-        and landing it then would move that owner's position back and replace its map (the
-        records it runs would not count a death if it died). Read without a lock, so a commit
-        racing this read can still be overwritten; the window is one round trip, not the
-        whole rejoin. When the group cannot be read, nothing lands now (raises)."""
-        if self._read_committed is None:
-            return offsets
-        async with asyncio.timeout(self._timeout_s):
-            now = await self._read_committed(sorted(offsets))
-        kept: dict[TopicPartition, Commit] = {}
-        for tp, commit in offsets.items():
-            current = now.get(tp)
-            mine = before.get(tp)
-            unchanged = current is None or current == mine
-            if mine is None and current is not None:
-                unchanged = current[0] < commit[0]  # nothing of ours: an older position only
-            if unchanged:
-                kept[tp] = commit
-            else:
-                logger.info(
-                    "%s-%s: committed at %d by another member since; the hand-over at %d is "
-                    "not landed over it",
-                    tp.topic,
-                    tp.partition,
-                    current[0] if current is not None else -1,
-                    commit[0],
-                )
-        return kept
-
     async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """The partitions' end offsets, or none when they cannot be read: map offsets at or
         past the end name no record (the log was truncated under them)."""
@@ -457,83 +320,3 @@ class Inheritance:
             logger.warning("cannot read the partitions' end offsets (%r)", exc)
             return {}
         return ends
-
-
-def _waited_for(commit: Commit) -> bool:
-    """Whether a next owner that reads `commit` waits for its writer's hand-over: a map naming
-    jobs as running that is not a clean hand-over (`Inheritance._await_hand_overs`)."""
-    position, metadata = commit
-    try:
-        written = decode_offset_map(position, metadata)
-    except Exception:  # noqa: BLE001 - what cannot be read is not waited for
-        return False
-    return _awaits_hand_over(written)
-
-
-def _awaits_hand_over(written: OffsetMap) -> bool:
-    """A map naming jobs as running that is not a clean hand-over: its writer, when alive, is
-    expected to land a hand-over over it, and a next owner waits for one."""
-    return not written.clean and bool(written.running - written.answered)
-
-
-class _AliveWriters:
-    """Whether the writer of a map is a live member of the group: this process itself, or an
-    incarnation a live member announces. The group is asked once per assignment, and only
-    about a map that was not a clean hand-over; a writer that names no incarnation counts as
-    dead. A group that cannot say (rebalancing: its members come back without the metadata
-    that announces them; or not answering) is asked again once the new owner has waited for
-    the writer's hand-over (`waited`); a writer it still cannot vouch for, whose hand-over
-    never landed, counts as dead (the breaker's counts stay on the safe side)."""
-
-    def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
-        self._own = own
-        self._ask = ask
-        self._timeout_s = timeout_s
-        self._asked = False
-        self._waited = False
-        self._asked_again = False
-        self._live: set[int] | None = None
-
-    async def __call__(self, writer: int) -> bool | None:
-        """Whether `writer` is alive; None when the group could not say."""
-        if not writer:
-            return False
-        if writer == self._own:
-            return True
-        if not self._asked:
-            self._asked = True
-            self._live = await self._ask_group(within_s=0.0)
-        if self._live is None and self._waited and not self._asked_again:
-            self._asked_again = True
-            self._live = await self._ask_group(within_s=self._timeout_s)
-        if self._live is None:
-            return None
-        return writer in self._live
-
-    def waited(self) -> None:
-        """The new owner has waited for the hand-overs: a group that could not say is asked
-        again, when a map still needs its answer."""
-        self._waited = True
-
-    async def _ask_group(self, *, within_s: float) -> set[int] | None:
-        """Ask; while the coordinator does not answer, again every `_ASK_AGAIN_S` until
-        `within_s` has passed (asked again after the wait for the hand-overs: a coordinator
-        away for a few seconds, a broker restarting as the group formed, must not make a live
-        member's jobs suspects of a death that did not happen; the partitions wait paused
-        meanwhile, and nothing of theirs could be committed before it is back anyway). A group
-        that answers that it cannot say (None) is not asked again."""
-        deadline = time.monotonic() + within_s
-        while True:
-            try:
-                return await self._ask_once()
-            except (KafkaError, TimeoutError) as exc:
-                if time.monotonic() >= deadline:
-                    logger.warning("cannot ask the group which members are alive (%r)", exc)
-                    return None
-            await asyncio.sleep(_ASK_AGAIN_S)
-
-    async def _ask_once(self) -> set[int] | None:
-        if self._ask is None:
-            return set()
-        async with asyncio.timeout(self._timeout_s):
-            return await self._ask()
