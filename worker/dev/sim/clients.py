@@ -229,14 +229,16 @@ class SimConsumer:
         on its way is let finish, callbacks and all; then `_maybe_leave_group`, where a dynamic
         member leaves the group and a static one does not (KIP-345: it is expected back under
         its instance id)."""
+        if self._closing:
+            return  # aiokafka's stop, called again, does nothing
         self._closing = True
-        heartbeat, coordinate = self._tasks or (None, None)
+        coordinate, heartbeat = self._tasks or (None, None)
         self._tasks = []
-        if heartbeat is not None and coordinate is not None:
+        if coordinate is not None and heartbeat is not None:
             heartbeat.cancel()
             if not self._in_join:
                 coordinate.cancel()
-            await asyncio.gather(heartbeat, coordinate, return_exceptions=True)
+            await asyncio.gather(coordinate, heartbeat, return_exceptions=True)
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
