@@ -99,8 +99,17 @@ class _Coordinator:
         self.left_as: list[str] = []
         #: Requests that fail before the coordinator answers (it is moving, or away).
         self.unreachable = 0
+        #: aiokafka's: None while it holds the coordinator for dead (its `_send_req` then
+        #: refuses), until its coordination task, or a FindCoordinator of `_client`, finds it.
+        self.coordinator_id: int | None = 0
+        self._client = _Client(self)
 
     async def _send_req(self, request: Any) -> Any:
+        if self.coordinator_id is None:
+            raise GroupCoordinatorNotAvailableError()
+        return await self.answer(request)
+
+    async def answer(self, request: Any) -> Any:
         if self.unreachable:
             self.unreachable -= 1
             raise GroupCoordinatorNotAvailableError()
@@ -130,6 +139,21 @@ class _Coordinator:
         self.members = (self.members - {self.holding_instance}) | {as_member}
         self.holding_instance = as_member
         self.generation, self.member_id = 4, as_member
+
+
+class _Client:
+    """aiokafka's client as a leave uses it: FindCoordinator, and a request to that node."""
+
+    def __init__(self, coordinator: _Coordinator) -> None:
+        self._coordinator = coordinator
+        self.lookups = 0
+
+    async def coordinator_lookup(self, coordination_type: Any, group_id: str) -> int:
+        self.lookups += 1
+        return 0
+
+    async def send(self, node_id: int, request: Any, *, group: Any) -> Any:
+        return await self._coordinator.answer(request)
 
 
 def _gate_on(coordinator: _Coordinator) -> PartitionGate:
@@ -203,6 +227,22 @@ async def test_a_static_member_leaves_as_the_member_its_last_join_made_it():
     assert coordinator.left_as == ["worker-7"]
     assert coordinator.members == set()
     assert coordinator.generation < 0
+
+
+async def test_a_leave_in_the_close_finds_a_coordinator_aiokafka_holds_for_dead():
+    # Once a coordinator outage has marked the coordinator dead, aiokafka's `_send_req` refuses
+    # every request, and only its coordination task, which the close has ended, looks it up
+    # again: a scaled-in static member leaving in its close would be refused for its whole
+    # window, the coordinator back or not (seeds 71294 and 99100 of `--flavour noida
+    # --static`, once the simulation held the coordinator for dead as aiokafka does).
+    coordinator = _Coordinator()
+    gate = _gate_on(coordinator)
+    gate.joined()
+    coordinator.coordinator_id = None
+    await gate.stop(leave=True)
+    assert coordinator.left_as == ["worker-3"]
+    assert coordinator.members == set()
+    assert coordinator._client.lookups == 1
 
 
 async def test_a_dynamic_member_that_never_joined_sends_no_leave():

@@ -11,6 +11,7 @@ from typing import Any, Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.client import ConnectionGroup, CoordinationType
 from aiokafka.errors import (
     InvalidTopicError,
     KafkaConnectionError,
@@ -284,7 +285,7 @@ async def _leave_once(coordinator: Any, leaving_as: str | None) -> KafkaError | 
 async def _leave(coordinator: Any, request: Any) -> KafkaError | None:
     """Send a LeaveGroup; the error it ended with (sending it, or in its answer), or None."""
     try:
-        response = await coordinator._send_req(request)
+        response = await _send_to_coordinator(coordinator, request)
     except (KafkaError, NotImplementedError) as exc:
         # NotImplementedError: the broker speaks none of the request's versions (aiokafka's
         # Request.prepare).
@@ -292,6 +293,19 @@ async def _leave(coordinator: Any, request: Any) -> KafkaError | None:
     codes = [response.error_code] + [m[-1] for m in getattr(response, "members", [])]
     code = next((c for c in codes if c), 0)
     return for_code(code)() if code else None
+
+
+async def _send_to_coordinator(coordinator: Any, request: Any) -> Any:
+    """Send `request` to the group's coordinator. aiokafka refuses to while it holds the
+    coordinator for dead (after an error reaching it), and only its coordination task looks
+    the coordinator up again, which a close has ended: a leave made in the close, after a
+    coordinator outage, would be refused for its whole window even once the coordinator is
+    back. It looks the coordinator up itself (FindCoordinator) and sends there."""
+    if coordinator.coordinator_id is not None:
+        return await coordinator._send_req(request)
+    client = coordinator._client
+    node_id = await client.coordinator_lookup(CoordinationType.GROUP, coordinator.group_id)
+    return await client.send(node_id, request, group=ConnectionGroup.COORDINATION)
 
 
 # aiokafka's protocol classes are untyped (Any to mypy).

@@ -32,10 +32,16 @@ from aiokafka.errors import (
     UnknownMemberIdError,
     UnknownTopicOrPartitionError,
 )
+from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata, TopicPartition
 
 from worker.core.kafka import LeaveGroupByInstanceId
-from worker.dev.sim.cluster import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, Cluster
+from worker.dev.sim.cluster import (
+    BATCH_OVERHEAD_BYTES,
+    COORDINATOR_NODE,
+    RECORD_OVERHEAD_BYTES,
+    Cluster,
+)
 
 __all__ = ["Process", "SimAdmin", "SimBatch", "SimConsumer", "SimProducer"]
 
@@ -108,23 +114,39 @@ class _CoordinatorView:
     def _group_instance_id(self) -> str | None:
         return self._consumer.instance_id
 
+    @property
+    def coordinator_id(self) -> int | None:
+        return self._consumer.coordinator_id
+
+    @property
+    def _client(self) -> _CoordinatorClient:
+        return _CoordinatorClient(self)
+
     async def _maybe_leave_group(self) -> None:
         """aiokafka's: a dynamic member of a generation leaves (once, errors ignored); every
         member forgets its generation. The worker puts its own in its place
         (`worker.core.kafka.leave_group_on_close`)."""
         consumer = self._consumer
         if consumer.generation > 0 and consumer.instance_id is None:
-            member_id = consumer.member_id
             with contextlib.suppress(KafkaError):
-                await consumer.process.request(
-                    lambda: consumer.cluster.leave(self.group_id, member_id, consumer.process.now())
-                )
+                await self._send_req(LeaveGroupRequest(self.group_id, consumer.member_id))
         self.reset_generation()
 
     def reset_generation(self) -> None:
         self._consumer.left_group()
 
     async def _send_req(self, request: Any) -> Any:
+        """aiokafka's: refused at once while the coordinator is held for dead, and an error
+        reaching it marks it dead (`GroupCoordinator._send_req`)."""
+        if self._consumer.coordinator_id is None:
+            raise GroupCoordinatorNotAvailableError()
+        try:
+            return await self.send(request)
+        except GroupCoordinatorNotAvailableError:
+            self._consumer.coordinator_id = None
+            raise
+
+    async def send(self, request: Any) -> Any:
         """The only request the worker sends itself: LeaveGroup, by the member id it names or
         (v3) by its instance id. A group error comes back in the answer, as from a broker."""
         consumer = self._consumer
@@ -144,6 +166,21 @@ class _CoordinatorView:
             return _LeaveAnswer(UnknownMemberIdError.errno)
         consumer.left_group()
         return _LeaveAnswer(0)
+
+
+class _CoordinatorClient:
+    """What `worker.core.kafka` reaches for on aiokafka's group coordinator: `_client`, to
+    look the coordinator up (FindCoordinator) and send to it whatever aiokafka holds."""
+
+    def __init__(self, view: _CoordinatorView) -> None:
+        self._view = view
+
+    async def coordinator_lookup(self, coordination_type: Any, coordinator_key: str) -> int:
+        consumer = self._view._consumer
+        return await consumer.process.request(consumer.cluster.find_coordinator)
+
+    async def send(self, node_id: int, request: Any, *, group: Any = None) -> Any:
+        return await self._view.send(request)
 
 
 @dataclass(frozen=True)
@@ -194,6 +231,9 @@ class SimConsumer:
         self._last_poll = 0.0
         self._poll_expired = False
         self._joining = False
+        #: The coordinator's node as aiokafka holds it; None once an error reaching it marked
+        #: it dead, until aiokafka's own tasks find it again (`_to_coordinator`).
+        self.coordinator_id: int | None = COORDINATOR_NODE
         #: A join is under way, from the revoke callback to the assign callback: a close lets
         #: it finish. Set once closing: no join is begun.
         self._in_join = False
@@ -269,7 +309,7 @@ class SimConsumer:
                 self._poll_expired = True
                 self._rejoin.set()
                 with contextlib.suppress(KafkaError):
-                    await self.process.request(
+                    await self._to_coordinator(
                         functools.partial(
                             self.cluster.leave, self.group_id or "", member_id, self.process.now()
                         )
@@ -279,7 +319,7 @@ class SimConsumer:
                 continue  # aiokafka stops its heartbeat task while it joins
             member_id, generation = self.member_id, self.generation
             try:
-                await self.process.request(
+                await self._to_coordinator(
                     functools.partial(
                         self.cluster.heartbeat,
                         self.group_id or "",
@@ -323,7 +363,7 @@ class SimConsumer:
         while True:
             self._join_idle.clear()
             try:
-                joined = await self.process.request(
+                joined = await self._to_coordinator(
                     lambda: self.cluster.join(
                         self.group_id or "",
                         member_id=self.member_id,
@@ -366,7 +406,7 @@ class SimConsumer:
         # The fetcher looks the committed positions up before fetching.
         while True:
             try:
-                committed = await self.process.request(
+                committed = await self._to_coordinator(
                     lambda: self.cluster.fetch_committed(self.group_id or "", assignment)
                 )
             except GroupCoordinatorNotAvailableError:
@@ -379,6 +419,22 @@ class SimConsumer:
         self._wake.set()
         if self._listener is not None:
             await self._listener.on_partitions_assigned(set(assignment))
+
+    async def _to_coordinator(self, call: Callable[[], T]) -> T:
+        """A request of aiokafka's own tasks to the group coordinator. An answer that it is
+        away marks it dead (`GroupCoordinator.coordinator_dead`); any other answer means it
+        was found (those tasks look it up before their next request while it is held for
+        dead, `ensure_coordinator_known`; the lookup fails while it is away)."""
+        try:
+            answer = await self.process.request(call)
+        except GroupCoordinatorNotAvailableError:
+            self.coordinator_id = None
+            raise
+        except KafkaError:
+            self.coordinator_id = COORDINATOR_NODE
+            raise
+        self.coordinator_id = COORDINATOR_NODE
+        return answer
 
     async def _closed_after_backoff(self) -> bool:
         """After a failed try: whether the consumer is closing (aiokafka tries a join once per
@@ -545,7 +601,7 @@ class SimConsumer:
         self, offsets: dict[TopicPartition, tuple[int, str]]
     ) -> dict[TopicPartition, KafkaError]:
         member_id, generation = self.member_id, self.generation
-        return await self.process.request(
+        return await self._to_coordinator(
             lambda: self.cluster.commit(
                 self.group_id or "",
                 member_id,

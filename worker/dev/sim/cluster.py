@@ -34,6 +34,7 @@ from aiokafka.structs import TopicPartition
 from worker.dev.sim.history import History
 
 __all__ = [
+    "COORDINATOR_NODE",
     "Cluster",
     "Flavour",
     "Group",
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 #: DefaultRecordBatch.java` RECORD_BATCH_OVERHEAD.
 BATCH_OVERHEAD_BYTES: Final = 61
 RECORD_OVERHEAD_BYTES: Final = 20
+#: The one broker's node id, which FindCoordinator names for every group.
+COORDINATOR_NODE: Final = 0
 
 
 class Flavour(enum.Enum):
@@ -255,6 +258,11 @@ class Cluster:
         return base
 
     # -- the group coordinator --------------------------------------------------------------
+
+    def find_coordinator(self) -> int:
+        """FindCoordinator: the coordinator's node, unless it is away."""
+        self._coordinator()
+        return COORDINATOR_NODE
 
     def _coordinator(self) -> None:
         if self.coordinator_down or self.broker_down:
