@@ -275,6 +275,44 @@ def test_a_job_a_hand_over_names_running_may_be_answered_twice_only_if_in_flight
     assert bool(duplicates) is not excused
 
 
+@pytest.mark.parametrize("covered", [False, True], ids=["no commit landed", "a map named them"])
+def test_answers_no_commit_covered_at_a_death_may_be_answered_again(covered: bool) -> None:
+    """Seed 102340: a sole member answered 33 jobs while the coordinator was away, none of
+    their commits landed, and it was killed; its successor ran them all again, more than
+    `max_in_flight` per disruption. At-least-once allows it. Answers a landed map named
+    answered before the death are the next owner's to skip: answered twice, they count."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    cluster.create_topic("results", 1)
+    jobs = 2 * BOUNDS.max_in_flight
+    ledger = Ledger({("jobs-0", i): (Kind.VALID, f"j{i}") for i in range(jobs)})
+    tp, results = TopicPartition("jobs", 0), TopicPartition("results", 0)
+    history.add("joined", client="w0", process="w0#1", member="m", generation=1, tps=["jobs-0"])
+
+    def answer_all(client: str, at: float) -> None:
+        now[0] = at
+        for i in range(jobs):
+            answer = encode(
+                Failed(job_id=f"j{i}", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late"))
+            )
+            cluster.produce(
+                client, results, [(b"j", answer, [])], producer_id=None, now_ms=int(at * 1000)
+            )
+
+    for _ in range(jobs):
+        cluster.produce("trainer", tp, [(b"j", b"job", [])], producer_id=None, now_ms=0)
+    answer_all("w0", 1.0)
+    if covered:
+        _committed(history, "w0", encode_offset_map(0, range(jobs), running=()))
+    now[0] = 5.0
+    history.add("kill", worker="w0#1", why="injected")
+    answer_all("w1", 8.0)
+    duplicates = [v for v in check(history, cluster, ledger, BOUNDS) if v.invariant == "duplicates"]
+    assert bool(duplicates) is covered
+
+
 def _committed(history: History, client: str, metadata: str) -> None:
     """`client` committed jobs-0 at offset 0 with `metadata`."""
     history.add(
