@@ -311,9 +311,11 @@ class FakeConsumer:
     async def stop(self) -> None:
         """aiokafka's close ends with its coordinator's `_maybe_leave_group` (a test may give
         the consumer a `_coordinator`); closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
         coordinator = getattr(self, "_coordinator", None)
-        if coordinator is not None and not self.closed:
-            self.closed = True
+        if coordinator is not None:
             await coordinator._maybe_leave_group()
 
     def assignment(self) -> set[TopicPartition]:

@@ -64,9 +64,10 @@ class RefusedHandOvers:
         commit landed there).
 
         Kept only where the next owner waits for it: where `before` names jobs as running and
-        is not a clean hand-over (`Inheritance._await_hand_overs`). Over any other map the next owner
-        fetches at once, and a hand-over landing after it read would have that owner's first
-        commit move the position back; what was answered since `before` runs again instead."""
+        is not a clean hand-over (`Inheritance._await_hand_overs`). Over any other map the next
+        owner fetches at once, and a hand-over landing after it read would have that owner's
+        first commit move the position back; what was answered since `before` runs again
+        instead."""
         for tp, commit in offsets.items():
             mine = before.get(tp)
             if mine is not None and _waited_for(mine):

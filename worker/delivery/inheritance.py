@@ -22,7 +22,7 @@ from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers, awaits
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, OffsetTracker
 
-__all__ = ["CommittedReader", "Inheritance", "LiveIncarnations"]
+__all__ = ["Inheritance"]
 
 logger = logging.getLogger(__name__)
 

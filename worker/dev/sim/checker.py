@@ -162,7 +162,7 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
     )
     disruptions = sum(1 for e in history.events if e.kind in _DISRUPTIONS)
     allowed = disruptions * bounds.max_in_flight + _answered_uncommitted_at_deaths(
-        history, ledger, sent
+        history, ledger, maps, sent
     )
     if duplicates > allowed:
         violations.append(
@@ -315,7 +315,10 @@ def _read_answers(
 
 
 def _answered_uncommitted_at_deaths(
-    history: History, ledger: Ledger, sent: dict[str, list[_Sent]]
+    history: History,
+    ledger: Ledger,
+    maps: list[tuple[Event, str, OffsetMap]],
+    sent: dict[str, list[_Sent]],
 ) -> int:
     """At each kill, the jobs of the dead process's partitions that it had answered and that no
     landed commit covered (their offset at or past the committed position, not named answered
@@ -325,6 +328,7 @@ def _answered_uncommitted_at_deaths(
     limit) engages (seed 102340: a sole member answered 33 jobs through a 4.8 s outage, then
     was killed). An answer a landed map names answered is not excused here."""
     where = {job_id: source for source, (_, job_id) in ledger.records.items()}
+    answered_in = {id(event): offset_map.answered for event, _, offset_map in maps}
     first_answer = {job_id: min(s.appended for s in answers) for job_id, answers in sent.items()}
     assigned: dict[str, set[str]] = {}
     committed: dict[str, tuple[int, frozenset[int]]] = {}
@@ -333,12 +337,11 @@ def _answered_uncommitted_at_deaths(
         if event.kind == "joined":
             assigned[event.fields["process"]] = set(event.fields["tps"])
         elif event.kind == "commit":
-            tp, position = event.fields["tp"], event.fields["offset"]
-            try:
-                answered = decode_offset_map(position, event.fields.get("metadata") or "").answered
-            except OffsetMapError:
-                answered = frozenset()
-            committed[tp] = (position, frozenset(answered))
+            # A commit without a map (or with one this checker cannot read) names none answered.
+            committed[event.fields["tp"]] = (
+                event.fields["offset"],
+                answered_in.get(id(event), frozenset()),
+            )
         elif event.kind == "kill":
             tps = assigned.pop(event.fields["worker"], set())
             for job_id, at in first_answer.items():

@@ -439,7 +439,7 @@ class SimConsumer:
     async def _closed_after_backoff(self) -> bool:
         """After a failed try: whether the consumer is closing (aiokafka tries a join once per
         turn of its coordination loop, which ends once closing)."""
-        self._join_idle.set()
+        self._join_idle.set()  # no JoinGroup is on its way during the backoff
         if not self._closing:
             await asyncio.sleep(_RETRY_BACKOFF_S)
         if self._closing:
