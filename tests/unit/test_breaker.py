@@ -117,8 +117,9 @@ async def test_a_killer_in_one_partition_gets_no_healthy_job_of_another_dead_let
         _, _, _, died = await lives.live()
         if not died:
             break
-    # Its first death, its retry beside the others, two of its own (the default limit, 4).
-    assert lives.deaths == 4
+    # Its first death, its retry beside the others, its try together with the other suspects
+    # of two deaths, two of its own (the default limit, 5).
+    assert lives.deaths == 5
     latest = lives.latest
     assert isinstance(latest["killer"], Failed) and not latest["killer"].error.retryable
     assert all(isinstance(latest[j], Completed) for j in ("p0-0", "p0-2", "healthy", "p1-1"))
@@ -153,24 +154,115 @@ async def test_after_one_death_its_suspects_run_again_beside_each_other():
     assert named == {(tp, o) for tp in (P0, P1) for o in range(4)}
 
 
-async def test_suspects_of_a_second_death_run_one_at_a_time():
+def _died_twice_with(lives: Lives, offsets: range) -> None:
+    """The last process died with `offsets` of each partition in flight, each retried after
+    an earlier death: suspects of two deaths now."""
+    for tp in lives.records:
+        lives.committed[tp] = (
+            0,
+            encode_offset_map(0, [], running=offsets, deaths=dict.fromkeys(offsets, 1)),
+        )
+
+
+async def test_suspects_of_a_second_death_run_one_at_a_time_under_a_limit_of_four():
     lives = Lives(
         {
             P0: [job(f"p0-{i}", delay_s="0.02") for i in range(4)],
             P1: [job(f"p1-{i}", delay_s="0.02") for i in range(4)],
         }
     )
-    # The last process died with all eight in flight, each retried after an earlier death.
-    for tp in (P0, P1):
-        lives.committed[tp] = (
-            0,
-            encode_offset_map(0, [], running=range(4), deaths=dict.fromkeys(range(4), 1)),
-        )
-    _, engine, _, died = await lives.live()
+    _died_twice_with(lives, range(4))
+    _, engine, _, died = await lives.live(max_crash_attempts=4)
     assert not died
     assert engine.peak_running == 1
     assert all(isinstance(r, Completed) for r in lives.latest.values())
     assert len(lives.latest) == 8
+
+
+async def test_suspects_of_a_second_death_run_together_with_nothing_else_in_flight():
+    # Seeds 103113 and 103135 (`bench/sim.py --hostile invalid,crash,long,reply_small,
+    # reply_locked`): two kills from outside in a row left long rollouts suspects of two
+    # deaths; run one at a time, each after a drain, they held the worker past the settle
+    # period. Together, they cost one drain and the longest of them.
+    lives = Lives(
+        {
+            P0: [*(job(f"p0-{i}", gate="together") for i in range(3)), job("p0-3")],
+            P1: [*(job(f"p1-{i}", gate="together") for i in range(3)), job("p1-3")],
+        }
+    )
+    _died_twice_with(lives, range(3))
+    process = Process(lives.committed)
+    for tp, values in lives.records.items():
+        for value in values:
+            process.consumer.add(tp, value)
+    process.consumer.assign(set(lives.records))
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(), lives.read_committed)
+    task = run(worker)
+    try:
+        await wait_for(lambda: engine.running == 6, 10, "the six suspects to run together")
+        await asyncio.sleep(0.3)  # the worker's fetches go on meanwhile
+        assert sorted(engine.started) == sorted(f"p{p}-{i}" for p in (0, 1) for i in range(3))
+        # A commit naming all six as running landed before any started: a death blames them.
+        position, metadata = lives.committed[P0]
+        assert decode_offset_map(position, metadata).running == {0, 1, 2}
+        engine.release("together")
+        await wait_for(lambda: len(engine.started) == 8, 10, "the jobs behind them")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    assert lives.committed[P0][0] == 4 and lives.committed[P1][0] == 4
+
+
+async def test_a_suspect_fetched_after_the_others_started_joins_them():
+    # Seed 102164: the fetch that started suspects together held one partition's records; the
+    # suspects of the others ran after them, each group holding the worker for a long rollout.
+    # Here a fetch of two records holds P0's suspect and the job behind it, not P1's suspect.
+    lives = Lives({P0: [job("p0-0", gate="g"), job("p0-1")], P1: [job("p1-0", gate="g")]})
+    _died_twice_with(lives, range(1))
+    process = Process(lives.committed)
+    for tp, values in lives.records.items():
+        for value in values:
+            process.consumer.add(tp, value)
+    process.consumer.assign(set(lives.records))
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(max_in_flight=2), lives.read_committed)
+    task = run(worker)
+    try:
+        await wait_for(lambda: engine.running == 2, 10, "the second suspect to join the first")
+        assert sorted(engine.started) == ["p0-0", "p1-0"]
+        await asyncio.sleep(0.3)  # the worker's fetches go on meanwhile
+        assert engine.running == 2 and len(engine.started) == 2
+        engine.release("g")
+        await wait_for(lambda: len(engine.started) == 3, 10, "the job behind them")
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+    assert lives.committed[P0][0] == 2 and lives.committed[P1][0] == 1
+
+
+async def test_a_death_while_suspects_run_together_leaves_them_to_run_alone():
+    # A killer among them dies again beside them: each counts that death, and from then on
+    # they run alone, so the killer alone reaches the limit and the others are answered.
+    lives = Lives(
+        {
+            P0: [job("p0-0", delay_s="0.02"), job("killer", crash="1", gate="never")],
+            P1: [job(f"p1-{i}", delay_s="0.02") for i in range(2)],
+        }
+    )
+    _died_twice_with(lives, range(2))
+    _, engine, _, died = await lives.live()
+    assert died and engine.peak_running == 4
+    for _ in range(4):
+        _, engine, _, died = await lives.live()
+        if not died:
+            break
+        assert engine.peak_running == 1
+    # Together, then two of its own: the default limit of 5 with the two before.
+    assert lives.deaths == 3
+    assert lives.dead_lettered == ["killer"]
+    assert all(isinstance(lives.latest[j], Completed) for j in ("p0-0", "p1-0", "p1-1"))
+    assert lives.committed[P0][0] == 2 and lives.committed[P1][0] == 2
 
 
 async def test_a_death_with_many_in_flight_never_stalls_the_partition(caplog):
@@ -249,7 +341,7 @@ async def test_suspects_run_one_after_another_without_waiting_out_fetch_timeouts
     # timeout: two of them per suspect beside its own run (10 s here for five; 400 ms a
     # suspect at the default --poll-timeout-ms, after a death with hundreds in flight).
     lives = Lives({P0: [job(f"j{i}") for i in range(5)]})
-    twice = dict.fromkeys(range(5), 1)
+    twice = dict.fromkeys(range(5), 2)  # three deaths now: each runs alone
     lives.committed[P0] = (0, encode_offset_map(0, [], running=range(5), deaths=twice))
     process = Process(lives.committed)
     process.consumer.empty_wait_cap_ms = None

@@ -42,10 +42,11 @@ from worker.loop.worker import Worker
 P0, P1 = TopicPartition(JOBS, 0), TopicPartition(JOBS, 1)
 PARTITIONS = (P0, P1)
 # Deaths from outside (SIGKILL, OOM of a neighbour) that may land while a suspect runs alone:
-# with the default limit of 4, a healthy job is present at two deaths it did not cause at most
-# before it runs alone (a killer's first and its retry, where it ran beside it), and one such
-# death stays below the limit. More would blame a healthy job for deaths it did not cause,
-# which no breaker that counts deaths can tell apart.
+# with the default limit of 5, a healthy job is present at three deaths it did not cause at
+# most before it runs alone (a killer's first, its retry, where it ran beside it, and its try
+# together with the other suspects of two deaths), and one such death stays below the limit.
+# More would blame a healthy job for deaths it did not cause, which no breaker that counts
+# deaths can tell apart.
 MAX_OUTSIDE_KILLS = 1
 MAX_POISON = 2
 STEP_S = 0.03

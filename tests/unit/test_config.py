@@ -97,7 +97,7 @@ def test_boolean_flags_and_env_vars():
             ["--offset-map-max-bytes", "0"],
             {},
             "--offset-map-max-bytes 0 leaves the crash-loop breaker nothing to keep its counts "
-            "in: set --max-crash-attempts 0 too (it is 4)",
+            "in: set --max-crash-attempts 0 too (it is 5)",
         ),
     ],
 )

@@ -692,6 +692,13 @@ FOUND_DEFECTS = {
     "a restarted static member scaled in during a coordinator outage, before its first join "
     "completed: its leave removed its dead predecessor's member, aiokafka joined again, and "
     "noida-db kept the new member, and its partitions, for ever": _noida_static(99100),
+    "two kills from outside left long rollouts suspects of two deaths; each ran alone after a "
+    "drain, one after another, and a valid job waited past the settle period": Scenario(
+        seed=103113, partitions=24, jobs_per_s=12, hostile=HOSTILE_SHARES
+    ),
+    "suspects of two deaths ran together, but only those of the fetch that started the "
+    "first; the others ran after them, a group (and a drain) each, and a partition waited "
+    "70 s": Scenario(seed=102164, partitions=24, jobs_per_s=12, hostile=HOSTILE_SHARES),
 }
 
 

@@ -235,10 +235,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         Meta(ge=0, le=100),
         _d(
             "process deaths a job may be in flight at (at least 3: the first, its retry beside "
-            "other jobs, and one running alone) before it is answered failed and dead-lettered "
-            "instead of run again; 0: no breaker"
+            "other jobs, and one running alone; from 5, suspects of two deaths first run "
+            "together) before it is answered failed and dead-lettered instead of run again; "
+            "0: no breaker"
         ),
-    ] = 4
+    ] = 5
     offset_map_max_bytes: Annotated[
         int,
         Meta(ge=0, le=1_048_576),

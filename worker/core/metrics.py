@@ -162,7 +162,8 @@ class Metrics:
         self.crash_suspects = prom.Gauge(
             "vkw_crash_suspects",
             "Records in flight at an earlier process death still to run or be answered, and "
-            "the one running alone until a commit past it lands (the crash-loop breaker): "
+            "those running alone or together until a commit past each lands (the crash-loop "
+            "breaker): "
             "above 0 a death blames them, so a supervisor that can choose spares this worker",
             registry=r,
         )

@@ -282,8 +282,9 @@ class Committer:
 
         A stopping worker whose hand-over never lands leaves a map that names its jobs as
         running: the next owner, finding the writer gone, counts a death against each and
-        runs them one at a time. A coordinator that is away for a few seconds is common (a
-        broker restart, a coordinator moving); the shutdown grace is the time to wait it out.
+        runs them again as suspects of a crash. A coordinator that is away for a few seconds
+        is common (a broker restart, a coordinator moving); the shutdown grace is the time to
+        wait it out.
         """
         self._handing_over = True
         limit = self._map_max_bytes if self.maps_on else 0

@@ -187,7 +187,7 @@ class Inheritance:
                 else:
                     logger.warning(
                         "%s-%s: the last owner died with %d records in flight; they run again "
-                        "(those in flight at an earlier death too: one at a time)",
+                        "(those in flight at an earlier death too: together, then one at a time)",
                         tp.topic,
                         tp.partition,
                         in_flight,

@@ -12,18 +12,28 @@ them one at a time after such a death left a worker at one sequence for the sum 
 lengths (simulation seeds 40030, 41021, 41130: long rollouts held every partition past a
 minute). A record that kills the process dies again at this retry, beside whatever ran with it.
 
-A suspect of two deaths or more runs alone across the whole worker (nothing else of any
-partition in flight, and a commit naming it alone as running landed first), so a later death
-while it runs blames it and no one else. Only the record that kills the process collects those
-deaths; one in flight at `max_crash_attempts` deaths (at least three: the first, its retry, and
-one of its own alone) is answered instead of run. A healthy job beside a killer at both of its
-first deaths is dead-lettered only if two more deaths from outside hit it while it runs alone,
-as before the retry beside the others was added.
+A suspect of two deaths runs once more together with every other suspect of two deaths that
+waits, and with nothing else in flight across the whole worker (a commit naming them as running
+landed first). Two deaths from outside in a row are common under a rolling restart or a flaky
+node, and then the suspects are healthy: together they cost one drain and their longest run,
+where one at a time they cost a drain and a run each (simulation seeds 103113 and 103135: long
+rollouts run one after another held a worker past the settle period). A record that kills the
+process dies again here, and every suspect beside it counts that death: this costs each of them
+one death, so it is tried only where the limit leaves two more after it (`--max-crash-attempts`
+5 or more: each suspect keeps as many deaths in reserve as one of two deaths running alone
+under a limit of 4).
 
-Suspects of two deaths run one at a time rather than bisected: a bisection halves the group at
-each death, but every member of a group at a death is merely present at it, so counting those
-deaths would dead-letter healthy jobs, and not counting them needs a record of each group's
-history in the map. Serial runs cost a drain per suspect, paid only after a killer's retry.
+A suspect of three deaths or more (two with a limit below 5) runs alone across the whole
+worker (nothing else of any partition in flight, and a commit naming it alone as running landed
+first), so a later death while it runs blames it and no one else. Only the record that kills
+the process collects those deaths; one in flight at `max_crash_attempts` deaths is answered
+instead of run.
+
+Past that one try together, suspects run one at a time rather than bisected further: every
+member of a group at a death is merely present at it, so counting more of those deaths would
+dead-letter healthy jobs, and not counting them needs a record of each group's history in the
+map. Serial runs cost a drain per suspect, paid only after a killer's retry and its try
+together.
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from worker.core.errors import FatalError
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 
-__all__ = ["CrashLoopBreaker", "Taken", "stop_blames_running_jobs"]
+__all__ = ["CrashLoopBreaker", "Suspect", "Taken", "stop_blames_running_jobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +63,14 @@ RETRY_ALONE_S: Final = 0.5
 
 #: Deaths a suspect may have been in flight at and still run beside other jobs: its first.
 RETRY_BESIDE_OTHERS: Final = 1
+
+#: Deaths a suspect may have been in flight at and still run together with the other suspects
+#: of as many deaths (nothing else in flight): its retry's.
+RUN_TOGETHER: Final = 2
+
+#: The least `max_crash_attempts` at which suspects of `RUN_TOGETHER` deaths run together: a
+#: death there leaves each of them two short of the limit.
+TOGETHER_FROM_LIMIT: Final = RUN_TOGETHER + 3
 
 
 def stop_blames_running_jobs(fatal: FatalError | None) -> bool:
@@ -75,14 +93,18 @@ class Taken(NamedTuple):
     rewind_to: int | None = None
 
 
-class _Alone(NamedTuple):
+class Suspect(NamedTuple):
+    """A suspect chosen to run alone, or together with others of as many deaths."""
+
     tp: TopicPartition
     partition: PartitionOffsets
     offset: int
+    deaths: int
 
 
 class CrashLoopBreaker:
-    """Picks what runs of partitions with suspects; holds the others while a suspect runs."""
+    """Picks what runs of partitions with suspects; holds the others while suspects run alone
+    or together."""
 
     def __init__(
         self,
@@ -97,12 +119,19 @@ class CrashLoopBreaker:
         self._metrics = metrics
         self._tracker = tracker
         self._assignment = assignment
-        # The suspect running alone, from its start until a commit past it lands.
-        self._alone: _Alone | None = None
-        # Whether `_alone` was chosen but not yet named alone in a landed commit.
-        self._unconfirmed = False
-        # Partitions whose next record is a suspect waiting for the worker to be quiet.
-        self._waiting: set[TopicPartition] = set()
+        # The suspects running alone (one) or together, from their start until a commit past
+        # each lands. Suspects of as many deaths may join those running together while they
+        # run: the batch that started the first of them may not hold every partition's.
+        self._chosen: list[Suspect] = []
+        # Those of `_chosen` not yet named as running in a landed commit (they do not start
+        # until one is).
+        self._unconfirmed: list[Suspect] = []
+        # Partitions fetched while suspects run together whose next record cannot join them:
+        # held until those end, or the loop would spin fetching and rewinding them.
+        self._passed: set[TopicPartition] = set()
+        # Partitions whose next record is a suspect waiting for the worker to be quiet, and
+        # that suspect's deaths.
+        self._waiting: dict[TopicPartition, int] = {}
         self._clock = clock
         # Until then, a suspect whose commit did not land waits with every partition held.
         self._retry_at = 0.0
@@ -114,26 +143,27 @@ class CrashLoopBreaker:
     def enabled(self) -> bool:
         return self._limit > 0
 
+    def runs_together(self, deaths: int) -> bool:
+        """Whether a suspect of `deaths` runs together with the others of as many."""
+        return deaths == RUN_TOGETHER and self._limit >= TOGETHER_FROM_LIMIT
+
     def take(self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record]) -> Taken:
         """Of `records` (fetched, in order), those to run now, and those to answer as having
         been in flight at that many deaths. Records past a suspect are fetched again later: one
         of a single death ends the run (it starts once a commit names it running; see
-        `retries`), one of more waits unless it can run alone now."""
+        `retries`), one of more waits unless it can run alone (or together) now."""
         run: list[Record] = []
         crash_looped: list[tuple[Record, int]] = []
-        for record in records:
-            if self._alone is not None:
-                return Taken(run, crash_looped, rewind_to=record.offset)
+        for i, record in enumerate(records):
+            if self._chosen:
+                return self._join(tp, partition, records[i:], Taken(run, crash_looped))
             deaths = partition.deaths.get(record.offset, 0)
             if deaths >= self._limit:
-                if partition.start(record.offset):
+                if self._start(partition, record.offset):
                     crash_looped.append((record, deaths))
-                else:
-                    self._metrics.skipped.inc()
                 continue
             if deaths and deaths <= RETRY_BESIDE_OTHERS:
-                if not partition.start(record.offset):
-                    self._metrics.skipped.inc()  # answered before, as the map says: not run
+                if not self._start(partition, record.offset):
                     continue
                 # Last of the run, so that it is its partition's last start: taken back alone
                 # when the commit naming it does not land.
@@ -141,56 +171,96 @@ class CrashLoopBreaker:
                 return Taken(run, crash_looped, rewind_to=record.offset + 1)
             if deaths:
                 if run or not self._quiet():
-                    self._waiting.add(tp)
+                    self._waiting[tp] = deaths
                     return Taken(run, crash_looped, rewind_to=record.offset)  # again once quiet
-                if not partition.start(record.offset):
-                    self._metrics.skipped.inc()  # answered before, as the map says: not run
+                if not self._start(partition, record.offset):
                     continue
                 logger.info(
-                    "%s-%s@%d was in flight at %d worker deaths: running it alone",
+                    "%s-%s@%d was in flight at %d worker deaths: running it %s",
                     tp.topic,
                     tp.partition,
                     record.offset,
                     deaths,
+                    "together with the others of as many"
+                    if self.runs_together(deaths)
+                    else "alone",
                 )
-                self._waiting.discard(tp)
-                self._alone = _Alone(tp, partition, record.offset)
-                self._unconfirmed = True
+                self._waiting.pop(tp, None)
+                self._choose(Suspect(tp, partition, record.offset, deaths))
                 run.append(record)
-                return Taken(run, crash_looped, rewind_to=record.offset + 1)
-            if partition.start(record.offset):
+                if not self.runs_together(deaths):
+                    return Taken(run, crash_looped, rewind_to=record.offset + 1)
+                return self._join(tp, partition, records[i + 1 :], Taken(run, crash_looped))
+            if self._start(partition, record.offset):
                 run.append(record)
-            else:
-                self._metrics.skipped.inc()
         return Taken(run, crash_looped)
+
+    def _join(
+        self, tp: TopicPartition, partition: PartitionOffsets, records: list[Record], taken: Taken
+    ) -> Taken:
+        """`taken`, and of `records` (the rest of the fetch) those that join the suspects
+        chosen to run; the partition is fetched again from the first that cannot."""
+        for record in records:
+            deaths = partition.deaths.get(record.offset, 0)
+            if not self._joins(deaths):
+                self._passed.add(tp)
+                return taken._replace(rewind_to=record.offset)
+            if self._start(partition, record.offset):
+                self._waiting.pop(tp, None)
+                self._choose(Suspect(tp, partition, record.offset, deaths))
+                taken.run.append(record)
+        return taken
+
+    def _start(self, partition: PartitionOffsets, offset: int) -> bool:
+        """Mark `offset` started; False (and counted skipped) when it was answered before, as
+        the map says: it does not run again."""
+        if partition.start(offset):
+            return True
+        self._metrics.skipped.inc()
+        return False
+
+    def _choose(self, suspect: Suspect) -> None:
+        self._chosen.append(suspect)
+        self._unconfirmed.append(suspect)
+
+    def _joins(self, deaths: int) -> bool:
+        """Whether a record of `deaths` joins the suspects chosen to run: they run together,
+        and it is a suspect of as many deaths (the partition's other records wait)."""
+        return (
+            bool(self._chosen)
+            and self.runs_together(deaths)
+            and self.runs_together(self._chosen[0].deaths)
+        )
 
     @property
     def engaged(self) -> bool:
-        """A suspect runs alone or waits for the worker to be quiet: an acknowledgement or a
-        commit may let it go on."""
-        return self._alone is not None or bool(self._waiting)
+        """Suspects run alone or together, or wait for the worker to be quiet: an
+        acknowledgement or a commit may let them go on."""
+        return bool(self._chosen) or bool(self._waiting)
 
-    def blocks(self) -> bool:
-        """A suspect runs alone (or was just chosen to): nothing else may start."""
-        return self._alone is not None
+    def blocks(self, tp: TopicPartition) -> bool:
+        """Nothing of `tp` may start: suspects run alone or together (or were just chosen to),
+        and `tp` has no suspect that might join them (`take` decides for one that has)."""
+        if not self._chosen:
+            return False
+        return not (self._joins(RUN_TOGETHER) and self._tracker.partition(tp).deaths)
 
-    def chosen(self) -> _Alone | None:
-        """The suspect chosen to run alone whose commit has not landed yet."""
-        return self._alone if self._unconfirmed else None
+    def chosen(self) -> list[Suspect]:
+        """The suspects chosen to run alone or together whose commit has not landed yet, in
+        the order they started."""
+        return list(self._unconfirmed)
 
     def confirmed(self, landed: bool) -> None:
-        """The commit naming the chosen suspect alone landed (it may start), or did not (it
-        was taken back, and waits for the next try)."""
-        alone = self._alone
-        if alone is None:
+        """The commit naming the chosen suspects as running landed (they may start), or did
+        not (they were taken back, and wait for the next try)."""
+        unconfirmed, self._unconfirmed = self._unconfirmed, []
+        if landed or not unconfirmed:
             return
-        if landed:
-            self._unconfirmed = False
-        else:
-            self._alone = None
-            self._unconfirmed = False
-            self._waiting.add(alone.tp)
-            self._retry_at = self._clock() + RETRY_ALONE_S
+        for suspect in unconfirmed:
+            self._waiting[suspect.tp] = suspect.deaths
+        self._chosen = [suspect for suspect in self._chosen if suspect not in unconfirmed]
+        self._retry_at = self._clock() + RETRY_ALONE_S
+        self._running_chosen()
 
     def retries(self, partition: PartitionOffsets, offset: int) -> bool:
         """Whether the record taken to run at `offset` is a suspect retried beside the others:
@@ -205,64 +275,84 @@ class CrashLoopBreaker:
         self._retry_beside_at = self._clock() + RETRY_ALONE_S
 
     def held(self) -> set[TopicPartition]:
-        """Every partition while a suspect runs alone and until a commit past it lands; while
-        a suspect waits, every partition until the worker is quiet, and then all but the
-        suspect's; and for a while, those whose retried suspect's commit did not land.
+        """Every partition while suspects run alone or together and until a commit past each
+        lands, but those with suspects that may join the ones running together (each fetched
+        until its next record cannot); while suspects wait, every partition until the worker
+        is quiet, and then all but those whose suspects run together (or the first one's, to
+        run alone); and for a while, those whose retried suspect's commit did not land.
         Re-examined on every fetch."""
         if not self.enabled:
             return set()
-        if self._running_alone() is not None:
-            return self._assignment()
+        if self._running_chosen():
+            if not self._joins(RUN_TOGETHER) or self._clock() < self._retry_at:
+                return self._assignment()
+            # Those whose suspects may join the ones running together.
+            assigned = self._assignment()
+            return assigned - {
+                tp
+                for tp in assigned - self._passed
+                if any(map(self.runs_together, self._tracker.partition(tp).deaths.values()))
+            }
         if self._retrying and self._clock() >= self._retry_beside_at:
             self._retrying = set()
         if self._waiting:
             assigned = self._assignment()
             self._waiting = {
-                tp for tp in self._waiting & assigned if self._tracker.partition(tp).deaths
+                tp: deaths
+                for tp, deaths in self._waiting.items()
+                if tp in assigned and self._tracker.partition(tp).deaths
             }
         if not self._waiting:
             return self._retrying & self._assignment()
         if self._quiet() and self._clock() >= self._retry_at:
-            return self._assignment() - {min(self._waiting)}
+            together = {tp for tp, deaths in self._waiting.items() if self.runs_together(deaths)}
+            return self._assignment() - (together or {min(self._waiting)})
         return self._assignment()
 
     def suspects(self) -> int:
-        """Records in flight at an earlier death still to run or be answered, and the
-        one that ran alone until a commit past it lands: a death until then still blames it
-        (what a supervisor reads before it kills a worker)."""
+        """Records in flight at an earlier death still to run or be answered, and those that
+        ran alone or together until a commit past each lands: a death until then still blames
+        them (what a supervisor reads before it kills a worker)."""
         count = sum(len(partition.deaths) for _, partition in self._tracker.items())
-        if (
-            alone := self._running_alone()
-        ) is not None and alone.offset not in alone.partition.deaths:
-            count += 1
-        return count
+        return count + sum(
+            1
+            for suspect in self._running_chosen()
+            if suspect.offset not in suspect.partition.deaths
+        )
 
     def commit_due(self) -> bool:
-        """The suspect that ran alone is answered: commit past it now, not at the interval's
-        next tick, since every partition is held until that commit lands."""
-        alone = self._running_alone()
-        if alone is None or self._unconfirmed:
+        """Every suspect that ran alone or together is answered: commit past them now, not at
+        the interval's next tick, since every partition is held until that commit lands."""
+        chosen = self._running_chosen()
+        if not chosen or self._unconfirmed:
             return False
-        position = alone.partition.commit_position()
-        return position is not None and position > alone.offset
+        for suspect in chosen:
+            position = suspect.partition.commit_position()
+            if position is None or position <= suspect.offset:
+                return False
+        return True
 
     def forget(self, revoked: set[TopicPartition]) -> None:
-        self._waiting -= revoked
+        for tp in revoked:
+            self._waiting.pop(tp, None)
         self._retrying -= revoked
-        if self._alone is not None and self._alone.tp in revoked:
-            self._alone = None
-            self._unconfirmed = False
+        self._chosen = [suspect for suspect in self._chosen if suspect.tp not in revoked]
+        self._unconfirmed = [suspect for suspect in self._unconfirmed if suspect.tp not in revoked]
+        self._running_chosen()
 
-    def _running_alone(self) -> _Alone | None:
-        """The suspect chosen to run alone, from its choice until a commit past it lands."""
-        alone = self._alone
-        if alone is None:
-            return None
-        committed = alone.partition.committed
-        if self._unconfirmed or committed is None or committed[0] <= alone.offset:
-            return alone
-        self._alone = None
-        return None
+    def _running_chosen(self) -> list[Suspect]:
+        """The suspects chosen to run alone or together, from their choice until a commit past
+        each lands."""
+        self._chosen = [
+            suspect
+            for suspect in self._chosen
+            if suspect in self._unconfirmed
+            or (committed := suspect.partition.committed) is None
+            or committed[0] <= suspect.offset
+        ]
+        if not self._chosen:
+            self._passed = set()
+        return self._chosen
 
     def _quiet(self) -> bool:
         """Nothing of any partition is in flight (every started record is acknowledged)."""

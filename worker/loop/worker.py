@@ -32,7 +32,7 @@ from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
 from worker.delivery.renewal import RenewableProducer
 from worker.engines.protocol import Engine
-from worker.loop.breaker import CrashLoopBreaker, stop_blames_running_jobs
+from worker.loop.breaker import CrashLoopBreaker, Suspect, stop_blames_running_jobs
 from worker.loop.gate import Batch, PartitionGate
 from worker.loop.inflight import InFlight
 from worker.loop.version_holds import VersionHolds
@@ -257,20 +257,8 @@ class Worker:
             # Else revoked (or being revoked) since the fetch: the next owner reads it.
             if tp in assigned and tp not in self._revoking:
                 runnable += self._runnable(tp, fetched)
-        if (alone := self._breaker.chosen()) is not None:
-            # A suspect runs alone only once a commit names it alone as running: a death then
-            # blames it, and none of the jobs that ran before it.
-            landed = await self._committer.write_ahead_exact()
-            if not landed:
-                logger.warning(
-                    "the commit before running suspect %s-%s@%d alone did not land; it waits",
-                    alone.tp.topic,
-                    alone.tp.partition,
-                    alone.offset,
-                )
-                self._take_back(alone.tp, alone.partition, alone.offset)
-                runnable = [r for r in runnable if r[2].offset != alone.offset or r[0] != alone.tp]
-            self._breaker.confirmed(landed)
+        if chosen := self._breaker.chosen():
+            runnable = await self._confirm_chosen(chosen, runnable)
         elif retried := [r for r in runnable if self._breaker.retries(r[1], r[2].offset)]:
             # A suspect of one death runs again beside the others once a commit names it
             # running: a death then counts against it, and a record that kills the process at
@@ -304,6 +292,30 @@ class Worker:
                 continue
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
+    async def _confirm_chosen(
+        self,
+        chosen: list[Suspect],
+        runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]],
+    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
+        """`runnable`, less the `chosen` suspects when the commit naming them as running did
+        not land. They run alone (or together) only once one does: a death then blames them,
+        and none of the jobs that ran before them."""
+        landed = await self._committer.write_ahead_exact()
+        if not landed:
+            logger.warning(
+                "the commit before running %d suspects of a crash alone did not land; they "
+                "wait: %s",
+                len(chosen),
+                ", ".join(f"{s.tp.topic}-{s.tp.partition}@{s.offset}" for s in chosen),
+            )
+            # Last started first: each is taken back as its partition's last start.
+            for suspect in reversed(chosen):
+                self._take_back(suspect.tp, suspect.partition, suspect.offset)
+            waits = {(s.tp, s.offset) for s in chosen}
+            runnable = [r for r in runnable if (r[0], r[2].offset) not in waits]
+        self._breaker.confirmed(landed)
+        return runnable
+
     def _take_back(self, tp: TopicPartition, partition: PartitionOffsets, offset: int) -> bool:
         """`offset` of `tp` does not start now: fetch it again later. False when `tp` moved
         while the commit before it was awaited (aiokafka runs a whole rebalance beside the
@@ -322,8 +334,8 @@ class Worker:
         weights, or behind a suspect of a crash) are fetched again later; those answered
         before a crash or rebalance are skipped; those in flight at too many crashes are
         answered at once, without running."""
-        if self._breaker.blocks():
-            # A suspect of a crash runs alone: nothing of any partition starts beside it.
+        if self._breaker.blocks(tp):
+            # Suspects of a crash run alone: nothing of any partition starts beside them.
             self._gate.rewind(tp, fetched[0].offset)
             return []
         records, rewind_to = self._holds.runnable(tp, fetched)
