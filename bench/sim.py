@@ -56,6 +56,12 @@ def report(outcome: Outcome) -> str:
         f"seed {s.seed:>5}  workers {s.workers:>3}  partitions {s.partitions:>4}  "
         f"answered {outcome.answered:>6}  {rate:8.0f} jobs/s  "
         f"{outcome.virtual_s / outcome.wall_s:6.1f}x  violations {len(outcome.violations)}"
+        + (
+            ""
+            if outcome.wedged_at is None
+            else f"  (liveness not judged: from {outcome.wedged_at:.1f}s the group waits for a "
+            "member that could not leave, and this broker evicts nobody)"
+        )
     )
 
 
@@ -99,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     first_to_last = range(args.first_seed, args.first_seed + args.seeds)
     runs = [(workers, seed) for workers in sizes for seed in first_to_last]
     failed = 0
+    wedged: list[int] = []
     broken: dict[str, list[int]] = {}
     rates: dict[int, list[float]] = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.processes) as pool:
@@ -107,10 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             for described in summary.violations[:5]:
                 print(f"  seed {summary.seed}: {described}")
             failed += bool(summary.violations)
+            if summary.wedged:
+                wedged.append(summary.seed)
             rates.setdefault(summary.workers, []).append(summary.jobs_per_s)
             for invariant in summary.invariants:
                 broken.setdefault(invariant, []).append(summary.seed)
     print(f"{failed} of {len(runs)} runs broke an invariant")
+    if wedged:
+        print(
+            f"  liveness not judged in {len(wedged)} (a member that could not leave, on a broker "
+            f"that evicts nobody): seeds {', '.join(map(str, wedged))}"
+        )
     for workers, per_run in sorted(rates.items()):
         print(
             f"  {workers} workers: {len(per_run)} seeds, simulated jobs per wall second "
@@ -132,6 +146,7 @@ class Summary:
     jobs_per_s: float
     violations: list[str]
     invariants: list[str]
+    wedged: bool
 
 
 def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summary:
@@ -144,6 +159,7 @@ def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summ
         jobs_per_s=outcome.answered / outcome.wall_s if outcome.wall_s else 0.0,
         violations=[str(v) for v in outcome.violations],
         invariants=sorted({v.invariant for v in outcome.violations}),
+        wedged=outcome.wedged_at is not None,
     )
 
 

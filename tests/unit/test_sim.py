@@ -5,6 +5,7 @@ regression test of its fix."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import subprocess
@@ -28,7 +29,7 @@ from aiokafka.structs import TopicPartition
 
 from schemas import ErrorCode, ErrorInfo, Failed, encode
 from worker.delivery.offset_map import encode_offset_map
-from worker.dev.sim.checker import Bounds, Kind, Ledger, check
+from worker.dev.sim.checker import Bounds, Kind, Ledger, check, wedged_from
 from worker.dev.sim.clients import Process, SimBatch, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
@@ -369,6 +370,49 @@ def test_a_death_count_needs_a_kill_or_the_group_removing_the_live_owner(
     now[0] = 10.0
     _committed(history, "m1", encode_offset_map(0, (), deaths={0: 1 + killed_first}))
     assert _wrongly_blamed(history, cluster, ledger) is flagged
+
+
+@pytest.mark.parametrize(
+    ("never_evicts", "exit_at", "coordinator_away", "round_ends", "wedged"),
+    [
+        (True, 22.0, True, False, True),
+        (False, 22.0, True, False, False),
+        (True, 15.0, True, False, False),
+        (True, 22.0, False, False, False),
+        (True, 22.0, True, True, False),
+    ],
+    ids=[
+        "noida-db",
+        "apache-kafka",
+        "gave-up-before-its-budget",
+        "coordinator-there",
+        "the-round-ended-after-all",
+    ],
+)
+def test_only_a_member_that_could_not_leave_excuses_a_group_that_waits_for_ever(
+    never_evicts: bool, exit_at: float, coordinator_away: bool, round_ends: bool, wedged: bool
+) -> None:
+    """noida-db evicts no member: a static member scaled in that tried to leave for its whole
+    budget (shutdown grace and half the close timeout: 12.5 s here), the coordinator away to
+    the end, is waited for by every later rebalance (seeds 77022 and 102024 of `--flavour
+    noida --static`). That excuses the unanswered jobs after it, and nothing else does: on
+    Apache Kafka the round ends at the rebalance timeout, and a member that gave up early
+    (seed 77174) or that had the coordinator to leave by was the worker's defect."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    bounds = dataclasses.replace(BOUNDS, never_evicts=never_evicts, leave_budget_s=12.5)
+    now[0] = 8.0
+    history.add("sigterm", worker="w2#1", grace_s=60.0)
+    now[0] = exit_at
+    history.add(
+        "exit", worker="w2#1", status=0, asked=True, fatal=None, coordinator_away=coordinator_away
+    )
+    now[0] = 27.0
+    history.add("rebalance", group="g", generation=2, why="w3 joins")
+    if round_ends:
+        now[0] = 30.0
+        history.add("generation", group="g", generation=3, members={})
+    assert (wedged_from(history, bounds) == 27.0) is wedged
 
 
 def _one_job_owned_by_m0(now: list[float]) -> tuple[History, Cluster, Ledger]:

@@ -31,6 +31,15 @@ Invariants (each violation names one):
 - `weights_diverged`: every live worker serves, at the end, the latest weights any worker
   acknowledged applying (read from the status topic's acknowledgements; a worker's served
   version is what its status reports).
+
+One broker property excuses `unanswered` and `stalled`, and only where it is seen: on a broker
+that evicts no member (noida-db, `Flavour.NOIDA`), a static member scaled in that could not
+leave, the coordinator away until the end of its whole leave budget (what its grace left and
+half of `--close-timeout-s`), is waited for by every rebalance after, for ever; Apache Kafka
+removes it at the rebalance timeout. The run is excused only when such an exit came, a
+rebalance began after it and no generation ever ended it (`wedged_from`). A member that gave
+up leaving before its budget ran out, left as the wrong member, or was left behind by a
+rejoin (seeds 403, 71294, 77174, 99100) is flagged as before.
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.fleet import KILLS_ENGINE
 from worker.dev.sim.history import Event, History
 
-__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check"]
+__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check", "wedged_from"]
 
 
 class Kind(enum.Enum):
@@ -89,6 +98,11 @@ class Bounds:
     dead_letter_topic: str
     jobs_topic: str
     status_topic: str
+    #: The group evicts no member (noida-db): see `wedged_from`.
+    never_evicts: bool = False
+    #: The longest a stopping worker tries to leave, from its SIGTERM on: its shutdown grace
+    #: and half of its close timeout.
+    leave_budget_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -115,14 +129,11 @@ _DISRUPTIONS = frozenset(
 
 
 def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) -> list[Violation]:
-    violations: list[Violation] = []
     answers, sent, crash_looped = _read_answers(cluster, bounds)
     kinds = {job_id: kind for (kind, job_id) in ledger.records.values()}
-    for (_, _), (kind, job_id) in sorted(ledger.records.items()):
-        if kind.must_answer and not answers[job_id]:
-            violations.append(
-                Violation("unanswered", f"job {job_id} ({kind.value}) never answered", bounds.end)
-            )
+    # Liveness, unless a broker that evicts nobody waits for a member for ever.
+    live = wedged_from(history, bounds) is None
+    violations = _unanswered(ledger, answers, bounds) if live else []
     for job_id in crash_looped:
         looped = kinds.get(job_id)
         if looped is not None and not looped.may_dead_letter:
@@ -185,18 +196,66 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                     bounds.end,
                 )
             )
+    return violations + (_stalled(history, bounds) if live else [])
+
+
+def _unanswered(ledger: Ledger, answers: Counter[str], bounds: Bounds) -> list[Violation]:
+    return [
+        Violation("unanswered", f"job {job_id} ({kind.value}) never answered", bounds.end)
+        for (_, _), (kind, job_id) in sorted(ledger.records.items())
+        if kind.must_answer and not answers[job_id]
+    ]
+
+
+def _stalled(history: History, bounds: Bounds) -> list[Violation]:
+    """The first partition, after the faults, without a commit for longer than the bound."""
     for event in history.of("stall"):
         if event.at >= bounds.faults_end and event.fields["for_s"] > bounds.progress_bound_s:
-            violations.append(
+            return [
                 Violation(
                     "stalled",
                     f"{event.fields['tp']} without a commit for {event.fields['for_s']:.1f}s "
                     f"(committed {event.fields['committed']}, end {event.fields['end']})",
                     event.at,
                 )
-            )
-            break
-    return violations
+            ]
+    return []
+
+
+#: How much earlier than its leave budget a worker may give up leaving: it tries again every
+#: half second (`worker.core.kafka._LEAVE_RETRY_S`) and stops when the next try would be late.
+_LEAVE_TRY_S = 0.5
+
+
+def wedged_from(history: History, bounds: Bounds) -> float | None:
+    """When the group began a rebalance that never ended because a member that could not leave
+    is waited for, on a broker that evicts no member; None when it did not (see the module's
+    docstring). The member's process exited asked to stop, the coordinator away at its exit,
+    no earlier than its leave budget after the SIGTERM."""
+    if not bounds.never_evicts:
+        return None
+    asked: dict[str, float] = {}
+    could_not_leave = rebalancing = False
+    waits_from: float | None = None
+    for event in history.events:
+        fields = event.fields
+        if event.kind == "sigterm":
+            asked.setdefault(fields["worker"], event.at)
+        elif event.kind == "exit" and fields.get("coordinator_away") and fields["asked"]:
+            sigterm = asked.get(fields["worker"])
+            if sigterm is not None and event.at >= sigterm + bounds.leave_budget_s - _LEAVE_TRY_S:
+                could_not_leave = True
+                if rebalancing and waits_from is None:
+                    waits_from = event.at  # the round under way waits for it
+        elif event.kind == "rebalance":
+            rebalancing = True
+            if could_not_leave and waits_from is None:
+                waits_from = event.at
+        elif event.kind == "generation":
+            # A round ended: a member that had not left was no longer waited for.
+            could_not_leave = rebalancing = False
+            waits_from = None
+    return waits_from
 
 
 def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:

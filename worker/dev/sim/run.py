@@ -21,7 +21,7 @@ from aiokafka.structs import TopicPartition
 
 from schemas import Job, SamplingSpec, UpdateWeights, encode
 from worker.core.config import Settings
-from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check
+from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check, wedged_from
 from worker.dev.sim.clients import Process, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
@@ -121,6 +121,9 @@ class Outcome:
     wall_s: float
     ledger: Ledger
     cluster: Cluster
+    #: When the group began to wait for ever for a member that could not leave, on a broker
+    #: that evicts nobody (`worker.dev.sim.checker.wedged_from`): liveness is not judged.
+    wedged_at: float | None = None
 
     @property
     def digest(self) -> str:
@@ -266,6 +269,8 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         dead_letter_topic=DLQ,
         jobs_topic=JOBS,
         status_topic=STATUS,
+        never_evicts=scenario.flavour is Flavour.NOIDA,
+        leave_budget_s=settings.shutdown_grace_s + settings.close_timeout_s / 2,
     )
     for worker_id in fleet.alive():
         history.add(
@@ -277,7 +282,17 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
     fleet.ended = True
     violations = check(history, cluster, ledger, bounds)
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
-    return Outcome(scenario, history, violations, answered, clock.now, 0.0, ledger, cluster)
+    return Outcome(
+        scenario,
+        history,
+        violations,
+        answered,
+        clock.now,
+        0.0,
+        ledger,
+        cluster,
+        wedged_at=wedged_from(history, bounds),
+    )
 
 
 async def _settle(scenario: Scenario, history: History, clock: VirtualClock) -> float:
