@@ -9,7 +9,9 @@ results (a SIGKILLed process says nothing more), and the next life reads what wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +166,31 @@ def _died_twice_with(lives: Lives, offsets: range) -> None:
         )
 
 
+@contextlib.asynccontextmanager
+async def _serving(lives: Lives, **overrides: Any) -> AsyncIterator[tuple[Process, ScriptedEngine]]:
+    """A worker serving `lives`' records from their committed positions, stopped on exit."""
+    process = Process(lives.committed)
+    for tp, values in lives.records.items():
+        for value in values:
+            process.consumer.add(tp, value)
+    process.consumer.assign(set(lives.records))
+    engine = ScriptedEngine()
+    worker = worker_on(process, engine, process_settings(**overrides), lives.read_committed)
+    task = run(worker)
+    try:
+        yield process, engine
+    finally:
+        worker.request_stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def _fetches(process: Process, count: int) -> None:
+    """Until the worker has fetched (or polled with every partition paused) `count` times
+    more: what it would start meanwhile, it has started."""
+    seen = process.consumer.getmany_calls
+    await wait_for(lambda: process.consumer.getmany_calls >= seen + count, 10, "more fetches")
+
+
 async def test_suspects_of_a_second_death_run_one_at_a_time_under_a_limit_of_four():
     lives = Lives(
         {
@@ -191,26 +218,15 @@ async def test_suspects_of_a_second_death_run_together_with_nothing_else_in_flig
         }
     )
     _died_twice_with(lives, range(3))
-    process = Process(lives.committed)
-    for tp, values in lives.records.items():
-        for value in values:
-            process.consumer.add(tp, value)
-    process.consumer.assign(set(lives.records))
-    engine = ScriptedEngine()
-    worker = worker_on(process, engine, process_settings(), lives.read_committed)
-    task = run(worker)
-    try:
+    async with _serving(lives) as (process, engine):
         await wait_for(lambda: engine.running == 6, 10, "the six suspects to run together")
-        await asyncio.sleep(0.3)  # the worker's fetches go on meanwhile
+        await _fetches(process, 3)
         assert sorted(engine.started) == sorted(f"p{p}-{i}" for p in (0, 1) for i in range(3))
         # A commit naming all six as running landed before any started: a death blames them.
         position, metadata = lives.committed[P0]
         assert decode_offset_map(position, metadata).running == {0, 1, 2}
         engine.release("together")
         await wait_for(lambda: len(engine.started) == 8, 10, "the jobs behind them")
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 10)
     assert lives.committed[P0][0] == 4 and lives.committed[P1][0] == 4
 
 
@@ -220,24 +236,12 @@ async def test_a_suspect_fetched_after_the_others_started_joins_them():
     # Here a fetch of two records holds P0's suspect and the job behind it, not P1's suspect.
     lives = Lives({P0: [job("p0-0", gate="g"), job("p0-1")], P1: [job("p1-0", gate="g")]})
     _died_twice_with(lives, range(1))
-    process = Process(lives.committed)
-    for tp, values in lives.records.items():
-        for value in values:
-            process.consumer.add(tp, value)
-    process.consumer.assign(set(lives.records))
-    engine = ScriptedEngine()
-    worker = worker_on(process, engine, process_settings(max_in_flight=2), lives.read_committed)
-    task = run(worker)
-    try:
+    async with _serving(lives, max_in_flight=2) as (_, engine):
+        # P0's suspect still runs: P1's joined it rather than waiting for it to end.
         await wait_for(lambda: engine.running == 2, 10, "the second suspect to join the first")
         assert sorted(engine.started) == ["p0-0", "p1-0"]
-        await asyncio.sleep(0.3)  # the worker's fetches go on meanwhile
-        assert engine.running == 2 and len(engine.started) == 2
         engine.release("g")
         await wait_for(lambda: len(engine.started) == 3, 10, "the job behind them")
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 10)
     assert lives.committed[P0][0] == 2 and lives.committed[P1][0] == 1
 
 
@@ -318,20 +322,8 @@ async def test_after_a_suspect_ran_alone_the_commit_past_it_does_not_wait_for_th
     # Every partition is held until that commit lands: at the interval's tick, a minute here.
     lives = Lives({P0: [job("suspect"), job("next")], P1: [job("other")]})
     lives.committed[P0] = (0, encode_offset_map(0, [], running=[0], deaths={0: 1}))
-    process = Process(lives.committed)
-    for tp, values in lives.records.items():
-        for value in values:
-            process.consumer.add(tp, value)
-    process.consumer.assign(set(lives.records))
-    engine = ScriptedEngine()
-    settings = process_settings(commit_interval_ms=60_000)
-    worker = worker_on(process, engine, settings, lives.read_committed)
-    task = run(worker)
-    try:
+    async with _serving(lives, commit_interval_ms=60_000) as (_, engine):
         await wait_for(lambda: len(engine.started) == 3, 10, "every job to start")
-    finally:
-        worker.request_stop()
-        await asyncio.wait_for(task, 10)
     assert engine.started[0] == "suspect"
     assert sorted(engine.started[1:]) == ["next", "other"]
 
