@@ -220,7 +220,7 @@ async def test_suspects_of_a_second_death_run_together_with_nothing_else_in_flig
     _died_twice_with(lives, range(3))
     async with _serving(lives) as (process, engine):
         await wait_for(lambda: engine.running == 6, 10, "the six suspects to run together")
-        await _fetches(process, 3)
+        await _fetches(process, 1)
         assert sorted(engine.started) == sorted(f"p{p}-{i}" for p in (0, 1) for i in range(3))
         # A commit naming all six as running landed before any started: a death blames them.
         position, metadata = lives.committed[P0]
