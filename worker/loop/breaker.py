@@ -223,14 +223,14 @@ class CrashLoopBreaker:
         self._chosen.append(suspect)
         self._unconfirmed.append(suspect)
 
+    def _together(self) -> bool:
+        """The suspects chosen to run, run together: others of as many deaths may join."""
+        return bool(self._chosen) and self.runs_together(self._chosen[0].deaths)
+
     def _joins(self, deaths: int) -> bool:
         """Whether a record of `deaths` joins the suspects chosen to run: they run together,
         and it is a suspect of as many deaths (the partition's other records wait)."""
-        return (
-            bool(self._chosen)
-            and self.runs_together(deaths)
-            and self.runs_together(self._chosen[0].deaths)
-        )
+        return self._together() and self.runs_together(deaths)
 
     @property
     def engaged(self) -> bool:
@@ -243,7 +243,7 @@ class CrashLoopBreaker:
         and `tp` has no suspect that might join them (`take` decides for one that has)."""
         if not self._chosen:
             return False
-        return not (self._joins(RUN_TOGETHER) and self._tracker.partition(tp).deaths)
+        return not (self._together() and self._tracker.partition(tp).deaths)
 
     def chosen(self) -> list[Suspect]:
         """The suspects chosen to run alone or together whose commit has not landed yet, in
@@ -284,7 +284,7 @@ class CrashLoopBreaker:
         if not self.enabled:
             return set()
         if self._running_chosen():
-            if not self._joins(RUN_TOGETHER) or self._clock() < self._retry_at:
+            if not self._together() or self._clock() < self._retry_at:
                 return self._assignment()
             # Those whose suspects may join the ones running together.
             assigned = self._assignment()

@@ -303,8 +303,8 @@ class Worker:
         landed = await self._committer.write_ahead_exact()
         if not landed:
             logger.warning(
-                "the commit before running %d suspects of a crash alone did not land; they "
-                "wait: %s",
+                "the commit before running %d suspects of a crash alone or together did not "
+                "land; they wait: %s",
                 len(chosen),
                 ", ".join(f"{s.tp.topic}-{s.tp.partition}@{s.offset}" for s in chosen),
             )
