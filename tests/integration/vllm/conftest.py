@@ -42,7 +42,8 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         # their own instead of all sharing that one.
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
         if worker.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-            core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
+            cores = sorted(os.sched_getaffinity(0))  # the cores this process may run on
+            core = cores[int(worker.removeprefix("gw")) % len(cores)]
             mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(core))
         yield
 
