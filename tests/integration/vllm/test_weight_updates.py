@@ -152,6 +152,17 @@ async def held(lock: Path) -> AsyncIterator[None]:
             fcntl.flock(file, fcntl.LOCK_UN)
 
 
+async def record_on_a_fresh_engine(answers: FreshAnswers, model: Path) -> None:
+    """`answers.record` on an engine of its own on `model`, closed once it has answered."""
+    with capture_environment():
+        engine = build_vllm_engine(tiny_model_engine_args(model), weight_reload="rebuild")
+        await engine.start()
+    try:
+        await answers.record(model, engine)
+    finally:
+        await engine.close()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fresh(
     checkpoints: tuple[Path, Path],
@@ -160,24 +171,21 @@ async def fresh(
     worker_id: str,
 ) -> FreshAnswers:
     """Fresh engines' answers on A and B. A's is the run's capture engine; B gets one of its own,
-    closed once it has answered, built once per run: the first pytest worker to ask writes its
-    answers where the others read them (B's bytes are the same in every worker: one seed)."""
+    built once per run: with pytest workers (xdist), the first to ask writes its answers where
+    the others read them (B's bytes are the same in every worker: one seed)."""
     a, b = checkpoints
     answers = FreshAnswers()
     await answers.record(a, capture_engine)
+    if worker_id == "master":  # one process: nothing to share, and nowhere of this run's own
+        await record_on_a_fresh_engine(answers, b)
+        return answers
+    # The parent of a worker's base folder is this run's, shared by its workers.
     shared = tmp_path_factory.getbasetemp().parent / "fresh-answers-b.json"
     async with held(shared.with_suffix(".lock")):
-        if worker_id != "master" and shared.exists():
+        if shared.exists():
             answers.load(b, shared.read_bytes())
-            return answers
-        with capture_environment():
-            on_b = build_vllm_engine(tiny_model_engine_args(b), weight_reload="rebuild")
-            await on_b.start()
-        try:
-            await answers.record(b, on_b)
-        finally:
-            await on_b.close()
-        if worker_id != "master":
+        else:
+            await record_on_a_fresh_engine(answers, b)
             shared.write_bytes(answers.dump(b))
     return answers
 
@@ -266,13 +274,11 @@ class Session:
         return (await self.results.wait(job_id, timeout_s=180))[job_id]
 
 
-async def in_place_updates_equal_a_fresh_engine(
-    s: Session, fresh: FreshAnswers, a: Path, b: Path
-) -> None:
+async def in_place_updates_equal_a_fresh_engine(s: Session, a: Path, b: Path) -> None:
     """A->B, B->A and A->A in place: each equals a fresh engine on the new weights, and no
     request after an update reads KV cached under the old weights."""
-    fresh_a, fresh_a_long = fresh(a, greedy("x", 16), long_job("x", 16))
-    fresh_b, fresh_b_long = fresh(b, greedy("x", 16), long_job("x", 16))
+    fresh_a, fresh_a_long = s.fresh(a, greedy("x", 16), long_job("x", 16))
+    fresh_b, fresh_b_long = s.fresh(b, greedy("x", 16), long_job("x", 16))
     # A loaded in place after another checkpoint (B, or A itself): still a fresh A.
     assert_same_answer(await s.run(greedy("on-a", 16)), fresh_a)
     assert_same_answer(await s.run(long_job("long-on-a", 16)), fresh_a_long)  # cached under A
@@ -323,9 +329,7 @@ def split_by_projection(checkpoint: Path, into: Path) -> Path:
     return into
 
 
-async def both_reload_paths_load_a_fresh_model(
-    s: Session, fresh: FreshAnswers, a: Path, b: Path, root: Path
-) -> None:
+async def both_reload_paths_load_a_fresh_model(s: Session, a: Path, b: Path, root: Path) -> None:
     """The updates above took the direct path (vLLM's CPU MoE kernel, unquantized: each
     expert prepacked into the kernel's storage as soon as it is loaded); vLLM's layerwise
     reload, its fallback, loads the same model; so does the direct path when the experts'
@@ -333,7 +337,7 @@ async def both_reload_paths_load_a_fresh_model(
     loads again after it. Through the RPC, behind the worker's back
     (it still serves A as version `at(3)` when this returns)."""
     llm = s.engine.async_llm
-    fresh_a, fresh_b = fresh(a, greedy("x", 16))[0], fresh(b, greedy("x", 16))[0]
+    fresh_a, fresh_b = s.fresh(a, greedy("x", 16))[0], s.fresh(b, greedy("x", 16))[0]
     assert await reload_in_place(llm, a) == {
         "path": "direct",
         "moe_layers": len(SPEC.moe_layers),
@@ -359,13 +363,11 @@ async def both_reload_paths_load_a_fresh_model(
     assert_same_answer(await s.run(greedy("a-after-hole", 16)), fresh_a)
 
 
-async def keep_in_place_freezes_and_reads_no_stale_kv(
-    s: Session, fresh: FreshAnswers, b: Path
-) -> None:
+async def keep_in_place_freezes_and_reads_no_stale_kv(s: Session, b: Path) -> None:
     """`keep` in place: vLLM's own freeze, two version spans, no token fed forward again; a
     request after the acknowledgement on the same long prompt reads no KV of the old weights,
     though the frozen request held its blocks when the cache was reset."""
-    (fresh_b_long,) = fresh(b, long_job("x", 16))
+    (fresh_b_long,) = s.fresh(b, long_job("x", 16))
     recomputed = s.worker.engine.tokens_recomputed
     await s.start_long(long_job("kept", 200))
     await s.ok("keep-to-b", 4, b, "keep")
@@ -437,10 +439,8 @@ def one_unknown_tensor(tensors: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def failed_updates_leave_the_old_weights_serving(
-    s: Session, fresh: FreshAnswers, b: Path, root: Path
-) -> None:
-    (fresh_b,) = fresh(b, greedy("x", 16))
+async def failed_updates_leave_the_old_weights_serving(s: Session, b: Path, root: Path) -> None:
+    (fresh_b,) = s.fresh(b, greedy("x", 16))
     await s.update("bad", 7, "/nonexistent/checkpoint", "wait")
     (bad,) = s.status.acks("bad")
     assert bad.outcome == "failed" and "config.json is missing" in bad.detail
@@ -501,12 +501,12 @@ async def test_in_place_updates_in_every_mode_and_every_failure_on_real_vllm(
         assert_same_answer(first, s.fresh(b, greedy("first", 16))[0])
         await s.ok("to-a", 1, a, "wait")
         s.base = s.at(1)
-        await in_place_updates_equal_a_fresh_engine(s, fresh, a, b)
-        await both_reload_paths_load_a_fresh_model(s, fresh, a, b, b.parent)
-        await keep_in_place_freezes_and_reads_no_stale_kv(s, fresh, b)
+        await in_place_updates_equal_a_fresh_engine(s, a, b)
+        await both_reload_paths_load_a_fresh_model(s, a, b, b.parent)
+        await keep_in_place_freezes_and_reads_no_stale_kv(s, b)
         await restart_mode_leaves_no_old_answer_after_the_ack(s, a)
         await abort_mode_answers_partial_completions(s, b)
-        await failed_updates_leave_the_old_weights_serving(s, fresh, b, b.parent)
+        await failed_updates_leave_the_old_weights_serving(s, b, b.parent)
         # What fails after a load, or needs the weights before it put back: from A again.
         await s.ok("base-a", 10, a, "wait")
         s.base = s.at(10)
