@@ -610,7 +610,7 @@ async def read_fleet(records: list[bytes | None], live: list[str]) -> None:
     for value in records:
         partition.add(value)
     with (
-        mock.patch.object(fleet_module, "AIOKafkaConsumer", lambda *a, **k: partition),
+        mock.patch.object(fleet_module, "PacedConsumer", lambda *a, **k: partition),
         mock.patch.object(fleet_module, "AIOKafkaProducer", NoProducer),
     ):
         async with fleet_module.Fleet({}, control_topic=CONTROL, status_topic=STATUS) as fleet:

@@ -82,7 +82,7 @@ class Producer:
 @pytest.fixture
 def leaderless() -> Any:
     with (
-        mock.patch.object(fleet_module, "AIOKafkaConsumer", LeaderlessStatus),
+        mock.patch.object(fleet_module, "PacedConsumer", LeaderlessStatus),
         mock.patch.object(fleet_module, "AIOKafkaProducer", Producer),
     ):
         yield

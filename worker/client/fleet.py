@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from typing import Any, Final, TypeVar
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from schemas import (
     Command,
@@ -30,6 +30,7 @@ from schemas import (
 from worker.core.config import Settings
 from worker.core.errors import BrokerError
 from worker.core.kafka import client_kwargs
+from worker.core.paced_consumer import PacedConsumer
 
 __all__ = ["Fleet", "new_command_id"]
 
@@ -73,7 +74,7 @@ class Fleet:
         self._status_topic = status_topic
         self._key = None if control_hmac_key is None else control_hmac_key.encode()
         self._producer = AIOKafkaProducer(**connection, acks="all")
-        self._consumer = AIOKafkaConsumer(**connection, group_id=None, enable_auto_commit=False)
+        self._consumer = PacedConsumer(**connection, group_id=None, enable_auto_commit=False)
         self._partitions: list[TopicPartition] = []
 
     @classmethod

@@ -50,6 +50,7 @@ from schemas import (
 from schemas.payloads import payload_root as to_payload_root
 from worker.client.conversation import Conversation
 from worker.client.fleet import Fleet, new_command_id
+from worker.core.paced_consumer import PacedConsumer
 from worker.core.tracing import TraceContext, current_trace_context, trace_context
 
 __all__ = ["RolloutClient", "RolloutError"]
@@ -164,7 +165,7 @@ class RolloutClient:
 
     async def start(self) -> None:
         self._producer = AIOKafkaProducer(**self._connection, acks="all", linger_ms=5)
-        self._consumer = AIOKafkaConsumer(
+        self._consumer = PacedConsumer(
             **self._connection,
             group_id=None,
             enable_auto_commit=False,

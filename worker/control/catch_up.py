@@ -53,6 +53,7 @@ from worker.control.policy import WeightsPolicy
 from worker.core.config import Settings
 from worker.core.errors import ConfigError, WeightUpdateError
 from worker.core.kafka import client_kwargs
+from worker.core.paced_consumer import PacedConsumer
 from worker.engines.vllm_weights import check_checkpoint, tensor_shapes
 
 __all__ = [
@@ -279,7 +280,7 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
 
 @contextlib.asynccontextmanager
 async def _reader(settings: Settings) -> AsyncIterator[AIOKafkaConsumer]:
-    consumer = AIOKafkaConsumer(
+    consumer = PacedConsumer(
         **client_kwargs(settings),
         group_id=None,
         enable_auto_commit=False,

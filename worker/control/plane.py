@@ -61,6 +61,7 @@ from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
 from worker.core.metrics import Metrics
+from worker.core.paced_consumer import PacedConsumer
 from worker.core.shutdown import bounded
 from worker.engines.steerable import SteerableEngine
 
@@ -132,7 +133,7 @@ class ControlPlane:
 
     async def start(self) -> None:
         consumer, producer = self._given
-        self._consumer = consumer or AIOKafkaConsumer(
+        self._consumer = consumer or PacedConsumer(
             **client_kwargs(self._settings),
             group_id=None,
             enable_auto_commit=False,
@@ -228,7 +229,7 @@ class ControlPlane:
         only; nothing (every command unanswered) when it cannot be read in time."""
         if not self._status_on:
             return FleetState()
-        consumer = self._status_consumer or AIOKafkaConsumer(
+        consumer = self._status_consumer or PacedConsumer(
             **client_kwargs(self._settings),
             group_id=None,
             enable_auto_commit=False,

@@ -36,6 +36,7 @@ from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import incarnation_assignor
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
+from worker.core.paced_consumer import PacedConsumer
 
 # How often a stopping worker tries again to leave while the coordinator cannot be reached.
 _LEAVE_RETRY_S: Final = 0.5
@@ -171,7 +172,7 @@ def make_consumer(
     if incarnation is not None:
         kwargs["partition_assignment_strategy"] = (incarnation_assignor(incarnation),)
     kwargs.update(overrides)
-    return AIOKafkaConsumer(**kwargs)
+    return PacedConsumer(**kwargs)
 
 
 async def commit_handed_over(

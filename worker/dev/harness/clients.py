@@ -12,6 +12,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 
 from schemas import Completed, Failed, Job, ResultAssembler, decode_result, encode
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.harness.topics import Topics
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
@@ -59,7 +60,7 @@ async def _send(
 @contextlib.asynccontextmanager
 async def _from_beginning(bootstrap: str, topic: str) -> AsyncIterator[AIOKafkaConsumer]:
     """A consumer of every partition of `topic`, from the beginning, sized for large records."""
-    consumer = AIOKafkaConsumer(
+    consumer = PacedConsumer(
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
         enable_auto_commit=False,
@@ -131,9 +132,7 @@ async def assembled(
 
 
 async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
-    )
+    consumer = PacedConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
     await consumer.start()
     try:
         partitions = await _partitions(consumer, topic)

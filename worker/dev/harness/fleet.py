@@ -18,6 +18,7 @@ from schemas import (
     decode_status,
     encode,
 )
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.harness.background import InBackground
 from worker.dev.harness.clients import produce
 from worker.dev.harness.topics import Fleet
@@ -62,7 +63,7 @@ class Topic(InBackground):
         self._bs, self._topic = bs, topic
 
     async def __aenter__(self) -> Self:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
+        consumer = PacedConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
         await consumer.start()
         tp = TopicPartition(self._topic, 0)
         consumer.assign([tp])

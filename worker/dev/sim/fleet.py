@@ -262,7 +262,7 @@ class Fleet:
                 (build_module, "make_producer", producer),
                 (build_module, "new_incarnation", incarnation),
                 (commits_module, "AIOKafkaAdminClient", admin),
-                (plane_module, "AIOKafkaConsumer", plain_consumer),
+                (plane_module, "PacedConsumer", plain_consumer),
                 (plane_module, "AIOKafkaProducer", plain_producer),
             ):
                 stack.enter_context(mock.patch.object(target, name, value))
