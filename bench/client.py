@@ -23,10 +23,11 @@ import uuid
 from typing import Final
 
 import numpy as np
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Completion, Job, RoutedExperts, SamplingSpec, decode_result, encode
 from worker.client.rollout import RolloutClient
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.broker import env_or_local_broker, new_topics
 
 RATIO_GOAL: Final = 0.8
@@ -94,7 +95,7 @@ async def through_client(bootstrap: str, count: int) -> float:
 
 async def jobs_produced(bootstrap: str, topic: str, count: int) -> None:
     """Until the client has produced every job: the timing is of the results' path."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = PacedConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     tp = TopicPartition(topic, 0)
     try:
@@ -107,7 +108,7 @@ async def jobs_produced(bootstrap: str, topic: str, count: int) -> None:
 async def through_bare_consumer(bootstrap: str, count: int) -> float:
     (results_topic,) = await new_topics(bootstrap, 1)
     # Fetch sizes as the client's, so the comparison is of what each does with a record.
-    consumer = AIOKafkaConsumer(
+    consumer = PacedConsumer(
         bootstrap_servers=bootstrap,
         enable_auto_commit=False,
         max_partition_fetch_bytes=32 * 1024 * 1024,

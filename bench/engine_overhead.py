@@ -98,6 +98,7 @@ from aiokafka.errors import KafkaError
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import Completed, Job, SamplingSpec, decode_result, encode
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.broker import env_or_local_broker, free_port, new_topics
 from worker.dev.harness.processes import WorkerProcess
 from worker.dev.harness.topics import Topics
@@ -504,7 +505,7 @@ class WorkerPath:
 
     async def serving(self) -> None:
         """Wait for the worker's first heartbeat (its engine is up)."""
-        reader = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+        reader = PacedConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
         await reader.start()
         try:
             tp = TopicPartition(self._status, 0)
@@ -529,7 +530,7 @@ class WorkerPath:
         records = [(encode(j), j.job_id.encode()) for j in jobs]
         # Clients per round, so none is open in this process during a raw round.
         producer = AIOKafkaProducer(bootstrap_servers=self._bootstrap, linger_ms=5)
-        reader = AIOKafkaConsumer(
+        reader = PacedConsumer(
             bootstrap_servers=self._bootstrap,
             enable_auto_commit=False,
             max_partition_fetch_bytes=64 * 1024 * 1024,

@@ -44,6 +44,7 @@ from typing import Final
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import Job, SamplingSpec, decode_result, encode
+from worker.core.paced_consumer import PacedConsumer
 from worker.delivery.offset_map import encode_bounded, encode_offset_map
 from worker.delivery.offsets import PartitionOffsets
 from worker.dev.broker import env_or_local_broker, new_topics
@@ -94,7 +95,7 @@ async def rerun_after_kill(bootstrap: str, short_jobs: int, kill_at: int, map_by
         await producer.flush()
     finally:
         await producer.stop()
-    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest")
+    reader = PacedConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest")
     await reader.start()
     reader.assign([TopicPartition(topics[1], 0)])
     group, log = f"bench-{prefix}", Path(f"/tmp/bench-offset-map-{prefix}.log")  # noqa: S108
@@ -138,7 +139,7 @@ async def commit_cost(bootstrap: str, rounds: int = 50) -> None:
     position, metadata = offsets.to_commit() or (0, "")
     build_ms = (time.perf_counter() - t0) * 1000
     metadata = metadata[:3072]  # at the cap (the worker would hold the partition here)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex}")
+    consumer = PacedConsumer(bootstrap_servers=bootstrap, group_id=f"bench-{uuid.uuid4().hex}")
     await consumer.start()
     consumer.assign([tp])
     try:

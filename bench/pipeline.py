@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import psutil
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from schemas import Completed, Job, SamplingSpec, Timings, decode_job, encode
 from worker.answering.encoder import encode_result
@@ -50,6 +50,7 @@ from worker.core.kafka import (
     read_record_limits,
     record_size_limit,
 )
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.broker import env_or_local_broker
 from worker.engines.mock import MockEngine, MockEngineSettings
 
@@ -99,7 +100,7 @@ class EndOffsetProbe:
     """Watches a topic's end offset (one partition): how many results exist, and when."""
 
     def __init__(self, bootstrap: str, topic: str) -> None:
-        self._consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self._consumer = PacedConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
         self._tp = TopicPartition(topic, 0)
 
     async def __aenter__(self) -> EndOffsetProbe:

@@ -32,6 +32,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from schemas import Job, ResultAssembler, SamplingSpec, decode_result, encode
 from worker.build import build_worker, tune_gc_for_serving
 from worker.core.config import MiB, settings_from
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.broker import env_or_local_broker, new_topics
 from worker.engines.mock import MockEngine, MockEngineSettings
 
@@ -111,7 +112,7 @@ class Run:
             steered=False,
             on_serving=tune_gc_for_serving,
         )
-        watcher = AIOKafkaConsumer(
+        watcher = PacedConsumer(
             bootstrap_servers=self.bootstrap, group_id=self.group, enable_auto_commit=False
         )
         await watcher.start()
@@ -131,7 +132,7 @@ class Run:
         return (done_ms - first) / 1000
 
     async def _first_timestamp_ms(self) -> int:
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        consumer = PacedConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         await consumer.start()
         try:
             tp = TopicPartition(self.results_topic, 0)
@@ -142,7 +143,7 @@ class Run:
             await consumer.stop()
 
     async def values(self) -> list[bytes]:
-        consumer = AIOKafkaConsumer(
+        consumer = PacedConsumer(
             bootstrap_servers=self.bootstrap,
             enable_auto_commit=False,
             max_partition_fetch_bytes=WHOLE_LIMIT,

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 
 from schemas import (
     CommandAck,
@@ -58,6 +58,7 @@ from schemas import (
 )
 from worker.build import Service, build_worker
 from worker.core.config import Settings, settings_from
+from worker.core.paced_consumer import PacedConsumer
 from worker.dev.broker import env_or_local_broker, new_topics
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import ControllableEngine
@@ -120,7 +121,7 @@ class Fleet:
 
     async def read(self, topic: str, until: Any, timeout_s: float = 600) -> list[Any]:
         """Decoded records of `topic` from the start until `until(records)` holds."""
-        consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
+        consumer = PacedConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False)
         await consumer.start()
         tp = TopicPartition(topic, 0)
         consumer.assign([tp])
