@@ -87,6 +87,11 @@ def greedy(job_id: str, tokens: int, **kwargs: Any) -> Job:
 
 #: Over the CPU block size (128 tokens), so its KV blocks enter the prefix cache.
 LONG_PROMPT: Final = [(7 + 31 * i) % SPEC.vocab_size for i in range(300)]
+#: The tokens of a job that must still be generating when an update reaches its pause: about
+#: 5 s of generation here (24 tokens/s idle, the model runner's Triton kernels interpreted),
+#: where the update pauses within a second of its command even beside a busy core. Every such
+#: job's scenario waits for its last token, so each token more is test time.
+IN_FLIGHT: Final = 120
 
 
 def long_job(job_id: str, tokens: int) -> Job:
@@ -369,37 +374,39 @@ async def keep_in_place_freezes_and_reads_no_stale_kv(s: Session, b: Path) -> No
     though the frozen request held its blocks when the cache was reset."""
     (fresh_b_long,) = s.fresh(b, long_job("x", 16))
     recomputed = s.worker.engine.tokens_recomputed
-    await s.start_long(long_job("kept", 200))
+    await s.start_long(long_job("kept", IN_FLIGHT))
     await s.ok("keep-to-b", 4, b, "keep")
     # vLLM refused the reset: the frozen request's blocks (computed under A) are still cached.
     assert s.engine.prefix_cache_reset_pending
     after = await s.run(long_job("long-after-keep", 16))
     assert_same_answer(after, fresh_b_long)
     kept = completed(await s.result("kept")).completions[0]
-    assert len(kept.token_ids) == 200
+    assert len(kept.token_ids) == IN_FLIGHT
     old, new = kept.weight_versions  # type: ignore[misc]
     assert (old.version, new.version) == (s.at(3), s.at(4))
-    assert old.start == 0 and 0 < old.end == new.start and new.end == 200
-    rows = len(LONG_PROMPT) + 200 - 1 - START
+    assert old.start == 0 and 0 < old.end == new.start and new.end == IN_FLIGHT
+    rows = len(LONG_PROMPT) + IN_FLIGHT - 1 - START
     assert kept.routed_experts is not None and kept.routed_experts.shape[0] == rows
     assert s.worker.engine.tokens_recomputed == recomputed  # nothing prefilled again
     await wait_for(lambda: not s.engine.prefix_cache_reset_pending, 60, "the prefix cache reset")
 
 
 async def restart_mode_leaves_no_old_answer_after_the_ack(s: Session, a: Path) -> None:
-    await s.start_long(greedy("restarted", 300))
+    await s.start_long(greedy("restarted", IN_FLIGHT))
     await s.ok("restart-to-a", 5, a, "restart")
     restarted = completed(await s.result("restarted"))
     v = s.at(5)
     assert restarted.weight_version == v
-    assert restarted.completions[0].weight_versions == [VersionSpan(version=v, start=0, end=300)]
+    assert restarted.completions[0].weight_versions == [
+        VersionSpan(version=v, start=0, end=IN_FLIGHT)
+    ]
     ack_ms = s.status.ack_time("restart-to-a")
     late = [r for t, r in s.results.timed() if t > ack_ms and getattr(r, "weight_version", v) != v]
     assert late == []
 
 
 async def abort_mode_answers_partial_completions(s: Session, b: Path) -> None:
-    await s.start_long(greedy("aborted", 300))
+    await s.start_long(greedy("aborted", IN_FLIGHT))
     await s.ok("abort-to-b", 6, b, "abort")
     aborted = await s.result("aborted")
     assert isinstance(aborted, Failed) and aborted.error.code is ErrorCode.ABORTED
@@ -407,7 +414,7 @@ async def abort_mode_answers_partial_completions(s: Session, b: Path) -> None:
     assert not isinstance(aborted.partial, msgspec.UnsetType)
     (partial,) = aborted.partial
     done = len(partial.token_ids)
-    assert 0 < done < 300 and partial.finish_reason == "abort"
+    assert 0 < done < IN_FLIGHT and partial.finish_reason == "abort"
     rows_follow_the_rule(done, partial.routed_experts)
     assert partial.weight_versions == [VersionSpan(version=s.at(5), start=0, end=done)]
 
@@ -538,15 +545,15 @@ async def test_rebuild_updates_serve_a_fresh_engines_answers_and_continue_kept_r
         (fresh_b,) = fresh(b, greedy("x", 16))
         # `keep` on a rebuilt engine: the frozen requests cannot survive it, so they are
         # continued on the new weights (their prefix fed forward again).
-        await s.start_long(greedy("kept", 300))
+        await s.start_long(greedy("kept", IN_FLIGHT))
         await s.ok("keep-to-b", 1, b, "keep")
         assert_same_answer(await s.run(greedy("on-b", 16)), fresh_b)
         kept = completed(await s.result("kept")).completions[0]
-        assert len(kept.token_ids) == 300
+        assert len(kept.token_ids) == IN_FLIGHT
         old, new = kept.weight_versions  # type: ignore[misc]
         assert (old.version, new.version) == (0, 1)
-        assert old.start == 0 and 0 < old.end == new.start and new.end == 300
-        rows_follow_the_rule(300, kept.routed_experts)
+        assert old.start == 0 and 0 < old.end == new.start and new.end == IN_FLIGHT
+        rows_follow_the_rule(IN_FLIGHT, kept.routed_experts)
         assert w.engine.tokens_recomputed > 0
     assert await w.stop() == 0
 
@@ -720,14 +727,14 @@ async def logits_that_overflow_fail_the_probe_after_a_keep(s: Session, a: Path, 
     the thaw; the kept request goes on, and the jobs after it run on A."""
     (fresh_a,) = s.fresh(a, greedy("x", 16))
     huge = changed_checkpoint(a, root / "huge-norm", final_norm(FLOAT32_MAX))
-    await s.start_long(greedy("kept-huge", 200))
+    await s.start_long(greedy("kept-huge", IN_FLIGHT))
     await s.update("huge", 2, huge, "keep")
     (ack,) = s.status.acks("huge")
     assert ack.outcome == "failed" and "logprobs are not finite" in ack.detail, ack
     assert ack.weight_version == s.at(0)
     assert_same_answer(await s.run(greedy("after-huge", 16)), fresh_a)
     kept = completed(await s.result("kept-huge")).completions[0]
-    assert len(kept.token_ids) == 200 and kept.finish_reason == "length"
+    assert len(kept.token_ids) == IN_FLIGHT and kept.finish_reason == "length"
 
 
 async def a_load_failing_part_way_keeps_the_frozen_request(s: Session, a: Path, root: Path) -> None:
@@ -736,13 +743,15 @@ async def a_load_failing_part_way_keeps_the_frozen_request(s: Session, a: Path, 
     the engine and finishes on A as if nothing had happened."""
     (fresh_a,) = s.fresh(a, greedy("x", 16))
     unknown = changed_checkpoint(a, root / "unknown", one_unknown_tensor)
-    await s.start_long(greedy("kept-unknown", 200))
+    await s.start_long(greedy("kept-unknown", IN_FLIGHT))
     await s.update("unknown-kept", 3, unknown, "keep")
     (ack,) = s.status.acks("unknown-kept")
     assert ack.outcome == "failed" and "rolled back in place" in ack.detail, ack
     kept = completed(await s.result("kept-unknown"))
     same_tokens(kept, fresh_a)
-    assert kept.completions[0].weight_versions == [VersionSpan(version=s.at(0), start=0, end=200)]
+    assert kept.completions[0].weight_versions == [
+        VersionSpan(version=s.at(0), start=0, end=IN_FLIGHT)
+    ]
     assert_same_answer(await s.run(greedy("after-unknown", 16)), fresh_a)
 
 
@@ -750,7 +759,7 @@ async def a_checkpoint_cut_short_is_refused_before_the_pause(
     s: Session, a: Path, root: Path
 ) -> None:
     """Refused before anything pauses: the job in flight is not waited for."""
-    await s.start_long(greedy("running-on", 300))
+    await s.start_long(greedy("running-on", IN_FLIGHT))
     await s.update("short", 4, cut_short(a, root / "short"), "wait")
     (ack,) = s.status.acks("short")
     assert ack.outcome == "failed" and "cut short" in ack.detail, ack
