@@ -23,8 +23,10 @@ Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
    1024, 28 experts of 512, fp32), served by a vLLM engine without capture. Per in-place reload,
    the bytes of its safetensors over the seconds `vkw_reload_checkpoint` takes in vLLM's worker
    (GB/s), against reading the same files from the page cache in the same run (best of three
-   each), and the ratio (goal >= 0.5); then the check after it (every parameter finite, the
-   probe) and a whole `update_weights` as the control plane runs it.
+   each), and the ratio (goal >= 0.5); the floor a reload cannot go under on vLLM's CPU MoE
+   kernel (its prepack of the experts alone, as the reload calls it); then the check after it
+   (every parameter finite, the probe) and a whole `update_weights` as the control plane runs
+   it.
 
 It prints figures and ratios; it never fails on them (exit code 0).
 """
@@ -367,6 +369,36 @@ def safetensors_seconds(files: list[Path]) -> float:
     return time.perf_counter() - t0
 
 
+def prepack_seconds(spec: Any) -> tuple[float, int]:
+    """Seconds vLLM's CPU MoE kernel takes to prepack experts of `spec`'s shapes, one expert a
+    call as the direct reload runs it, on one thread (vLLM binds its model worker to one
+    core), with the ISA the kernel takes on a CPU without AMX ("vec"): the part of a reload
+    that is neither reading nor copying bytes, and its floor on this kernel. Also the experts'
+    bytes."""
+    import torch  # noqa: PLC0415
+    import vllm._custom_ops  # noqa: F401, PLC0415 - registers torch.ops._C
+
+    experts, hidden, inner = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    layers = spec.num_layers - len(spec.dense_layers)
+    # One MoE layer's two weights, reused for every layer: the same calls on the same bytes.
+    weights = [torch.randn(experts, 2 * inner, hidden), torch.randn(experts, hidden, inner)]
+    packed = [torch.empty_like(w) for w in weights]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                for weight, out in zip(weights, packed, strict=True):
+                    for e in range(experts):
+                        torch.ops._C.prepack_moe_weight(weight[e : e + 1], out[e : e + 1], "vec")
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return best, layers * sum(w.numel() * w.element_size() for w in weights)
+
+
 async def reload_speed(root: Path, gigabytes: float) -> None:
     from worker.dev.tiny_model import build_tiny_model  # noqa: PLC0415
     from worker.engines.vllm_engine import build_vllm_engine  # noqa: PLC0415
@@ -423,6 +455,14 @@ async def reload_speed(root: Path, gigabytes: float) -> None:
             f"copied out): {size / min(loads) / 1e9:.2f} GB/s ({min(loads):.2f} s); the rest "
             f"of a reload is the loaders' copies, the MoE kernels' prepack and, for the layers "
             f"other than the experts, vLLM's layerwise reload"
+        )
+        packing, expert_bytes = prepack_seconds(spec)
+        print(
+            f"  vLLM's CPU MoE prepack alone, the experts' {expert_bytes / 1e9:.2f} GB one expert "
+            f"a call on one thread as the reload runs it: {packing:.2f} s "
+            f"({expert_bytes / packing / 1e9:.2f} GB/s); a reload that does only that takes "
+            f"{packing / min(reads):.1f}x the page-cache read, a ratio of at most "
+            f"{min(reads) / packing:.2f}"
         )
         print(
             f"  check after each reload: parameters finite {min(checks):.2f} s, probe "
