@@ -20,7 +20,7 @@ Uses $KAFKA_BOOTSTRAP_SERVERS when set, else starts a local noida-db broker.
 
 3. Reload speed (`--reload-gb`, default 1.0; `--reload-only` runs just this): a random MoE
    checkpoint of about that size (the tiny-model builder with larger sizes: 6 layers, hidden
-   1024, 28 experts of 512, fp32), served by a vLLM engine without capture. Per in-place reload,
+   1024, 32 experts of 512, fp32), served by a vLLM engine without capture. Per in-place reload,
    the bytes of its safetensors over the seconds `vkw_reload_checkpoint` takes in vLLM's worker
    (GB/s), against reading the same files from the page cache in the same run (best of three
    each), and the ratio (goal >= 0.5); the floor a reload cannot go under on vLLM's CPU MoE
