@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -40,7 +41,7 @@ LANES: Final[dict[str, tuple[str, tuple[str, ...]]]] = {
 _SLOWEST: Final = 5
 
 
-def lane_environment(environ: dict[str, str]) -> dict[str, str]:
+def lane_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a lane's pytest (and every process it starts) runs in: `environ`, with
     Python allowed to write bytecode (into `__pycache__` folders, which git ignores).
 
@@ -104,7 +105,7 @@ def run_lane(name: str, pytest_args: list[str], reports: Path) -> LaneResult:
     ]
     print(f"\n=== lane {name}: {' '.join(command[3:])}", flush=True)
     start = time.monotonic()
-    exit_code = subprocess.call(command, cwd=REPO, env=lane_environment(dict(os.environ)))
+    exit_code = subprocess.call(command, cwd=REPO, env=lane_environment(os.environ))
     lane = LaneResult(name, exit_code, time.monotonic() - start)
     _read_report(lane, report)
     print(f"=== lane {name}: exit {exit_code} in {lane.wall_s:.0f} s", flush=True)
