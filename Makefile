@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SHIM := tests/support/triton_cpu_backend
+# The shim is installed as a copy (its .pth must land in site-packages): a change to any of its
+# files installs it again.
+SHIM_FILES := $(shell find $(SHIM) -type f -not -path '*/__pycache__/*')
 # The RL frameworks' releases the `frameworks` lane runs replay arrays through (pins in that file).
 FRAMEWORKS := tests/integration/frameworks/requirements.txt
 
@@ -11,7 +14,7 @@ FRAMEWORKS := tests/integration/frameworks/requirements.txt
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(SHIM)/pyproject.toml $(FRAMEWORKS)
+$(STAMP): pyproject.toml $(SHIM_FILES) $(FRAMEWORKS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[cpu,test,bench]' ./$(SHIM)

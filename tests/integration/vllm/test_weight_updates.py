@@ -88,7 +88,7 @@ def greedy(job_id: str, tokens: int, **kwargs: Any) -> Job:
 #: Over the CPU block size (128 tokens), so its KV blocks enter the prefix cache.
 LONG_PROMPT: Final = [(7 + 31 * i) % SPEC.vocab_size for i in range(300)]
 #: The tokens of a job that must still be generating when an update reaches its pause: about
-#: 5 s of generation here (24 tokens/s idle, the model runner's Triton kernels interpreted),
+#: 4 s of generation here (29 tokens/s idle, the model runner's Triton kernels interpreted),
 #: where the update pauses within a second of its command even beside a busy core. Every such
 #: job's scenario waits for its last token, so each token more is test time.
 IN_FLIGHT: Final = 120
