@@ -15,8 +15,9 @@ module names ``core``, and upstream patches it at their first call inside a laun
 puts it back.
 
 Installed by ``_startup`` (so only when opted in) as an import hook: ``triton.runtime.interpreter``
-is patched as it is imported, and a Triton whose interpreter lacks the two internals this relies
-on keeps its own behaviour.
+is patched as it is imported. A Triton whose interpreter has no ``_patch_lang`` or
+``_LangPatchScope`` keeps its own behaviour; one whose scope no longer records its changes in
+``_changes`` fails at the first launch, loudly.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ class _NothingToRestore:
 
 
 def install(interpreter: types.ModuleType) -> bool:
-    """Replace `interpreter._patch_lang` with the recording one; False where this Triton's
-    interpreter lacks what that needs (its behaviour is then left as it is)."""
+    """Replace `interpreter._patch_lang` with the recording one; False where it is installed
+    already or this Triton's interpreter lacks what that needs (left as it is then)."""
     global upstream_patch_lang  # noqa: PLW0603 - the one interpreter a process has
     upstream = getattr(interpreter, "_patch_lang", None)
     scope_type = getattr(interpreter, "_LangPatchScope", None)
