@@ -61,15 +61,31 @@ class Topic(InBackground):
     def __init__(self, bs: str, topic: str) -> None:
         self.records: list[tuple[int, bytes]] = []
         self._bs, self._topic = bs, topic
+        self._partition = TopicPartition(topic, 0)
+        self._consumer: AIOKafkaConsumer | None = None
 
     async def __aenter__(self) -> Self:
         consumer = PacedConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
         await consumer.start()
-        tp = TopicPartition(self._topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
+        consumer.assign([self._partition])
+        await consumer.seek_to_beginning(self._partition)
+        self._consumer = consumer
         self._run_in_background(self._run(consumer))
         return self
+
+    async def read_to_end(self, timeout_s: float = 10) -> None:
+        """Until everything the partition held when called has been taken: a snapshot of what
+        was read is then all that its writers (stopped before the call) wrote, not a prefix of
+        it that the reader happened to have fetched."""
+        consumer = self._consumer
+        assert consumer is not None, "read_to_end outside the reader's context"
+        end: int = (await consumer.end_offsets([self._partition]))[self._partition]
+
+        async def reached() -> bool:
+            position: int = await consumer.position(self._partition)
+            return position >= end
+
+        await wait_for(reached, timeout_s, f"{self._topic} read up to offset {end}")
 
     async def _run(self, consumer: AIOKafkaConsumer) -> None:
         try:
