@@ -504,10 +504,11 @@ async def test_records_fetched_while_their_partition_is_being_revoked_do_not_sta
     committer = loop.worker._committer
     hand_over = committer.revoked
 
-    async def hand_over_while_a_record_is_fetched(*args: Any, **kwargs: Any) -> None:
+    async def hand_over_while_a_record_is_fetched(*args: Any, **kwargs: Any) -> set[Any]:
         consumer.add(P0, job("late"))
         await wait_for(lambda: consumer._positions[P0] == 2, 10, "the late record fetched")
-        await hand_over(*args, **kwargs)
+        kept: set[Any] = await hand_over(*args, **kwargs)
+        return kept
 
     committer.revoked = hand_over_while_a_record_is_fetched
     await loop.worker.on_partitions_revoked({P0})
@@ -571,3 +572,84 @@ async def test_a_stopping_worker_hands_over_once_the_coordinator_is_back_within_
     consumer.commit_gate.set()  # back
     assert await asyncio.wait_for(loop.task, 10) == 0
     assert consumer.commits[-1] == {P0: 2}
+
+
+def reads_commits_of(consumer: FakeConsumer) -> CommittedReader:
+    """The group's committed offsets and maps: the last commit of each partition."""
+
+    async def read(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        latest: dict[TopicPartition, tuple[int, str]] = {}
+        for positions, metadata in zip(consumer.commits, consumer.metadata, strict=True):
+            for tp, position in positions.items():
+                latest[tp] = (position, metadata[tp])
+        return {tp: latest[tp] for tp in tps if tp in latest}
+
+    return read
+
+
+async def _slow_job_in_flight(start_loop: Callable[..., Any]) -> Loop:
+    """A worker on P0 whose job "slow" runs (gated) after "j1" was answered and committed
+    past, with a short revoke grace."""
+    consumer = FakeConsumer()
+    consumer.add(P0, job("j0"))
+    consumer.add(P0, job("slow", gate="slow"))
+    consumer.add(P0, job("j2"))
+    consumer.assign({P0})
+    engine = ScriptedEngine()
+    loop: Loop = await start_loop(
+        consumer, engine, read_committed=reads_commits_of(consumer), revoke_grace_s=0.05
+    )
+    await wait_for(lambda: {"j0", "j2"} <= set(loop.answered()), what="the quick jobs")
+    await wait_for(lambda: "slow" in engine.started, what="the slow job to start")
+    return loop
+
+
+async def test_a_job_runs_on_through_a_rebalance_that_gives_its_partition_back(start_loop):
+    # Found by the fleet simulation (`bench/sim.py --seed 500003 --workers 5
+    # --weight-update-every-s 8 --engine-killing-updates 0.3 --hostile
+    # invalid,crash,long,reply_small,reply_locked`): the group's protocol revokes every
+    # partition at every rebalance, and each one cancelled the jobs still running past the
+    # grace. A member crash-looping elsewhere rebalanced the group every 7 s, so a 20 s job
+    # never finished anywhere, and its worker, running it alone as a suspect of a crash, held
+    # all its partitions for 150 s.
+    loop = await _slow_job_in_flight(start_loop)
+    worker, consumer, engine = loop.worker, loop.consumer, loop.engine
+    await worker.on_partitions_revoked({P0})
+    await worker.on_partitions_assigned({P0})
+    assert engine.cancelled == []
+    engine.release("slow")
+    await wait_for(lambda: "slow" in loop.answered(), what="the slow job's answer")
+    await wait_for(lambda: consumer.commits[-1] == {P0: 3}, what="the commit past all three")
+    assert engine.started.count("slow") == 1
+    assert sorted(loop.answered()) == ["j0", "j2", "slow"]
+
+
+async def test_a_job_whose_partition_moved_during_the_rebalance_is_cancelled_unanswered(
+    start_loop,
+):
+    loop = await _slow_job_in_flight(start_loop)
+    worker, engine = loop.worker, loop.engine
+    await worker.on_partitions_revoked({P0})
+    engine.release("slow")  # answered while the partition is revoked: held, not sent
+    await turns_pass(loop.consumer)
+    assert "slow" not in loop.answered()
+    await worker.on_partitions_assigned(set())
+    await turns_pass(loop.consumer)
+    assert "slow" not in loop.answered()
+    assert not worker._committer.tracker.holds(P0) and not worker._committer.parked(P0)
+
+
+async def test_a_partition_committed_by_another_member_meanwhile_is_not_taken_back(start_loop):
+    # Between the revoke and this assignment another member held P0 and answered "slow":
+    # its commit, not this member's hand-over, is what the group holds, so the job running
+    # here is cancelled and the partition read from that commit.
+    loop = await _slow_job_in_flight(start_loop)
+    worker, consumer, engine = loop.worker, loop.consumer, loop.engine
+    await worker.on_partitions_revoked({P0})
+    consumer.commits.append({P0: 3})
+    consumer.metadata.append({P0: ""})
+    await worker.on_partitions_assigned({P0})
+    assert engine.cancelled == ["slow"]
+    engine.release("slow")
+    await turns_pass(loop.consumer)
+    assert "slow" not in loop.answered()

@@ -743,6 +743,31 @@ FOUND_DEFECTS = {
     "suspects of two deaths ran together, but only those of the fetch that started the "
     "first; the others ran after them, a group (and a drain) each, and a partition waited "
     "70 s": Scenario(seed=102164, partitions=24, jobs_per_s=12, hostile=HOSTILE_SHARES),
+    "a member crash-looping on killer records rebalanced the group every 7 s, and every "
+    "rebalance cancelled the jobs still running past the revoke grace, though their partitions "
+    "came straight back: a 20 s suspect running alone restarted at each, its worker held all "
+    "its partitions for 150 s, and jobs were unanswered at the end": Scenario(
+        seed=500003,
+        workers=5,
+        partitions=40,
+        jobs_per_s=20,
+        hostile=HOSTILE_SHARES,
+        weight_update_every_s=8,
+        bad_update_share=0.2,
+        engine_killing_update_share=0.3,
+    ),
+    "a SIGTERM while a revoke's hand-over waited for a slow commit: the stop cancelled the "
+    "job running on through the rebalance and forgot its partition before the hand-over was "
+    "planned, so none was made, and the next owner counted a death against the job": Scenario(
+        seed=500000,
+        workers=5,
+        partitions=40,
+        jobs_per_s=20,
+        hostile=HOSTILE_SHARES,
+        weight_update_every_s=8,
+        bad_update_share=0.2,
+        engine_killing_update_share=0.3,
+    ),
 }
 
 

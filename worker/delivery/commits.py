@@ -131,6 +131,7 @@ class Committer:
         #: hand-over did not land asks the group whether this process is still a member.
         self.incarnation = incarnation or new_incarnation()
         self.tracker = OffsetTracker(writer=self.incarnation)
+        self._read_committed = read_committed
         self._hand_overs = RefusedHandOvers(
             consumer, metrics, timeout_s=self._timeout_s, read_committed=read_committed
         )
@@ -207,6 +208,15 @@ class Committer:
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
         return self.tracker.partition(tp)
+
+    def parked(self, tp: TopicPartition) -> PartitionOffsets | None:
+        """The offsets of `tp` while it is parked (`revoked` with `keep`), else None."""
+        return self.tracker.parked().get(tp)
+
+    def drop_parked(self, tp: TopicPartition) -> None:
+        """The parked `tp` is not to be adopted: forgotten now, its next owner (maybe this
+        member again) reads it from the committed map."""
+        self.tracker.forget({tp})
 
     def holds(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
         """Whether `partition` is still the offsets of `tp` as held now: not revoked since."""
@@ -318,17 +328,30 @@ class Committer:
             self._metrics.commits.labels("retry").inc()
             logger.warning("commit did not finish in %.1fs; going on", self._timeout_s)
 
-    async def revoked(self, partitions: set[TopicPartition]) -> None:
+    async def revoked(
+        self, partitions: set[TopicPartition], keep: set[TopicPartition] | None = None
+    ) -> set[TopicPartition]:
         """Hand `partitions` over (a clean commit, within `commit_timeout_s`) and forget them,
         with no commit of this member's planned in between: one planned while they were still
         held would otherwise go out after the hand-over, and aiokafka retries a commit through
         a coordinator outage in whatever generation the member holds by then, so it can land
-        after this member rejoined, over what the partitions' new owner read."""
+        after this member rejoined, over what the partitions' new owner read.
+
+        Those of `keep` (partitions with jobs still running) are parked instead of forgotten
+        (`OffsetTracker.park`), for `adopt` to take back should the next assignment give them
+        back unchanged; returns them (none when the hand-over timed out)."""
+        kept: set[TopicPartition] = set()
         try:
             async with asyncio.timeout(self._timeout_s):
                 async with self._one_at_a_time:
                     self._keep_unlanded(await self._commit_planned(partitions, clean=True))
-                    self.forget(partitions)
+                    if keep and self._read_committed is not None:
+                        # Also where the group refused the hand-over (some brokers end the
+                        # generation as the rebalance begins): `adopt` then finds this
+                        # member's last commit, which the partition's offsets remember.
+                        kept = keep & partitions
+                        self.tracker.park(kept)
+                    self.forget(partitions - kept)
         except TimeoutError:
             self._metrics.commits.labels("retry").inc()
             logger.warning(
@@ -340,7 +363,40 @@ class Committer:
             # something newer than this member's last landed commit, and this one is not made.
             self._keep_unlanded(self._plan(partitions, clean=True))
         finally:
-            self.forget(partitions)
+            self.forget(partitions - kept)
+        return kept
+
+    async def adopt(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
+        """Of the parked partitions, hold again those `assigned` back whose committed offset
+        and map are still this member's hand-over: nobody answered or committed anything of
+        theirs meanwhile, so their jobs still running go on, as if no rebalance had happened.
+        The others are forgotten (their jobs are for their owner now to run). Returns the
+        partitions adopted. The rest of `assigned` stays held until `assigned` reads them."""
+        parked = dict(self.tracker.parked())
+        if not parked:
+            return set()
+        # Held from here: the others until their maps are read (`assigned`), which the caller
+        # does next; fetched meanwhile, their records would start from a position not yet
+        # settled.
+        self._inheritance.reading |= assigned
+        back = {tp for tp in parked if tp in assigned}
+        adopted: set[TopicPartition] = set()
+        if back and self._read_committed is not None:
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    committed = await self._read_committed(sorted(back))
+            except (KafkaError, TimeoutError) as exc:
+                # Unread, another member's commit cannot be ruled out: inherited instead.
+                logger.info("cannot read the committed offsets of returned partitions (%r)", exc)
+                committed = {}
+            for tp in sorted(back):
+                if tp in committed and committed[tp] == parked[tp].committed:
+                    self.tracker.unpark(tp)
+                    adopted.add(tp)
+        self.forget(set(parked) - adopted)
+        # Forgetting let go of those assigned back that were not adopted: held again.
+        self._inheritance.reading = (self._inheritance.reading | assigned) - adopted
+        return adopted
 
     def _keep_unlanded(self, offsets: dict[TopicPartition, Commit]) -> None:
         """A hand-over the group refused or did not answer in time: made again later

@@ -9,6 +9,8 @@ import logging
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 from aiokafka import TopicPartition
@@ -363,6 +365,9 @@ class OffsetTracker:
 
     def __init__(self, writer: int = 0) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
+        # Revoked partitions whose jobs still run, until the next assignment says whether they
+        # came back (`park`): not held, so nothing starts on them or commits them meanwhile.
+        self._parked: dict[TopicPartition, PartitionOffsets] = {}
         self.writer = writer
 
     def assigned(
@@ -397,7 +402,7 @@ class OffsetTracker:
         return partition
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
-        """The offsets of `tp` as held now, to start and finish records on.
+        """The offsets of `tp` as held now (or as parked), to start and finish records on.
 
         Finishing on this object, not by `tp`, keeps an answer acknowledged after its partition
         was revoked (and maybe assigned back) from marking the new assignment's records
@@ -405,7 +410,26 @@ class OffsetTracker:
         """
         partition = self._partitions.get(tp)
         if partition is None:
+            partition = self._parked.get(tp)
+        if partition is None:
             partition = self._partitions[tp] = PartitionOffsets()
+        return partition
+
+    def park(self, partitions: set[TopicPartition]) -> None:
+        """`partitions` were revoked with jobs still running, and handed over: kept aside,
+        neither held nor committed, until the next assignment adopts them (`unpark`) or
+        they are forgotten."""
+        for tp in partitions:
+            if (partition := self._partitions.pop(tp, None)) is not None:
+                self._parked[tp] = partition
+
+    def parked(self) -> Mapping[TopicPartition, PartitionOffsets]:
+        """The partitions parked now, with their offsets (read-only)."""
+        return MappingProxyType(self._parked)
+
+    def unpark(self, tp: TopicPartition) -> PartitionOffsets:
+        """Hold the parked `tp` again, as it was when it was revoked."""
+        partition = self._partitions[tp] = self._parked.pop(tp)
         return partition
 
     def to_commit(
@@ -454,6 +478,7 @@ class OffsetTracker:
         """Drop revoked partitions: their next owner starts from the committed position."""
         for tp in partitions:
             self._partitions.pop(tp, None)
+            self._parked.pop(tp, None)
 
     def last_commit(self, tp: TopicPartition) -> Commit | None:
         """What this worker last committed for `tp` (None: nothing, or not held)."""

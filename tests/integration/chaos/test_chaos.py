@@ -185,6 +185,38 @@ async def test_sigterm_drains_in_flight_jobs_within_grace(kafka_bootstrap_server
         assert len(watch.results) == jobs
 
 
+async def test_a_job_runs_on_through_a_rebalance_that_gives_its_partition_back(
+    kafka_bootstrap_servers, topics, new_topic, spawn
+):
+    # The group's protocol revokes every partition at every rebalance; a member of the group
+    # on another jobs topic joining moves none of this worker's. Its job, longer than the
+    # revoke grace, runs on through it (seed 500003 of the fleet simulation: cancelled at
+    # every rebalance, a long job never finished while a member crash-looped elsewhere).
+    bs = kafka_bootstrap_servers
+    job_ids = await _produce_jobs(bs, topics.jobs, 1, max_tokens=80)
+    elsewhere = Topics(
+        jobs=await new_topic(1),
+        results=await new_topic(1),
+        dlq=await new_topic(1),
+        group=topics.group,
+    )
+    async with watching(bs, topics.results) as watch:
+        # 80 tokens x 200 ms: 16 s in flight, against a 0.2 s revoke grace.
+        worker = spawn(topics, mock_per_token_latency_ms=200, revoke_grace_s=0.2)
+        await wait_for(lambda: "assigned" in worker.text(), 30, "the worker's assignment")
+        other = spawn(elsewhere)  # joins the group: a rebalance, the job in flight
+        await wait_for(lambda: "assigned" in other.text(), 30, "the other member's assignment")
+        await wait_for(lambda: "came back unchanged" in worker.text(), 30, "the rebalance")
+        await wait_for(lambda: watch.answered >= job_ids, 30, "the job's answer")
+        for member in (worker, other):
+            member.signal(signal.SIGTERM)
+            assert await member.wait(15) == 0
+        log = worker.text()
+        assert "1 jobs of" in log and "run on through the rebalance" in log
+        assert "cancelled" not in log
+        assert watch.duplicates == 0
+
+
 async def test_sigterm_with_short_grace_leaves_the_rest_to_the_next_worker(
     kafka_bootstrap_servers, topics, spawn
 ):
