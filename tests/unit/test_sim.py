@@ -599,6 +599,21 @@ def _noida_static(seed: int, **more: Any) -> Scenario:
     )
 
 
+def _five_hostile_with_updates(seed: int) -> Scenario:
+    """`bench/sim.py --workers 5 --weight-update-every-s 8 --engine-killing-updates 0.3
+    --hostile invalid,crash,long,reply_small,reply_locked`."""
+    return Scenario(
+        seed=seed,
+        workers=5,
+        partitions=40,
+        jobs_per_s=20,
+        hostile=HOSTILE_SHARES,
+        weight_update_every_s=8,
+        bad_update_share=0.2,
+        engine_killing_update_share=0.3,
+    )
+
+
 #: Each seed found a defect (the key says what the checker saw), and now guards its fix.
 FOUND_DEFECTS = {
     "refused offset maps, then a partition carrying a death count: no job of that worker's "
@@ -746,27 +761,13 @@ FOUND_DEFECTS = {
     "a member crash-looping on killer records rebalanced the group every 7 s, and every "
     "rebalance cancelled the jobs still running past the revoke grace, though their partitions "
     "came straight back: a 20 s suspect running alone restarted at each, its worker held all "
-    "its partitions for 150 s, and jobs were unanswered at the end": Scenario(
-        seed=500003,
-        workers=5,
-        partitions=40,
-        jobs_per_s=20,
-        hostile=HOSTILE_SHARES,
-        weight_update_every_s=8,
-        bad_update_share=0.2,
-        engine_killing_update_share=0.3,
+    "its partitions for 150 s, and jobs were unanswered at the end": _five_hostile_with_updates(
+        500003
     ),
     "a SIGTERM while a revoke's hand-over waited for a slow commit: the stop cancelled the "
     "job running on through the rebalance and forgot its partition before the hand-over was "
-    "planned, so none was made, and the next owner counted a death against the job": Scenario(
-        seed=500000,
-        workers=5,
-        partitions=40,
-        jobs_per_s=20,
-        hostile=HOSTILE_SHARES,
-        weight_update_every_s=8,
-        bad_update_share=0.2,
-        engine_killing_update_share=0.3,
+    "planned, so none was made, and the next owner counted a death against the job": (
+        _five_hostile_with_updates(500000)
     ),
 }
 
