@@ -214,9 +214,9 @@ class Committer:
         return self.tracker.parked().get(tp)
 
     def drop_parked(self, tp: TopicPartition) -> None:
-        """The parked `tp` is not to be adopted: forgotten now, its next owner (maybe this
-        member again) reads it from the committed map."""
-        self.tracker.forget({tp})
+        """The parked `tp` is not to be adopted: forgotten now, as a revoke forgets, its next
+        owner (maybe this member again) reads it from the committed map."""
+        self.forget({tp})
 
     def holds(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
         """Whether `partition` is still the offsets of `tp` as held now: not revoked since."""

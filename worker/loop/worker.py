@@ -559,11 +559,7 @@ class Worker:
                 for tp in running - kept:
                     if (decision := self._parked.pop(tp, None)) is not None:
                         decision.set_result(False)
-            if aborted := await self._jobs.cancel(revoked - kept):
-                logger.info(
-                    "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
-                    aborted,
-                )
+            await self._abort(revoked - kept)
             await self._delivery.settle(running - kept, time.monotonic())
             self._gate.forget(revoked - kept)
             if kept:
@@ -676,6 +672,11 @@ class Worker:
         deadline = time.monotonic() + grace_s
         await self._jobs.settle(partitions, grace_s)
         await self._delivery.settle(partitions, deadline)
+        await self._abort(partitions)
+
+    async def _abort(self, partitions: set[TopicPartition] | None) -> None:
+        """Cancel the jobs of `partitions` (all when None) still running: their offsets stay
+        unfinished, so their records are redelivered."""
         if aborted := await self._jobs.cancel(partitions):
             logger.info(
                 "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
