@@ -384,18 +384,20 @@ def safetensors_seconds(files: list[Path]) -> float:
 
 
 def prepack_seconds(spec: Any) -> tuple[float, int]:
-    """Seconds vLLM's CPU MoE kernel takes to prepack experts of `spec`'s shapes, one expert a
-    call as the direct reload runs it, on one thread (vLLM binds its model worker to one
-    core), with the ISA the kernel takes on a CPU without AMX ("vec"): the part of a reload
-    that is neither reading nor copying bytes, and its floor on this kernel. Also the experts'
-    bytes."""
+    """Seconds vLLM's CPU MoE kernel takes to prepack experts of `spec`'s shapes, one shard (an
+    expert's w1, w3 or w2) a call as the direct reload runs it, on one thread (vLLM binds its
+    model worker to one core), with the ISA the kernel takes on a CPU without AMX ("vec"): the
+    part of a reload that is neither reading nor copying bytes, and its floor on this kernel.
+    Also the experts' bytes."""
     import torch  # noqa: PLC0415
     import vllm._custom_ops  # noqa: F401, PLC0415 - registers torch.ops._C
 
     experts, hidden, inner = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     layers = spec.num_layers - len(spec.dense_layers)
-    # One MoE layer's two weights, reused for every layer: the same calls on the same bytes.
-    weights = [torch.randn(experts, 2 * inner, hidden), torch.randn(experts, hidden, inner)]
+    # One MoE layer's three shards of every expert, reused for every layer: the same calls on
+    # the same bytes.
+    weights = [torch.randn(experts, inner, hidden) for _ in "gu"]
+    weights.append(torch.randn(experts, hidden, inner))
     packed = [torch.empty_like(w) for w in weights]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -495,12 +497,12 @@ async def reload_speed(root: Path, gigabytes: float) -> None:
         print(
             f"  reading the tensors as vLLM's loader does (safetensors, mmap, each tensor copied "
             f"out): {size / load_s / 1e9:.2f} GB/s ({load_s:.2f} s); the rest of a reload is "
-            f"the loaders' copies, the MoE kernel's prepack and, for the other layers, vLLM's "
+            f"the MoE kernel's prepack (from those tensors) and, for the other layers, vLLM's "
             f"layerwise reload (which reorders each dense weight into a new oneDNN handle)"
         )
         packing, expert_bytes = prepack_seconds(spec)
         print(
-            f"  vLLM's CPU MoE prepack alone, the experts' {expert_bytes / 1e9:.2f} GB one expert "
+            f"  vLLM's CPU MoE prepack alone, the experts' {expert_bytes / 1e9:.2f} GB one shard "
             f"a call on one thread as the reload runs it: {packing:.2f} s "
             f"({expert_bytes / packing / 1e9:.2f} GB/s); a reload that does only that takes "
             f"{packing / read_s:.1f}x the page-cache read, a ratio of at most "

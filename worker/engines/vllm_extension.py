@@ -16,12 +16,13 @@ exactly once per expert and reload.
 Two ways, both through vLLM's `reload_weights` (its name mapping, its loaders):
 
 - **Direct** (the CPU MoE kernel on unquantized weights, the case measured): vLLM's layerwise
-  reload takes every layer but the MoE experts. The experts' loader is wrapped: each expert's
-  tensors land in a one-expert slot in the checkpoint's layout (a buffer of the whole weight
-  when the checkpoint interleaves experts) and, as soon as the expert is complete,
-  `prepack_moe_weight` writes it straight into the storage the kernel reads. No layer is
-  rebuilt on the meta device, allocated again, processed and copied back, which is where the
-  layerwise reload of a 1 GB MoE spent most of its time.
+  reload takes every layer but the MoE experts. The experts' loader is wrapped: each shard of
+  an expert (its w1, w3 or w2) is prepacked by `prepack_moe_weight` straight into the storage
+  the kernel reads, from the checkpoint's own tensor where vLLM's loader would copy it
+  unchanged, else from a one-expert slot vLLM's loader fills (a buffer of the whole weight
+  when the checkpoint interleaves one shard's loads with another's). No layer is rebuilt on
+  the meta device, allocated again, processed and copied back, which is where the layerwise
+  reload of a 1 GB MoE spent most of its time, and most of the experts' bytes are read once.
 - **Layerwise** (anything else: quantized or padded experts, another MoE kernel): clearing
   `moe_kernel` first sends vLLM's layerwise reload down the first-load path: kernel rebuilt,
   weights prepared once.
@@ -39,6 +40,7 @@ new and the rest old, in the kernel's layout, until the previous checkpoint load
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Any, Final
@@ -116,7 +118,8 @@ def direct_moe_layers(model: Any, vllm_config: Any) -> tuple[list[Any], str | No
     path. Direct needs every MoE layer to be unquantized on vLLM's CPU kernel, whose weight
     preparation is the prepack alone (`CPUUnquantizedExperts.process_weights_after_loading` in
     `layers/fused_moe/experts/cpu_moe.py`: no intermediate padding, not zentorch), already
-    prepared once, with `w13_weight` and `w2_weight` as its only loaded tensors."""
+    prepared once, with `w13_weight` and `w2_weight` as its only loaded tensors, and a kernel
+    layout that packs w1's and w3's rows of `w13_weight` apart (`w13_halves_pack_apart`)."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: PLC0415
         CPUUnquantizedExperts,
     )
@@ -129,7 +132,6 @@ def direct_moe_layers(model: Any, vllm_config: Any) -> tuple[list[Any], str | No
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (  # noqa: PLC0415
         UnquantizedFusedMoEMethod,
     )
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS  # noqa: PLC0415
     from vllm.model_executor.utils import is_weights_pre_processed  # noqa: PLC0415
 
     if vllm_config.model_config.quantization is not None:
@@ -153,42 +155,45 @@ def direct_moe_layers(model: Any, vllm_config: Any) -> tuple[list[Any], str | No
             or experts._use_zentorch
         ):
             return [], f"{name}'s experts are prepared by {type(experts).__name__}"
-        moe_config = experts.moe_config
-        if (
-            experts._padded_intermediate_size(moe_config)
-            != moe_config.intermediate_size_per_partition
-        ):
-            return [], f"{name}'s experts are padded for the kernel"
-        loaded = {
-            tensor_name
-            for tensor_name, tensor in [*layer._parameters.items(), *layer._buffers.items()]
-            if tensor is not None and tensor_name not in SKIP_LOAD_TENSORS
-        }
-        if loaded != set(_EXPERT_PARAMS):
-            return [], f"{name} loads {sorted(loaded)}, not {list(_EXPERT_PARAMS)}"
-        for tensor_name in _EXPERT_PARAMS:
-            param = getattr(layer, tensor_name)
-            if (
-                param.dim() != 3
-                or not param.is_contiguous()
-                or getattr(param, "is_transposed", False)
-            ):
-                return (
-                    [],
-                    f"{name}.{tensor_name} is not a contiguous (experts, rows, columns) tensor",
-                )
+        why = _why_not_direct_weights(name, layer, experts)
+        if why is not None:
+            return [], why
         layers.append(layer)
     if not layers:
         return [], "the model has no MoE layer"
     return layers, None
 
 
+def _why_not_direct_weights(name: str, layer: Any, experts: Any) -> str | None:
+    """Why the weights of MoE layer `name`, on vLLM's CPU kernel `experts`, cannot take the
+    direct path; None when they can."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS  # noqa: PLC0415
+
+    moe_config = experts.moe_config
+    if experts._padded_intermediate_size(moe_config) != moe_config.intermediate_size_per_partition:
+        return f"{name}'s experts are padded for the kernel"
+    loaded = {
+        tensor_name
+        for tensor_name, tensor in [*layer._parameters.items(), *layer._buffers.items()]
+        if tensor is not None and tensor_name not in SKIP_LOAD_TENSORS
+    }
+    if loaded != set(_EXPERT_PARAMS):
+        return f"{name} loads {sorted(loaded)}, not {list(_EXPERT_PARAMS)}"
+    for tensor_name in _EXPERT_PARAMS:
+        param = getattr(layer, tensor_name)
+        if param.dim() != 3 or not param.is_contiguous() or getattr(param, "is_transposed", False):
+            return f"{name}.{tensor_name} is not a contiguous (experts, rows, columns) tensor"
+    w13 = layer.w13_weight
+    if not w13_halves_pack_apart(w13.shape[1], w13.shape[2], w13.dtype, experts.isa):
+        return f"{name}'s kernel does not pack w1 and w3 apart"
+    return None
+
+
 class _StagedExperts:
     """The experts' side of a direct reload: while installed, each MoE layer's `w13_weight` and
-    `w2_weight` loaders write into staging in the checkpoint's layout (`_StagedParam`), and
-    each expert, once all of its elements are in, is prepacked into the storage the kernel
-    reads. Buffers of a whole weight, needed only where experts interleave, are reused from
-    layer to layer."""
+    `w2_weight` loaders prepack what they are given into the storage the kernel reads, one
+    shard of one expert at a time (`_StagedParam`). Whole-weight buffers, needed only where
+    one shard's loads interleave with another's, are reused from layer to layer."""
 
     def __init__(self) -> None:
         self._free: dict[tuple[Any, ...], list[Any]] = {}
@@ -213,7 +218,7 @@ class _StagedExperts:
                 param.weight_loader = staged.load
 
     def take(self, like: Any) -> Any:
-        """A buffer shaped like `like` for a weight whose experts interleave: one freed by an
+        """A buffer shaped like `like` for a weight whose loads interleave: one freed by an
         earlier layer, else a new one."""
         import torch  # noqa: PLC0415
 
@@ -239,61 +244,132 @@ class _StagedExperts:
         self._free.clear()
 
 
-class _StagedParam:
-    """One MoE weight of one layer under a direct reload.
+def w13_halves_pack_apart(rows: int, columns: int, dtype: Any, isa: str) -> bool:
+    """Whether the CPU MoE kernel packs the first and the second half of an expert's `w13`
+    rows (w1's and w3's) into the first and the second half of its packed bytes, each on its
+    own: what lets the direct path prepack each shard as it arrives. Read from the kernel
+    itself, on a random expert of this shape (a few milliseconds, once per shape)."""
+    return _halves_pack_apart(rows, columns, str(dtype), isa)
 
-    The loader writes one expert at a time into a one-expert slot, which it sees as the whole
-    weight (a view repeating the slot for every expert, so `param.data[expert_id]` lands in
-    it): the expert is still in the CPU's cache when it is prepacked, and no layer-sized
-    buffer is written and read again. When the checkpoint interleaves experts (a load for
-    another expert while the slot's is incomplete), the slot moves into a buffer of the whole
-    weight, and the loads go there from then on."""
+
+@functools.cache
+def _halves_pack_apart(rows: int, columns: int, dtype_name: str, isa: str) -> bool:
+    import torch  # noqa: PLC0415
+
+    if rows % 2:
+        return False
+    dtype = getattr(torch, dtype_name.removeprefix("torch."))
+    raw = torch.randn((1, rows, columns), generator=torch.Generator().manual_seed(0)).to(dtype)
+    whole, halves = torch.empty_like(raw), torch.empty_like(raw)
+    flat, half = halves.view(-1), rows // 2 * columns
+    _prepack(raw, whole, isa)
+    for start in (0, half):
+        source = raw.view(-1)[start : start + half].view(1, rows // 2, columns)
+        _prepack(source, flat[start : start + half].view_as(source), isa)
+    return torch.equal(whole, halves)
+
+
+def _shard_rows(name: str, rows: int) -> dict[str, tuple[int, int]]:
+    """The rows of one expert's weight `name` each shard the loader is given fills, as vLLM's
+    `RoutedExperts._load_w13` and `_load_w2` place them: w1 the first half of w13, w3 the
+    second, w2 all of w2."""
+    if name == "w13_weight":
+        return {"w1": (0, rows // 2), "w3": (rows // 2, rows)}
+    return {"w2": (0, rows)}
+
+
+class _StagedParam:
+    """One MoE weight of one layer under a direct reload, prepacked shard by shard (w1, w3,
+    w2 of one expert) into the kernel's storage as each shard completes.
+
+    A shard the checkpoint holds as it is to be stored (one call, the shard's shape and dtype,
+    contiguous, no tensor parallelism: what vLLM's loader would copy unchanged) is prepacked
+    straight from the checkpoint's tensor, with no copy in between. Any other load goes through
+    vLLM's own loader into a one-expert slot, which the loader sees as the whole weight (a view
+    repeating the slot for every expert, so `param.data[expert_id]` lands in it), and the
+    shard is prepacked from there once all its elements are in. When loads interleave (one
+    for another expert while a shard in the slot is incomplete), the slot moves into a
+    buffer of the whole weight, and those loads go there from then on."""
 
     def __init__(self, owner: _StagedExperts, layer: Any, name: str, kernel: Any, isa: str) -> None:
         self.owner, self.layer, self.name, self.kernel, self.isa = owner, layer, name, kernel, isa
         self.original = kernel.weight_loader
         self.signature = inspect.signature(self.original)
-        self.per_expert = kernel[0].numel()
-        self.copied = [0] * kernel.shape[0]
-        self.prepacked = [False] * kernel.shape[0]
-        #: The slot and the expert it holds part of, or None when it holds none.
+        self.shards = _shard_rows(name, kernel.shape[1])
+        self.columns = kernel.shape[2]
+        self.as_is = _loads_as_stored(layer)
+        #: Elements loaded so far of each (expert, shard) still incomplete in the staging.
+        self.copied: dict[tuple[int, str], int] = {}
+        self.packed: set[tuple[int, str]] = set()
+        #: The slot and the expert it holds shards of, or None when it holds none.
         self.slot: Any = None
         self.slot_expert: int | None = None
         #: Every expert, once loads interleave.
         self.full: Any = None
-        #: What the loader is given: the slot repeated, or `full`.
+        #: What vLLM's loader is given: the slot repeated, or `full`.
         self.target: Any = None
 
     def load(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's loader for this weight (same arguments), into the slot or the whole buffer;
-        prepacks every expert it completes."""
+        """vLLM's loader for this weight (same arguments): prepacks each shard it completes."""
         import torch  # noqa: PLC0415
         from vllm.model_executor.model_loader.reload.meta import CopyCounter  # noqa: PLC0415
 
         bound = self.signature.bind(*args, **kwargs)
         loaded = bound.arguments["loaded_weight"]
         if loaded.dim() != 2:
-            # One call writing several experts would defeat the per-expert count.
+            # One call writing several experts would defeat the per-shard count.
             raise RuntimeError(
                 f"{self.layer.layer_name}.{self.name}: a {loaded.dim()}-D tensor loaded at once; "
                 "the direct reload takes one expert per call"
             )
+        shard = bound.arguments["shard_id"]
         # The loader's own mapping to the expert it writes (`RoutedExperts.weight_loader`);
         # -1 for an expert this rank does not hold, which it skips.
         expert = self.layer._map_global_expert_id_to_local_expert_id(bound.arguments["expert_id"])
+        if expert >= 0 and self._stored_as_is(loaded, shard, bound.arguments["weight_name"]):
+            _prepack(loaded.unsqueeze(0), self._kernel_rows(expert, shard), self.isa)
+            self.copied.pop((expert, shard), None)
+            self.packed.add((expert, shard))
+            return True if bound.arguments.get("return_success") else None
         bound.arguments["param"] = self._target_for(expert)
         # Counted as vLLM's layerwise reload counts a layer's loaded elements
         # (`model_loader/reload/meta.py: get_numel_loaded`).
         with torch.no_grad(), CopyCounter() as counter:  # type: ignore[no-untyped-call]
             result = self.original(*bound.args, **bound.kwargs)
-        if counter.copied_numel and expert >= 0:
-            self._copied(expert, counter.copied_numel)
+        if counter.copied_numel and expert >= 0 and shard in self.shards:
+            self._copied(expert, shard, counter.copied_numel)
         return result
+
+    def _stored_as_is(self, loaded: Any, shard: str, weight_name: str) -> bool:
+        """Whether vLLM's loader would copy `loaded` unchanged into the shard's rows."""
+        rows = self.shards.get(shard)
+        return (
+            self.as_is
+            and rows is not None
+            and "bias" not in weight_name
+            and "scale" not in weight_name
+            and tuple(loaded.shape) == (rows[1] - rows[0], self.columns)
+            and loaded.dtype == self.kernel.dtype
+            and loaded.device == self.kernel.device
+            and loaded.is_contiguous()
+        )
+
+    def _kernel_rows(self, expert: int, shard: str) -> Any:
+        """The kernel's storage of one shard: a contiguous run of the expert's packed bytes
+        (`w13_halves_pack_apart`)."""
+        start, end = self.shards[shard]
+        flat = self.kernel.data[expert].view(-1)
+        return flat[start * self.columns : end * self.columns].view(1, end - start, self.columns)
 
     def _target_for(self, expert: int) -> Any:
         import torch  # noqa: PLC0415
 
-        if expert >= 0 and self.full is None and self.slot_expert not in (None, expert):
+        if (
+            expert >= 0
+            and self.full is None
+            and self.slot_expert not in (None, expert)
+            and self._incomplete(self.slot_expert)
+        ):
             self.full = self.owner.take(self.kernel)
             self.full[self.slot_expert].copy_(self.slot[0])
             self.slot_expert = None
@@ -310,28 +386,56 @@ class _StagedParam:
             self.slot_expert = expert
         return self.target
 
-    def _copied(self, expert: int, numel: int) -> None:
-        import torch  # noqa: PLC0415
+    def _incomplete(self, expert: int | None) -> bool:
+        return any(e == expert for e, _ in self.copied)
 
-        self.copied[expert] += numel
-        if self.copied[expert] < self.per_expert:
+    def _copied(self, expert: int, shard: str, numel: int) -> None:
+        start, end = self.shards[shard]
+        key = (expert, shard)
+        self.copied[key] = self.copied.get(key, 0) + numel
+        if self.copied[key] < (end - start) * self.columns:
             return
-        source = self.slot if self.full is None else self.full[expert : expert + 1]
-        # What `cpu_prepack_moe_weight` (vllm/_custom_ops.py) runs, with the kernel's storage
-        # as its output instead of a new tensor. It packs each expert on its own (a test
-        # compares it with packing the layer at once).
-        with torch.no_grad():
-            torch.ops._C.prepack_moe_weight(source, self.kernel.data[expert : expert + 1], self.isa)
-        self.copied[expert] = 0
-        self.prepacked[expert] = True
-        if self.full is None:
-            self.slot_expert = None
-        elif all(self.prepacked) and not any(self.copied):
+        del self.copied[key]
+        staging = self.slot[0] if self.full is None else self.full[expert]
+        # What `cpu_prepack_moe_weight` (vllm/_custom_ops.py) runs, on one shard, with the
+        # kernel's storage as its output instead of a new tensor.
+        _prepack(staging[start:end].unsqueeze(0), self._kernel_rows(expert, shard), self.isa)
+        self.packed.add(key)
+        if self.full is not None and not self.copied:
             self.owner.give_back(self.full)
             self.full = self.target = None
 
     def missing_experts(self) -> list[int]:
-        return [e for e, done in enumerate(self.prepacked) if not done or self.copied[e]]
+        experts = range(self.kernel.shape[0])
+        return [
+            e
+            for e in experts
+            if any(
+                (e, shard) not in self.packed or (e, shard) in self.copied for shard in self.shards
+            )
+        ]
+
+
+def _loads_as_stored(layer: Any) -> bool:
+    """Whether vLLM's loader stores this layer's expert shards as the checkpoint holds them
+    (`RoutedExperts.weight_loader`): no tensor parallelism to cut them, no shared expert
+    quantized on loading, w13 holding both w1 and w3."""
+    moe_config = getattr(layer, "moe_config", None)
+    parallel = getattr(moe_config, "moe_parallel_config", None)
+    return (
+        getattr(parallel, "tp_size", None) == 1
+        and getattr(moe_config, "is_act_and_mul", None) is True
+        and getattr(layer, "_fused_shared_expert_quantizer", None) is None
+    )
+
+
+def _prepack(source: Any, target: Any, isa: str) -> None:
+    """vLLM's CPU MoE prepack of `source` (experts, rows, columns) into `target`, the kernel's
+    storage of the same experts and rows."""
+    import torch  # noqa: PLC0415
+
+    with torch.no_grad():
+        torch.ops._C.prepack_moe_weight(source, target, isa)
 
 
 def _layerwise_reload(model: Any, reload: Any, weights_path: str) -> int:

@@ -166,16 +166,39 @@ def test_the_cpu_moe_prepack_packs_each_expert_on_its_own(vllm_moe):
             assert torch.equal(each, whole), (isa, shape)
 
 
-def staged_layer(v: SimpleNamespace) -> Any:
-    """A MoE layer as the direct path sees it, with a loader that writes one expert's shard as
-    vLLM's `RoutedExperts.weight_loader` does for a per-expert checkpoint (w1 the first half
-    of w13's rows, w3 the second, w2 whole)."""
-    model = moe_model(v)
-    layer = model.experts
-    layer.layer_name = "model.layers.0.mlp.experts"
-    layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
+def test_the_cpu_moe_prepack_packs_w1_and_w3_apart(vllm_moe):
+    """The direct path prepacks w1's half of an expert's `w13` rows and w3's half each as it
+    arrives, into the matching half of the packed bytes; vLLM packs the whole expert at once.
+    The same bytes, for the ISAs this CPU has; and a layer whose kernel would mix them takes
+    the layerwise path."""
+    import torch  # noqa: PLC0415
 
-    def weight_loader(
+    from worker.engines import vllm_extension  # noqa: PLC0415
+
+    isas = [vllm_moe.CPUUnquantizedExperts.isa]
+    if torch.cpu._is_amx_tile_supported():
+        isas.append(vllm_moe.X86CPUUnquantizedExperts.isa)
+    for isa in isas:
+        for dtype in (torch.float32, torch.bfloat16):
+            assert vllm_extension.w13_halves_pack_apart(2 * INTERMEDIATE, HIDDEN, dtype, isa)
+    model = moe_model(vllm_moe)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_extension, "w13_halves_pack_apart", lambda *_: False)
+        assert direct_moe_layers(model, config()) == (
+            [],
+            "experts's kernel does not pack w1 and w3 apart",
+        )
+
+
+class CountedLoader:
+    """vLLM's `RoutedExperts.weight_loader` for a per-expert checkpoint (w1 the first half of
+    w13's rows, w3 the second, w2 whole), counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(
+        self,
         param: Any,
         loaded_weight: Any,
         weight_name: str,
@@ -184,6 +207,7 @@ def staged_layer(v: SimpleNamespace) -> Any:
         *,
         return_success: bool = False,
     ) -> bool:
+        self.calls += 1
         expert = param.data[expert_id]
         if shard_id == "w2":
             expert.copy_(loaded_weight)
@@ -192,21 +216,63 @@ def staged_layer(v: SimpleNamespace) -> Any:
             expert.narrow(0, 0 if shard_id == "w1" else rows, rows).copy_(loaded_weight)
         return True
 
-    layer.w13_weight.weight_loader = weight_loader
-    layer.w2_weight.weight_loader = weight_loader
+
+def staged_layer(v: SimpleNamespace, *, as_stored: bool = False) -> Any:
+    """A MoE layer as the direct path sees it, with `CountedLoader` as both weights' loader.
+    `as_stored`: configured as vLLM's loader copies shards unchanged (one tensor-parallel
+    rank, w1 and w3 both in w13, no shared expert quantized on loading)."""
+    model = moe_model(v)
+    layer = model.experts
+    layer.layer_name = "model.layers.0.mlp.experts"
+    layer._map_global_expert_id_to_local_expert_id = lambda expert_id: expert_id
+    if as_stored:
+        layer.moe_config = SimpleNamespace(
+            moe_parallel_config=SimpleNamespace(tp_size=1), is_act_and_mul=True
+        )
+        layer._fused_shared_expert_quantizer = None
+    loader = CountedLoader()
+    layer.w13_weight.weight_loader = loader
+    layer.w2_weight.weight_loader = loader
     return layer
 
 
-@pytest.mark.parametrize("order", ["expert by expert", "all gates, then all ups and downs"])
-def test_staged_experts_are_prepacked_as_vllm_packs_the_layer_in_any_load_order(vllm_moe, order):
+def expert_weights(seed: int) -> tuple[Any, Any, Any]:
+    """Random gate, up and down projections of every expert."""
     import torch  # noqa: PLC0415
 
+    generator = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) for _ in "gu")
+    return gate, up, torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator)
+
+
+def assert_packed_as_vllm_packs_the_layer(v: SimpleNamespace, layer: Any, weights: Any) -> None:
+    import torch  # noqa: PLC0415
+
+    gate, up, down = weights
+    isa = v.CPUUnquantizedExperts.isa
+    for name, raw in (("w13_weight", torch.cat([gate, up], dim=1)), ("w2_weight", down)):
+        packed = torch.empty_like(raw)
+        torch.ops._C.prepack_moe_weight(raw, packed, isa)
+        assert torch.equal(getattr(layer, name).data, packed), name
+
+
+@pytest.mark.parametrize("order", ["expert by expert", "all gates, then all ups and downs"])
+@pytest.mark.parametrize(
+    ("route", "as_stored"),
+    [
+        ("all through vLLM's loader", False),
+        ("all as stored", True),
+        ("odd experts through vLLM's loader", True),
+    ],
+)
+def test_staged_experts_are_prepacked_as_vllm_packs_the_layer(vllm_moe, order, route, as_stored):
+    """Shards vLLM's loader would copy unchanged are prepacked from the checkpoint's tensors
+    without calling it; the rest (here: not contiguous, as a transposed checkpoint would be)
+    through it; in any mix and load order, the bytes vLLM's packing of the layer gives."""
     from worker.engines.vllm_extension import _StagedExperts  # noqa: PLC0415
 
-    layer = staged_layer(vllm_moe)
-    generator = torch.Generator().manual_seed(1)
-    gate, up = (torch.randn(EXPERTS, INTERMEDIATE, HIDDEN, generator=generator) for _ in "gu")
-    down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator)
+    layer = staged_layer(vllm_moe, as_stored=as_stored)
+    weights = gate, up, down = expert_weights(1)
     loads = [
         (name, shard, e, tensor[e])
         for e in range(EXPERTS)
@@ -214,6 +280,9 @@ def test_staged_experts_are_prepacked_as_vllm_packs_the_layer_in_any_load_order(
     ] + [("w2_weight", "w2", e, down[e]) for e in range(EXPERTS)]
     if order != "expert by expert":
         loads.sort(key=lambda load: load[1] != "w1")
+    if route.startswith("odd"):
+        # The same values, not contiguous.
+        loads = [(n, s, e, t.t().contiguous().t() if e % 2 else t) for n, s, e, t in loads]
     staged = _StagedExperts()
     staged.install([layer])
     try:
@@ -223,13 +292,61 @@ def test_staged_experts_are_prepacked_as_vllm_packs_the_layer_in_any_load_order(
         staged.check_complete()
     finally:
         staged.uninstall()
-    isa = vllm_moe.CPUUnquantizedExperts.isa
-    for name, raw in (("w13_weight", torch.cat([gate, up], dim=1)), ("w2_weight", down)):
-        packed = torch.empty_like(raw)
-        torch.ops._C.prepack_moe_weight(raw, packed, isa)
-        assert torch.equal(getattr(layer, name).data, packed), name
+    assert_packed_as_vllm_packs_the_layer(vllm_moe, layer, weights)
+    loader = layer.w2_weight.weight_loader
+    through_loader = {
+        "all through vLLM's loader": len(loads),
+        "all as stored": 0,
+        "odd experts through vLLM's loader": len(loads) // 2,
+    }
+    assert loader.calls == through_loader[route]
     # The loaders are vLLM's again.
-    assert layer.w2_weight.weight_loader.__name__ == "weight_loader"
+    assert isinstance(loader, CountedLoader)
+    assert layer.w13_weight.weight_loader is loader
+
+
+def test_shards_loaded_in_parts_that_interleave_are_prepacked_whole(vllm_moe):
+    """A shard vLLM's loader writes in several calls is prepacked once all of it is in, also
+    when another expert's loads come in between (the one-expert slot moves into a buffer of
+    the whole weight)."""
+    from worker.engines.vllm_extension import _StagedExperts  # noqa: PLC0415
+
+    layer = staged_layer(vllm_moe)
+    weights = gate, up, down = expert_weights(2)
+    halves: dict[tuple[int, str], int] = {}
+
+    def by_halves(
+        param: Any, loaded_weight: Any, weight_name: str, shard_id: str, expert_id: int
+    ) -> None:
+        # Each call writes the next half of the shard's rows.
+        part = halves.get((expert_id, shard_id), 0)
+        halves[(expert_id, shard_id)] = part + 1
+        rows = loaded_weight.shape[0]
+        first = {"w1": 0, "w3": 2 * rows, "w2": 0}[shard_id] + part * rows
+        param.data[expert_id].narrow(0, first, rows).copy_(loaded_weight)
+
+    layer.w13_weight.weight_loader = by_halves
+    layer.w2_weight.weight_loader = by_halves
+    loads = [
+        (name, shard, e, tensor[e].chunk(2)[part])
+        for part in (0, 1)
+        for e in range(EXPERTS)
+        for name, shard, tensor in (
+            ("w13_weight", "w1", gate),
+            ("w13_weight", "w3", up),
+            ("w2_weight", "w2", down),
+        )
+    ]
+    staged = _StagedExperts()
+    staged.install([layer])
+    try:
+        for name, shard, e, tensor in loads:
+            param = getattr(layer, name)
+            param.weight_loader(param, tensor, name, shard, e)
+        staged.check_complete()
+    finally:
+        staged.uninstall()
+    assert_packed_as_vllm_packs_the_layer(vllm_moe, layer, weights)
 
 
 def test_staged_experts_refuse_a_missing_expert_and_a_load_of_several(vllm_moe):

@@ -314,6 +314,15 @@ def without_one_expert(tensors: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in tensors.items() if k != name}
 
 
+def odd_experts_in_float64(tensors: dict[str, Any]) -> dict[str, Any]:
+    # The same values (float64 holds every float32); vLLM's loader converts them as it copies.
+    def odd_expert(name: str) -> bool:
+        _, found, rest = name.partition(".experts.")
+        return bool(found) and int(rest.split(".", maxsplit=1)[0]) % 2 == 1
+
+    return {k: v.double() if odd_expert(k) else v for k, v in tensors.items()}
+
+
 def split_by_projection(checkpoint: Path, into: Path) -> Path:
     """A copy of `checkpoint` in two shards, every expert's gate projection in the first: each
     expert's gate and up projections arrive far apart, the experts' loads interleave."""
@@ -336,11 +345,12 @@ def split_by_projection(checkpoint: Path, into: Path) -> Path:
 
 async def both_reload_paths_load_a_fresh_model(s: Session, a: Path, b: Path, root: Path) -> None:
     """The updates above took the direct path (vLLM's CPU MoE kernel, unquantized: each
-    expert prepacked into the kernel's storage as soon as it is loaded); vLLM's layerwise
+    expert's shard prepacked into the kernel's storage as soon as it is loaded); vLLM's layerwise
     reload, its fallback, loads the same model; so does the direct path when the experts'
-    loads interleave; a checkpoint that leaves an expert out fails the direct path, and A
-    loads again after it. Through the RPC, behind the worker's back
-    (it still serves A as version `at(3)` when this returns)."""
+    loads interleave, and when half the experts' shards must go through vLLM's loader (stored
+    in another dtype) and the rest are prepacked as stored; a checkpoint that leaves an
+    expert out fails the direct path, and A loads again after it. Through the RPC, behind the
+    worker's back (it still serves A as version `at(3)` when this returns)."""
     llm = s.engine.async_llm
     fresh_a, fresh_b = s.fresh(a, greedy("x", 16))[0], s.fresh(b, greedy("x", 16))[0]
     assert await reload_in_place(llm, a) == {
@@ -360,6 +370,13 @@ async def both_reload_paths_load_a_fresh_model(s: Session, a: Path, b: Path, roo
     assert (await reload_in_place(llm, split))["path"] == "direct"
     assert await llm.reset_prefix_cache()
     assert_same_answer(await s.run(greedy("split-b", 16)), fresh_b)
+    # Half the experts' shards through vLLM's loader (it converts them), half prepacked as
+    # stored, in one layer.
+    wide = changed_checkpoint(b, root / "b-odd-experts-float64", odd_experts_in_float64)
+    assert (await reload_in_place(llm, a))["path"] == "direct"
+    assert (await reload_in_place(llm, wide))["path"] == "direct"
+    assert await llm.reset_prefix_cache()
+    assert_same_answer(await s.run(greedy("float64-b", 16)), fresh_b)
     holed = changed_checkpoint(b, root / "without-one-expert", without_one_expert)
     with pytest.raises(WeightUpdateError, match=r"does not cover w2_weight of experts \[3\]"):
         await reload_in_place(llm, holed)
