@@ -90,6 +90,14 @@ class InFlight:
             await asyncio.gather(*pending, return_exceptions=True)
         return len(pending)
 
+    async def abort(self, partitions: set[TopicPartition] | None) -> None:
+        """`cancel`, and say so in the log: what a stop or a revoke does past its grace."""
+        if aborted := await self.cancel(partitions):
+            logger.info(
+                "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
+                aborted,
+            )
+
     def _tasks_of(self, partitions: set[TopicPartition] | None) -> list[asyncio.Task[None]]:
         return [t for t, (_, tp) in self._tasks.items() if partitions is None or tp in partitions]
 

@@ -2,7 +2,8 @@
 
 A fetched record goes down, never back: `AnswerBuilder` turns it into an answer, `Delivery`
 gets that acknowledged and finishes the offset on the `Committer`'s tracker, which commits it.
-The worker coordinates: the in-flight cap, the rebalance listener, the fatal flag, shutdown.
+The worker coordinates: the in-flight cap, the fatal flag, shutdown; `Rebalances`
+(`worker.loop.rebalance`) does what the group's rebalances ask of the partitions it holds.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from worker.engines.protocol import Engine
 from worker.loop.breaker import CrashLoopBreaker, Suspect, stop_blames_running_jobs
 from worker.loop.gate import Batch, PartitionGate
 from worker.loop.inflight import InFlight
+from worker.loop.rebalance import Rebalances
 from worker.loop.version_holds import VersionHolds
 from worker.loop.watchdog import Watchdog
 
@@ -126,18 +128,6 @@ class Worker:
             uncommitted_answers_max=self.max_in_flight,
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
-        # Partitions whose revoke callback is running: none of their records starts.
-        self._revoking: set[TopicPartition] = set()
-        # Revoked partitions whose jobs go on running until the next assignment says whether
-        # the partition came back (True: they are answered and committed here as if nothing
-        # happened) or moved (False: they are cancelled, their answers dropped unsent).
-        self._parked: dict[TopicPartition, asyncio.Future[bool]] = {}
-        # Partitions being revoked with a record started that will not run (`_not_run`).
-        self._not_to_keep: set[TopicPartition] = set()
-        # Partitions adopted since they were assigned: aiokafka may still position one at its
-        # committed offset after the rewind past its last start (its lookup of the committed
-        # offsets lands later), and the records up to that start were started here already.
-        self._adopted: set[TopicPartition] = set()
         self._breaker = CrashLoopBreaker(
             settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment
         )
@@ -169,6 +159,15 @@ class Worker:
             on_acknowledged=self._wake_breaker,
         )
         self._watchdog = Watchdog(settings, engine, self._delivery)
+        self._rebalances = Rebalances(
+            settings,
+            self.metrics,
+            jobs=self._jobs,
+            delivery=self._delivery,
+            committer=self._committer,
+            gate=self._gate,
+            has_room=lambda: self._in_flight() < self.max_in_flight,
+        )
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
         self.metrics.crash_suspects.set_function(self._breaker.suspects)
@@ -265,7 +264,7 @@ class Worker:
         runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
         for tp, fetched in batch.items():
             # Else revoked (or being revoked) since the fetch: the next owner reads it.
-            if tp in assigned and tp not in self._revoking and tp not in self._parked:
+            if tp in assigned and self._rebalances.may_start(tp):
                 runnable += self._runnable(tp, fetched)
         if chosen := self._breaker.chosen():
             runnable = await self._confirm_chosen(chosen, runnable)
@@ -292,14 +291,14 @@ class Worker:
             await self._committer.write_ahead()
         for tp, partition, record in runnable:
             if (
-                tp in self._revoking
+                self._rebalances.revoking(tp)
                 or not self._committer.holds(tp, partition)
                 or record.offset < partition.floor
             ):
                 # Revoked while the commit above was awaited (and maybe assigned back, from
                 # the committed position): its next owner runs it, and only once. Or answered
                 # by the last owner, whose hand-over that commit found landed after all.
-                self._not_run(tp, partition)
+                self._rebalances.not_run(tp, partition)
                 continue
             self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
 
@@ -333,20 +332,11 @@ class Worker:
         loop meanwhile): its owner now, maybe this member again, reads it from the committed
         position, and seeking a partition no longer assigned raises."""
         if not self._committer.holds(tp, partition):
-            self._not_run(tp, partition)
+            self._rebalances.not_run(tp, partition)
             return False
         partition.unstart(offset)
         self._gate.rewind(tp, offset)
         return True
-
-    def _not_run(self, tp: TopicPartition, partition: PartitionOffsets) -> None:
-        """A record started on `partition` will not run, and its start cannot be taken back:
-        the partition is revoked, or being revoked. Parked, it would count that record as
-        running for ever, and its commits would wait for it: it is not kept."""
-        if tp in self._revoking:
-            self._not_to_keep.add(tp)
-        elif self._committer.parked(tp) is partition:
-            self._committer.drop_parked(tp)
 
     def _runnable(
         self, tp: TopicPartition, fetched: list[ConsumerRecord[bytes, bytes]]
@@ -355,12 +345,9 @@ class Worker:
         weights, or behind a suspect of a crash) are fetched again later; those answered
         before a crash or rebalance are skipped; those in flight at too many crashes are
         answered at once, without running."""
-        if tp in self._adopted:
-            last = self._committer.partition(tp).last_started
-            if last is not None:
-                fetched = [record for record in fetched if record.offset > last]
-                if not fetched:
-                    return []
+        fetched = self._rebalances.not_started(tp, fetched)
+        if not fetched:
+            return []
         if self._breaker.blocks(tp):
             # Suspects of a crash run alone: nothing of any partition starts beside them.
             self._gate.rewind(tp, fetched[0].offset)
@@ -409,14 +396,7 @@ class Worker:
                 answer = await self._answers.answer(tp, record, expired=expired)
             # Answered while its partition was revoked: sent only if it comes back here, or
             # its next owner, running it again, would send a second answer.
-            parked = self._parked.get(tp)
-            if (
-                parked is not None
-                and (
-                    self._committer.parked(tp) is partition or self._committer.holds(tp, partition)
-                )
-                and not await asyncio.shield(parked)
-            ):
+            if not await self._rebalances.answer_stays(tp, partition):
                 logger.info(
                     "job at %s-%s@%s answered after its partition moved; its answer is "
                     "dropped, the new owner runs it",
@@ -513,117 +493,10 @@ class Worker:
         self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Let the revoked partitions' jobs finish for a bounded time, hand them over, and park
-        those with jobs still running until the next assignment (`on_partitions_assigned`)."""
-        # Parked at an earlier revoke and not assigned since: decided at the next assignment.
-        revoked = revoked - set(self._parked)
-        # The callback runs beside the loop, and the partitions stay assigned until it returns:
-        # nothing of theirs may start meanwhile, or it would run after the hand-over, and
-        # again at the next owner.
-        self._revoking |= revoked
-        # Held no longer: a supervisor (or a chaos harness) reading the gauge during the
-        # rebalance must not take this worker for one serving them.
-        self.metrics.assigned_partitions.set(len(self._gate.assignment() - revoked))
-        try:
-            grace = self._settings.revoke_grace_s
-            if busy := self._jobs.busy(revoked):
-                logger.info(
-                    "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
-                )
-            deadline = time.monotonic() + grace
-            await self._jobs.settle(revoked, grace)
-            # A rebalance moves few partitions, or none (a member restarting, joining or
-            # leaving elsewhere), but the group's protocol revokes them all: cancelling every
-            # job past the grace left a job longer than the time between rebalances never
-            # finishing anywhere (simulation seed 500003: a member crash-looping on a killer
-            # record rebalanced the group every 7 s; a 20 s suspect running alone restarted
-            # at each and held its worker for 150 s). Partitions with jobs running are handed
-            # over as running and parked: their jobs and answers on their way go on, and an
-            # answer finished meanwhile waits for the verdict rather than being sent.
-            running = {tp for tp in revoked if self._jobs.busy({tp})} - self._not_to_keep
-            loop = asyncio.get_running_loop()
-            self._parked |= {tp: loop.create_future() for tp in running}
-            await self._delivery.settle(revoked - running, deadline)
-            kept: set[TopicPartition] = set()
-            try:
-                kept = await self._committer.revoked(revoked, keep=running)
-                # Not kept after all: a record started meanwhile that will not run
-                # (`_not_run`), or a stop began meanwhile and decided its jobs already.
-                for tp in kept.copy():
-                    decision = self._parked.get(tp)
-                    if tp in self._not_to_keep or decision is None or decision.done():
-                        self._committer.drop_parked(tp)
-                        kept.discard(tp)
-            finally:
-                # Not kept (the hand-over timed out): cancelled, as the grace's end does.
-                for tp in running - kept:
-                    if (decision := self._parked.pop(tp, None)) is not None:
-                        decision.set_result(False)
-            await self._abort(revoked - kept)
-            await self._delivery.settle(running - kept, time.monotonic())
-            self._gate.forget(revoked - kept)
-            if kept:
-                logger.info(
-                    "%d jobs of %s run on through the rebalance",
-                    self._jobs.busy(kept),
-                    sorted(map(str, kept)),
-                )
-        finally:
-            self._revoking -= revoked
-            self._not_to_keep -= revoked
-            self._adopted -= revoked
+        await self._rebalances.revoked(revoked)
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        # aiokafka builds fresh, unpaused state for every assigned partition, positioned at
-        # the committed offset: paused before anything is awaited, until the offset maps are
-        # read (or a parked partition's own state taken back), and paused again after that
-        # while at the cap.
-        self._gate.pause(assigned)
-        # Parked partitions assigned back unchanged go on where they were; the rest moved.
-        adopted = await self._committer.adopt(assigned)
-        for tp in adopted:
-            # Past the last record started: below it, every record runs or was answered here.
-            last = self._committer.partition(tp).last_started
-            if last is not None:
-                self._gate.rewind(tp, last + 1)
-        self._adopted |= adopted
-        await self._decide_parked(adopted)
-        self._gate.joined()
-        for tp, position in (await self._committer.assigned(assigned)).items():
-            self._gate.rewind(tp, position)
-        if adopted:
-            logger.info(
-                "%s came back unchanged: %d jobs running on",
-                sorted(map(str, adopted)),
-                self._jobs.busy(adopted),
-            )
-            # The hand-over named them running but blamed nothing: a death now must.
-            self._committer.tick(due=True)
-        if assigned and self._in_flight() < self.max_in_flight:
-            self._gate.resume(assigned)
-        self.metrics.assigned_partitions.set(len(self._gate.assignment()))
-        logger.info("assigned %s", sorted(map(str, assigned)))
-
-    async def _decide_parked(self, adopted: set[TopicPartition]) -> None:
-        """The parked partitions not `adopted` moved: their jobs are cancelled (those answered
-        meanwhile drop their answers), and whatever held them is forgotten."""
-        parked, self._parked = self._parked, {}
-        moved = set(parked) - adopted
-        for tp, decision in parked.items():
-            decision.set_result(tp in adopted)
-        if moved:
-            # Cancelled before anything is awaited: none may send an answer meanwhile.
-            if cancelled := await self._jobs.cancel(moved):
-                logger.info(
-                    "%s moved to another member: %d jobs still running cancelled",
-                    sorted(map(str, moved)),
-                    cancelled,
-                )
-            # Answers on their way are the new owner's to give (`Delivery.settle`).
-            await self._delivery.settle(moved, time.monotonic())
-            # One whose revoke is still under way (a stop began meanwhile) is forgotten there,
-            # after its hand-over: forgotten now, it would not be handed over at all.
-            self._gate.forget(moved - self._revoking)
+        await self._rebalances.assigned(assigned)
 
     async def _drain(self) -> None:
         """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
@@ -631,8 +504,7 @@ class Worker:
         # the hand-over gets it either way, to wait out a coordinator that is away.
         grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
         # Revoked and never assigned back: their jobs are the next owner's to run.
-        await self._committer.adopt(set())
-        await self._decide_parked(set())
+        await self._rebalances.stopping()
         grace_ends = self._grace_ends = time.monotonic() + self._settings.shutdown_grace_s
         # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
         clean = not stop_blames_running_jobs(self._fatal)
@@ -672,16 +544,7 @@ class Worker:
         deadline = time.monotonic() + grace_s
         await self._jobs.settle(partitions, grace_s)
         await self._delivery.settle(partitions, deadline)
-        await self._abort(partitions)
-
-    async def _abort(self, partitions: set[TopicPartition] | None) -> None:
-        """Cancel the jobs of `partitions` (all when None) still running: their offsets stay
-        unfinished, so their records are redelivered."""
-        if aborted := await self._jobs.cancel(partitions):
-            logger.info(
-                "aborted %d unfinished jobs; they stay uncommitted and will be redelivered",
-                aborted,
-            )
+        await self._jobs.abort(partitions)
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]
