@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import mmap
 import os
@@ -404,19 +405,21 @@ def prepack_seconds(files: list[Path]) -> tuple[float, int]:
     try:
         best, size = float("inf"), 0
         for _ in range(3):
-            t0, size, written = time.perf_counter(), 0, dict[tuple[int, ...], int]()
+            t0, size, written = time.perf_counter(), 0, collections.Counter[tuple[int, ...]]()
             for path in files:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is no mapping
                         if ".experts." not in name:
                             continue
                         shard = f.get_tensor(name).unsqueeze(0)
-                        outs = packed.setdefault(tuple(shard.shape), [])
+                        shape = tuple(shard.shape)
+                        outs = packed.setdefault(shape, [])
                         if len(outs) < PACKED_OUTPUTS:
                             outs.append(torch.empty_like(shard))
-                        out = outs[written.get(tuple(shard.shape), 0) % len(outs)]
-                        written[tuple(shard.shape)] = written.get(tuple(shard.shape), 0) + 1
-                        torch.ops._C.prepack_moe_weight(shard, out, "vec")
+                        torch.ops._C.prepack_moe_weight(
+                            shard, outs[written[shape] % len(outs)], "vec"
+                        )
+                        written[shape] += 1
                         size += shard.numel() * shard.element_size()
             best = min(best, time.perf_counter() - t0)
     finally:

@@ -244,21 +244,16 @@ class _StagedExperts:
         self._free.clear()
 
 
+@functools.cache
 def w13_halves_pack_apart(rows: int, columns: int, dtype: Any, isa: str) -> bool:
     """Whether the CPU MoE kernel packs the first and the second half of an expert's `w13`
     rows (w1's and w3's) into the first and the second half of its packed bytes, each on its
     own: what lets the direct path prepack each shard as it arrives. Read from the kernel
     itself, on a random expert of this shape (a few milliseconds, once per shape)."""
-    return _halves_pack_apart(rows, columns, str(dtype), isa)
-
-
-@functools.cache
-def _halves_pack_apart(rows: int, columns: int, dtype_name: str, isa: str) -> bool:
     import torch  # noqa: PLC0415
 
     if rows % 2:
         return False
-    dtype = getattr(torch, dtype_name.removeprefix("torch."))
     raw = torch.randn((1, rows, columns), generator=torch.Generator().manual_seed(0)).to(dtype)
     whole, halves = torch.empty_like(raw), torch.empty_like(raw)
     flat, half = halves.view(-1), rows // 2 * columns
