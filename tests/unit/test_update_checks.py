@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from schemas import Job, SamplingSpec, UpdateWeights, WorkerStatus, encode
-from tests.unit.test_checkpoint_bytes import SERVED, checkpoint
+from tests.unit.test_checkpoint_bytes import SERVED, TENSORS, checkpoint, write_shard
 from tests.unit.test_control_fuzz import caught_up_plane
 from worker.core.errors import WeightsLostError, WeightUpdateError
 from worker.dev.harness.waiting import wait_for
@@ -234,6 +235,54 @@ async def test_after_a_transfer_there_is_nothing_to_roll_back_to(weights, monkey
     with pytest.raises(WeightsLostError, match="came from a transfer"):
         await loads.load(str(root / "nan"), 2)
     assert host.weight_version == 1
+
+
+async def test_an_in_place_update_missing_a_weight_is_refused_before_the_engine_is_touched(
+    weights,
+):
+    loads, host, root = weights
+    partial = root / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    write_shard(partial / "model.safetensors", {"a.weight": TENSORS["a.weight"]})
+    with pytest.raises(WeightUpdateError, match=r"does not hold every weight.*b\.weight missing"):
+        await loads.load(str(partial), 1)
+    assert (host.llm.loaded, host.serving, host.weight_version) == ([], "a", 0)
+
+
+async def test_an_in_place_update_changing_the_config_is_refused_before_the_engine_is_touched(
+    weights,
+):
+    loads, host, root = weights
+    (root / "b" / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "rope_theta": 1e6}))
+    with pytest.raises(WeightUpdateError, match=r"changes the model's config \(rope_theta"):
+        await loads.load(str(root / "b"), 1)
+    assert (host.llm.loaded, host.serving, host.weight_version) == ([], "a", 0)
+
+
+def rewrite(checkpoint: Path) -> None:
+    """Other weights in the same files: what a trainer writing one fixed directory leaves."""
+    shard = checkpoint / "model.safetensors"
+    write_shard(shard, {name: array + 1 for name, array in TENSORS.items()})
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+
+
+@pytest.mark.parametrize("served", ["the checkpoint the engine was built on", "an update"])
+async def test_a_rollback_to_a_checkpoint_rewritten_since_it_was_loaded_loses_the_weights(
+    weights, served
+):
+    loads, host, root = weights
+    before, version = root / "a", 0
+    if served == "an update":
+        await loads.load(str(root / "b"), 1)
+        before, version = root / "b", 1
+    rewrite(before)
+    host.nan.add("nan")
+    with pytest.raises(WeightsLostError, match=f"{before} changed on disk since it was loaded"):
+        await loads.load(str(root / "nan"), 2)
+    # Not loaded again: its files now hold other weights than version `version` had.
+    assert host.llm.loaded[-1] == "nan" and host.weight_version == version
 
 
 async def _noop(*args: Any, **kwargs: Any) -> None:

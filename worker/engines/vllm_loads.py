@@ -34,7 +34,15 @@ from worker.engines.vllm_reload import (
     reload_in_place,
     same_model_after_reload,
 )
-from worker.engines.vllm_weights import check_checkpoint, tensor_shapes, transfer_weights
+from worker.engines.vllm_weights import (
+    ServedCheckpoint,
+    check_checkpoint,
+    check_in_place,
+    checkpoint_fingerprint,
+    served_checkpoint,
+    tensor_shapes,
+    transfer_weights,
+)
 
 __all__ = ["EngineHost", "ReloadChoice", "WeightLoads", "local_checkpoint"]
 
@@ -100,6 +108,10 @@ def local_checkpoint(vllm_config: Any) -> Path | None:
     return path.resolve() if (path / "config.json").is_file() else None
 
 
+#: What a rollback loads: a checkpoint and its fingerprint when loaded, or None (a transfer).
+_Previous = tuple[Path, str] | None
+
+
 class WeightLoads:
     """Checkpoint loads and weight transfers into `host`, and the prefix cache around them."""
 
@@ -117,6 +129,14 @@ class WeightLoads:
         # The checkpoint the served weights came from (None after a transfer): where a failed
         # in-place load goes back to.
         self._checkpoint = local_checkpoint(host.vllm_config)
+        # What that checkpoint's files were when its weights were loaded: a rollback loads it
+        # again only if they still are, or it would serve other weights under the old version.
+        self._fingerprint = (
+            None if self._checkpoint is None else checkpoint_fingerprint(self._checkpoint)
+        )
+        # What an in-place update must fill and keep, read from the checkpoint the engine was
+        # built on (in place never changes it).
+        self._built_on: ServedCheckpoint | None = None
         # Tensor shapes of the checkpoint the engine was built on: what every update must match.
         self._shapes: dict[str, tuple[int, ...]] | None = None
         # A prefix-cache reset refused while requests held blocks (frozen across an update):
@@ -128,7 +148,7 @@ class WeightLoads:
         self._loads = 0
         # A load while requests were frozen: the probe it owes runs after the thaw, and what
         # to roll back to when it fails (the checkpoint, its version, the update's name).
-        self._unproven: tuple[Path | None, int, str] | None = None
+        self._unproven: tuple[_Previous, int, str] | None = None
 
     @property
     def reload(self) -> WeightReload:
@@ -170,30 +190,47 @@ class WeightLoads:
     async def verify(self, path: str) -> Path:
         """`path`, resolved, if it holds a checkpoint the served model can load: the
         architecture, every tensor's shape, and every shard's bytes (one cut short is found
-        here, before anything is paused); WeightUpdateError saying what does not fit."""
+        here, before anything is paused); WeightUpdateError saying what does not fit. In place,
+        also every weight of the served model and the same config (`check_in_place`): the
+        reload reads tensors only."""
         host = self._host
+        built_on = local_checkpoint(host.vllm_config)
         if self._shapes is None:
-            built_on = local_checkpoint(host.vllm_config)
             self._shapes = (
                 {} if built_on is None else await asyncio.to_thread(tensor_shapes, built_on)
             )
         served = host.vllm_config.model_config.hf_config
-        return await asyncio.to_thread(check_checkpoint, Path(path), served, self._shapes)
+        checkpoint = await asyncio.to_thread(check_checkpoint, Path(path), served, self._shapes)
+        if self._reload.mode == "in-place":
+            if built_on is None:
+                raise WeightUpdateError(
+                    "the served model is not a local checkpoint: nothing says what an in-place "
+                    "update must fill"
+                )
+            if self._built_on is None or self._built_on.path != built_on:
+                self._built_on = await asyncio.to_thread(served_checkpoint, built_on, served)
+            await asyncio.to_thread(check_in_place, checkpoint, self._built_on)
+        return checkpoint
 
     async def load(self, path: str, version: int) -> None:
         """Serve the checkpoint at `path` as `version`. A checkpoint that does not fit the
         served model is refused before anything changes; a load or a check after it that
         fails puts the old weights back (WeightUpdateError), or cannot (WeightsLostError)."""
         checkpoint = await self.verify(path)
+        # Taken after the checks: the files as they were checked (and, an instant later, read).
+        fingerprint = await asyncio.to_thread(checkpoint_fingerprint, checkpoint)
         if self._reload.mode == "in-place":
             await self._load_in_place(checkpoint, version)
         else:
             await self._rebuild_on(checkpoint, version)
-        self._checkpoint = checkpoint
+        self._checkpoint, self._fingerprint = checkpoint, fingerprint
+
+    def _previous(self) -> _Previous:
+        return None if self._checkpoint is None else (self._checkpoint, self._fingerprint or "")
 
     async def _load_in_place(self, checkpoint: Path, version: int) -> None:
         host = self._host
-        previous, previous_version = self._checkpoint, host.weight_version
+        previous, previous_version = self._previous(), host.weight_version
         what = f"the update to {checkpoint} (version {version})"
         try:
             await reload_in_place(host.running_llm(), checkpoint)
@@ -228,15 +265,25 @@ class WeightLoads:
             return str(exc)
         return None if not names else f"parameters hold NaN or infinity: {', '.join(names)}"
 
-    async def _roll_back(self, previous: Path | None, version: int, reason: str) -> NoReturn:
-        """Load `previous` again in place, serving `version`, and raise WeightUpdateError
-        with `reason`; WeightsLostError when that cannot be done or its weights fail the
-        check (the probe only when nothing is frozen: those weights passed it before). Either
-        way the engine reports `version` again."""
-        if previous is None:
+    async def _roll_back(self, before: _Previous, version: int, reason: str) -> NoReturn:
+        """Load the checkpoint `before` again in place, serving `version`, and raise
+        WeightUpdateError with `reason`; WeightsLostError when that cannot be done (its files
+        changed since it was loaded: a trainer that rewrites one directory) or its weights fail
+        the check (the probe only when nothing is frozen: those weights passed it before).
+        Either way the engine reports `version` again."""
+        if before is None:
             await self._host.stamp_version(version)
             raise WeightsLostError(
                 f"{reason}; the weights before it came from a transfer and cannot be loaded again"
+            )
+        previous, fingerprint = before
+        now = await asyncio.to_thread(checkpoint_fingerprint, previous)
+        if now != fingerprint:
+            await self._host.stamp_version(version)
+            raise WeightsLostError(
+                f"{reason}; the previous checkpoint {previous} changed on disk since it was "
+                f"loaded (its files' sizes, times or headers), so loading it again would not "
+                f"serve the weights of version {version}"
             )
         logger.warning("%s: loading %s again in place", reason, previous)
         try:
@@ -246,7 +293,7 @@ class WeightLoads:
             raise WeightsLostError(
                 f"{reason}; loading the previous checkpoint again failed too: {exc}"
             ) from exc
-        self._checkpoint = previous
+        self._checkpoint, self._fingerprint = previous, fingerprint
         await self._serve(version)
         problem = await self._nonfinite()
         if problem is None and not self._host.frozen:
@@ -328,8 +375,8 @@ class WeightLoads:
             version,
         )
         self._transfer_ready = True
-        previous, previous_version = self._checkpoint, self._host.weight_version
-        self._checkpoint = None
+        previous, previous_version = self._previous(), self._host.weight_version
+        self._checkpoint = self._fingerprint = None
         self._loads += 1
         await self._host.stamp_version(version, in_vllm=False)
         await self.reset_cache()

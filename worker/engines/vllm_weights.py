@@ -6,14 +6,28 @@ refused while the old weights still serve.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from worker.core.errors import WeightUpdateError
 
-__all__ = ["check_checkpoint", "model_of", "tensor_shapes", "transfer_weights", "with_model"]
+__all__ = [
+    "ServedCheckpoint",
+    "check_checkpoint",
+    "check_in_place",
+    "checkpoint_fingerprint",
+    "loaded_pieces",
+    "model_of",
+    "served_checkpoint",
+    "tensor_shapes",
+    "transfer_weights",
+    "with_model",
+]
 
 # A checkpoint must agree with the served model on these to be loaded into it.
 _ARCHITECTURE_KEYS: Final = (
@@ -190,6 +204,300 @@ def check_checkpoint(
                 f"{list(theirs_shape)}, the served one {list(shape)}"
             )
     return path.resolve()
+
+
+# Keys of `config.json` that no forward pass reads, so a checkpoint may change them and still be
+# loaded in place. Any other difference changes what a fresh engine on the checkpoint computes
+# (`rope_theta`, `rms_norm_eps`, `tie_word_embeddings`, `eos_token_id`, ...), and an in-place
+# reload reads tensors only: the engine would go on computing with the served config.
+_FORWARD_NEUTRAL_CONFIG_KEYS: Final = frozenset(
+    {
+        "_name_or_path",  # where transformers read the config from
+        "transformers_version",  # the version that wrote it
+        "use_cache",  # HF generate's own KV cache switch; vLLM always caches
+        "output_router_logits",  # HF returns router logits for the training loss
+        "router_aux_loss_coef",  # that loss's weight
+        "initializer_range",  # random initialisation only
+        "pad_token_id",  # HF pads batches with it; vLLM never pads a sequence
+    }
+)
+# Keys of `generation_config.json` that change no request: vLLM takes its default sampling
+# parameters and stop tokens from the rest (`ModelConfig.get_diff_sampling_param`,
+# `try_get_generation_config`), once, when the engine starts.
+_GENERATION_NEUTRAL_KEYS: Final = frozenset({"transformers_version", "_from_model_config"})
+# The same key under the names transformers 4 and 5 write.
+_CONFIG_KEY_ALIASES: Final = {"torch_dtype": "dtype"}
+
+# vLLM's checkpoint-name mapping for Qwen3-MoE (`Qwen3MoeModel.hf_to_vllm_mapper` in
+# vllm/model_executor/models/qwen3_moe.py): each of these parts is loaded into a shard of one
+# fused parameter. The first substring a name holds is replaced, as `WeightsMapper` does.
+_FUSED_PARTS: Final = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".mlp.gate_proj": (".mlp.gate_up_proj", "0"),
+    ".mlp.up_proj": (".mlp.gate_up_proj", "1"),
+    ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", "0"),
+    ".shared_expert.up_proj": (".shared_expert.gate_up_proj", "1"),
+}
+# Every shard a fused parameter has: a checkpoint that fills one fills them all.
+_FUSED_SHARDS: Final = {".qkv_proj": ("q", "k", "v"), "gate_up_proj": ("0", "1")}
+# Names Qwen3-MoE's loader drops without a word when the model has no such parameter
+# (`Qwen3MoeModel.load_weights`' ignore_unexpected_suffixes; `RoutedExperts.load_weights`
+# skips expert biases). A fresh engine drops them too.
+_IGNORED_SUFFIXES: Final = (
+    ".bias",
+    "_bias",
+    ".weight_scale",
+    "_weight_scale",
+    ".input_scale",
+    "_input_scale",
+)
+# One expert's weight (`RoutedExperts.build_expert_params_mapping`' per-expert entries, and the
+# per-expert `gate_up_proj` its fused entries split in halves along the rows).
+_ONE_EXPERT: Final = re.compile(
+    r"(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|gate_up_proj)"
+    r"\.weight"
+)
+# Every expert in one tensor (experts, rows, columns): the fused entries, `experts.gate_up_proj`
+# chunked in two along dimension 1 into w1 and w3, `experts.down_proj` as w2.
+_ALL_EXPERTS: Final = re.compile(
+    r"(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(\.weight)?"
+)
+_EXPERT_SHARDS: Final = {"gate_proj": ("w1",), "up_proj": ("w3",), "down_proj": ("w2",)}
+
+#: A piece of the served model a checkpoint tensor fills, and the shape it fills it with (None:
+#: the shard vLLM's fused parameter has, whose shape the built-on checkpoint does not say).
+Pieces = dict[str, tuple[int, ...] | None]
+
+
+def _halves(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes `torch.chunk(2, dim)` gives."""
+    first = (shape[dim] + 1) // 2
+    return (
+        (*shape[:dim], first, *shape[dim + 1 :]),
+        (*shape[:dim], shape[dim] - first, *shape[dim + 1 :]),
+    )
+
+
+def _pieces_of(name: str, shape: tuple[int, ...]) -> Pieces:
+    """The pieces of the model one checkpoint tensor fills, named `parameter#shard` where vLLM
+    loads it into a shard of a fused parameter (an expert's shard: `w13_weight#<expert>.w1`)."""
+    one = _ONE_EXPERT.fullmatch(name)
+    if one is not None and len(shape) == 2:
+        experts, expert, proj = one["experts"], int(one["expert"]), one["proj"]
+        if proj == "gate_up_proj":
+            w1, w3 = _halves(shape, 0)
+            return {
+                f"{experts}.w13_weight#{expert}.w1": w1,
+                f"{experts}.w13_weight#{expert}.w3": w3,
+            }
+        param = "w2_weight" if proj == "down_proj" else "w13_weight"
+        return {f"{experts}.{param}#{expert}.{_EXPERT_SHARDS[proj][0]}": shape}
+    every = _ALL_EXPERTS.fullmatch(name)
+    if every is not None and len(shape) == 3:
+        experts = every["experts"]
+        if every["proj"] == "down_proj":
+            return {f"{experts}.w2_weight#{e}.w2": shape[1:] for e in range(shape[0])}
+        w1, w3 = _halves(shape, 1)
+        pieces: Pieces = {}
+        for e in range(shape[0]):
+            pieces[f"{experts}.w13_weight#{e}.w1"] = w1[1:]
+            pieces[f"{experts}.w13_weight#{e}.w3"] = w3[1:]
+        return pieces
+    for part, (fused, shard) in _FUSED_PARTS.items():
+        if part in name:
+            return {f"{name.replace(part, fused, 1)}#{shard}": shape}
+    return {name: shape}
+
+
+def loaded_pieces(shapes: dict[str, tuple[int, ...]], *, tied: bool) -> tuple[Pieces, list[str]]:
+    """What a checkpoint whose tensors have `shapes` loads into the served model, and the names
+    vLLM's loader skips or ignores in it. `tied`: the served model's output head is its input
+    embedding, so vLLM skips `lm_head.*` (`AutoWeightsLoader._can_skip`, its tied aliases)."""
+    pieces: Pieces = {}
+    ignored: list[str] = []
+    for name, shape in shapes.items():
+        if (tied and name.startswith("lm_head.")) or name.endswith(_IGNORED_SUFFIXES):
+            ignored.append(name)
+            continue
+        pieces.update(_pieces_of(name, shape))
+    return pieces, ignored
+
+
+def _complete(pieces: Pieces, num_experts: int) -> Pieces:
+    """`pieces` with every other shard of each fused parameter they touch: all of q, k and v;
+    both halves of `gate_up_proj`; w1, w3 and w2 of every expert of each MoE layer. vLLM's own
+    check after a load counts a fused parameter as loaded when any one shard was
+    (`weights_not_loaded` in model_loader/default_loader.py and reload/inplace.py)."""
+    whole: Pieces = dict(pieces)
+    for key in pieces:
+        param, _, shard = key.partition("#")
+        if not shard:
+            continue
+        if param.endswith((".w13_weight", ".w2_weight")):
+            experts = param.rsplit(".", 1)[0]
+            for e in range(num_experts):
+                for expert_shard in (
+                    f"w13_weight#{e}.w1",
+                    f"w13_weight#{e}.w3",
+                    f"w2_weight#{e}.w2",
+                ):
+                    whole.setdefault(f"{experts}.{expert_shard}", None)
+            continue
+        for fused, shards in _FUSED_SHARDS.items():
+            if param.endswith(f"{fused}.weight") or param.endswith(fused):
+                for other in shards:
+                    whole.setdefault(f"{param}#{other}", None)
+    return whole
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any] | None:
+    """The JSON object in `path`, None when there is no such file."""
+    try:
+        parsed = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise WeightUpdateError(f"{what} {path} is unreadable: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise WeightUpdateError(f"{what} {path} is not a JSON object")
+    return parsed
+
+
+def _normalised(config: dict[str, Any]) -> dict[str, Any]:
+    return {_CONFIG_KEY_ALIASES.get(key, key): value for key, value in config.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ServedCheckpoint:
+    """The checkpoint a running engine was built on: what an in-place reload must fill, and the
+    config the engine computes with whatever it reloads."""
+
+    path: Path
+    #: Every piece of the served model, and the shape the built-on checkpoint gave it.
+    pieces: Pieces
+    config: dict[str, Any]
+    generation_config: dict[str, Any] | None
+    tied: bool
+    num_experts: int
+
+
+def served_checkpoint(path: Path, served: Any) -> ServedCheckpoint:
+    """`ServedCheckpoint` of the checkpoint at `path` that an engine serving `served` (its HF
+    config) was built on. vLLM's first load refuses a checkpoint that leaves any parameter
+    unloaded, so its tensors name every parameter the served model has."""
+    config = _read_json(path / "config.json", "config")
+    if config is None:
+        raise WeightUpdateError(f"the served checkpoint {path} has no config.json")
+    tied = bool(getattr(served, "tie_word_embeddings", False))
+    num_experts = int(getattr(served, "num_experts", None) or 0)
+    pieces, _ = loaded_pieces(tensor_shapes(path), tied=tied)
+    return ServedCheckpoint(
+        path=path,
+        pieces=_complete(pieces, num_experts),
+        config=_normalised(config),
+        generation_config=_read_json(path / "generation_config.json", "generation config"),
+        tied=tied,
+        num_experts=num_experts,
+    )
+
+
+_ABSENT: Final = object()
+
+
+def _changed_keys(
+    ours: dict[str, Any] | None, theirs: dict[str, Any] | None, neutral: frozenset[str]
+) -> list[str]:
+    ours, theirs = ours or {}, theirs or {}
+    return sorted(
+        key
+        for key in ours.keys() | theirs.keys()
+        if key not in neutral and ours.get(key, _ABSENT) != theirs.get(key, _ABSENT)
+    )
+
+
+def _listed(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def check_in_place(path: Path, built_on: ServedCheckpoint) -> None:
+    """WeightUpdateError unless loading the checkpoint at `path` in place into an engine built
+    on `built_on` leaves what a fresh engine on `path` would compute: the same config (but for
+    `_FORWARD_NEUTRAL_CONFIG_KEYS`) and generation config, and tensors that fill every piece
+    of the served model with its shape, and nothing the model does not load.
+
+    vLLM's in-place reload reads tensors only, and keeps the value a tensor it is not given
+    had before (it logs a warning), so a checkpoint without one tensor would serve the new
+    weights with the old one; and the output head of a checkpoint saved with tied embeddings
+    (no `lm_head.weight`) would stay the old one. Reads headers only."""
+    config = _normalised(_read_json(path / "config.json", "config") or {})
+    changed = _changed_keys(built_on.config, config, _FORWARD_NEUTRAL_CONFIG_KEYS)
+    if changed:
+        key = changed[0]
+        raise WeightUpdateError(
+            f"checkpoint {path} changes the model's config ({key}: "
+            f"{built_on.config.get(key, '(absent)')!r} -> {config.get(key, '(absent)')!r}"
+            f"{'; also ' + _listed(changed[1:]) if changed[1:] else ''}); an in-place reload "
+            "loads tensors only and would go on computing with the served config"
+        )
+    generation = _read_json(path / "generation_config.json", "generation config")
+    changed = _changed_keys(built_on.generation_config, generation, _GENERATION_NEUTRAL_KEYS)
+    if changed:
+        raise WeightUpdateError(
+            f"checkpoint {path} changes the generation config ({_listed(changed)}); the engine "
+            "reads it once, when it starts"
+        )
+    pieces, _ = loaded_pieces(tensor_shapes(path), tied=built_on.tied)
+    unknown = sorted(set(pieces) - set(built_on.pieces))
+    if unknown:
+        raise WeightUpdateError(
+            f"checkpoint {path} holds tensors the served model does not load: {_listed(unknown)}"
+        )
+    missing = sorted(set(built_on.pieces) - set(pieces))
+    if missing:
+        raise WeightUpdateError(
+            f"checkpoint {path} does not hold every weight of the served model: "
+            f"{_listed(missing)} missing (an in-place reload would keep their old values)"
+        )
+    for piece, shape in sorted(pieces.items()):
+        served_shape = built_on.pieces[piece]
+        if served_shape is not None and shape != served_shape:
+            raise WeightUpdateError(
+                f"checkpoint {path} does not fit the served model: {piece} has shape "
+                f"{list(shape or ())}, the served one {list(served_shape)}"
+            )
+
+
+# The files that decide what a checkpoint loads: vLLM reads the config, the index (which
+# shards to read) and the shards.
+_FINGERPRINTED: Final = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def checkpoint_fingerprint(path: Path) -> str:
+    """A digest of what the checkpoint at `path` loads, cheap enough to take at every update:
+    each weights file's name, size and modification time, each shard's safetensors header, and
+    the small JSON files whole. Hashing every byte would cost a read of the whole checkpoint
+    (tens of GB for a large MoE) per update. A rewrite in place changes the times, sizes or
+    headers; a copy that keeps the times, sizes and headers of other bytes goes unseen."""
+    digest = hashlib.sha256()
+    files = sorted({*path.glob("*.safetensors"), *(path / name for name in _FINGERPRINTED)})
+    for file in files:
+        try:
+            stat = file.stat()
+            digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+            with file.open("rb") as f:
+                if file.suffix == ".safetensors":
+                    size = int.from_bytes(f.read(8), "little")
+                    digest.update(f.read(min(size, 100 * 1024 * 1024)))
+                else:
+                    digest.update(f.read())
+        except FileNotFoundError:
+            digest.update(f"{file.name}\0absent\0".encode())
+        except OSError as exc:
+            digest.update(f"{file.name}\0unreadable {exc.errno}\0".encode())
+    return digest.hexdigest()
 
 
 async def transfer_weights(
