@@ -253,6 +253,14 @@ _IGNORED_SUFFIXES: Final = (
     ".input_scale",
     "_input_scale",
 )
+# Rotary tables some trainers save; vLLM drops them from every checkpoint
+# (`AutoWeightsLoader.REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER` in vllm/model_executor/models/utils.py).
+_DROPPED_SUBSTRINGS: Final = (
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
 # One expert's weight (`RoutedExperts.build_expert_params_mapping`' per-expert entries, and the
 # per-expert `gate_up_proj` its fused entries split in halves along the rows).
 _ONE_EXPERT: Final = re.compile(
@@ -318,7 +326,11 @@ def loaded_pieces(shapes: dict[str, tuple[int, ...]], *, tied: bool) -> tuple[Pi
     pieces: Pieces = {}
     ignored: list[str] = []
     for name, shape in shapes.items():
-        if (tied and name.startswith("lm_head.")) or name.endswith(_IGNORED_SUFFIXES):
+        if (
+            (tied and name.startswith("lm_head."))
+            or name.endswith(_IGNORED_SUFFIXES)
+            or any(part in name for part in _DROPPED_SUBSTRINGS)
+        ):
             ignored.append(name)
             continue
         pieces.update(_pieces_of(name, shape))
@@ -391,7 +403,9 @@ def served_checkpoint(path: Path, served: Any) -> ServedCheckpoint:
     if config is None:
         raise WeightUpdateError(f"the served checkpoint {path} has no config.json")
     tied = bool(getattr(served, "tie_word_embeddings", False))
-    num_experts = int(getattr(served, "num_experts", None) or 0)
+    num_experts = int(
+        getattr(served, "num_experts", None) or getattr(served, "num_local_experts", None) or 0
+    )
     pieces, _ = loaded_pieces(tensor_shapes(path), tied=tied)
     return ServedCheckpoint(
         path=path,
