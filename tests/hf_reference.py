@@ -17,11 +17,13 @@ class Reference:
 
     `experts[i, layer]` are the top-k expert ids the router of `layer` picks for position `i`,
     highest first (dense layers stay zero, as vLLM reports them); `greedy[i]` is the argmax
-    next token after position `i`.
+    next token after position `i`, and `greedy_logprobs[i]` its log-probability (what vLLM
+    reports for a greedy sample: the raw logits' log-softmax).
     """
 
     experts: npt.NDArray[np.int64]
     greedy: list[int]
+    greedy_logprobs: list[float]
 
 
 def hf_reference(
@@ -58,5 +60,8 @@ def hf_reference(
     experts = np.zeros((len(token_ids), num_layers, top_k), dtype=np.int64)
     for layer in moe_layers:
         experts[:, layer] = torch.topk(router_logits[layer], top_k, dim=-1).indices.numpy()
-    greedy = out.logits[0].argmax(-1).tolist()
-    return Reference(experts=experts, greedy=greedy)
+    logprobs = torch.log_softmax(out.logits[0].double(), dim=-1)
+    best = logprobs.max(-1)
+    return Reference(
+        experts=experts, greedy=best.indices.tolist(), greedy_logprobs=best.values.tolist()
+    )
