@@ -456,11 +456,20 @@ def narrow_embedding(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def one_unknown_tensor(tensors: dict[str, Any]) -> dict[str, Any]:
-    # Passes every check before the load; vLLM's loader fails on it part-way.
+    # A tensor the served model has no parameter for: refused before anything pauses.
     return {
         **tensors,
         "model.layers.1.mlp.not_a_parameter.weight": next(iter(tensors.values())).clone(),
     }
+
+
+def float4_final_norm(tensors: dict[str, Any]) -> dict[str, Any]:
+    # The final norm declared in float4 with the norm's shape: passes every check before the
+    # load (names, shapes, bytes); vLLM's loader fails on it after the layers before it loaded.
+    import torch  # noqa: PLC0415
+
+    packed = torch.zeros(SPEC.hidden_size // 2, dtype=torch.uint8)
+    return {**tensors, "model.norm.weight": packed.view(torch.float4_e2m1fn_x2)}
 
 
 async def failed_updates_leave_the_old_weights_serving(s: Session, b: Path, root: Path) -> None:
@@ -475,14 +484,18 @@ async def failed_updates_leave_the_old_weights_serving(s: Session, b: Path, root
     (narrow,) = s.status.acks("narrow")
     assert narrow.outcome == "failed", narrow
     assert "model.embed_tokens.weight has shape" in narrow.detail
-    # Fails inside vLLM part-way: B is loaded again in place (the engine is not rebuilt).
     await s.update(
         "unknown", 9, changed_checkpoint(b, root / "unknown", one_unknown_tensor), "wait"
     )
     (unknown,) = s.status.acks("unknown")
-    assert unknown.outcome == "failed" and "in-place reload" in unknown.detail, unknown
-    assert "rolled back in place" in unknown.detail
+    assert unknown.outcome == "failed" and "does not load" in unknown.detail, unknown
     assert unknown.weight_version == s.at(6)
+    # Fails inside vLLM part-way: B is loaded again in place (the engine is not rebuilt).
+    await s.update("float4", 10, changed_checkpoint(b, root / "float4", float4_final_norm), "wait")
+    (float4,) = s.status.acks("float4")
+    assert float4.outcome == "failed" and "in-place reload" in float4.detail, float4
+    assert "rolled back in place" in float4.detail
+    assert float4.weight_version == s.at(6)
     after = await s.run(greedy("after-failed", 16))
     assert after.weight_version == s.at(6)
     assert_same_answer(after, fresh_b)
@@ -759,9 +772,9 @@ async def a_load_failing_part_way_keeps_the_frozen_request(s: Session, a: Path, 
     and the request answered `engine_error`): rolled back in place, the request never leaves
     the engine and finishes on A as if nothing had happened."""
     (fresh_a,) = s.fresh(a, greedy("x", 16))
-    unknown = changed_checkpoint(a, root / "unknown", one_unknown_tensor)
+    float4 = changed_checkpoint(a, root / "float4", float4_final_norm)
     await s.start_long(greedy("kept-unknown", IN_FLIGHT))
-    await s.update("unknown-kept", 3, unknown, "keep")
+    await s.update("unknown-kept", 3, float4, "keep")
     (ack,) = s.status.acks("unknown-kept")
     assert ack.outcome == "failed" and "rolled back in place" in ack.detail, ack
     kept = completed(await s.result("kept-unknown"))
@@ -803,15 +816,16 @@ async def queued_requests_start_on_the_new_weights_cache_salt(s: Session, b: Pat
 async def weights_that_cannot_be_put_back_hold_the_jobs(
     s: Session, a: Path, b: Path, root: Path
 ) -> None:
-    """The weights before a failed update cannot be put back (their files are gone): the
-    worker holds its jobs and says needs_weights until an update loads."""
+    """The weights before a failed update cannot be put back (their files are gone, so their
+    fingerprint changed since they were loaded): the worker holds its jobs and says
+    needs_weights until an update loads."""
     (fresh_a,) = s.fresh(a, greedy("x", 16))
     gone = changed_checkpoint(b, root / "gone", lambda tensors: tensors)
     await s.ok("to-gone", 6, gone, "wait")
     (gone / "model.safetensors").unlink()
     await s.update("nan-again", 7, root / "nan-norm", "wait")
     (ack,) = s.status.acks("nan-again")
-    assert ack.outcome == "failed" and "failed too" in ack.detail, ack
+    assert ack.outcome == "failed" and "changed on disk" in ack.detail, ack
     await wait_for(lambda: s.status.statuses(s.worker_id)[-1].needs_weights, 30, "needs_weights")
     await produce(s.bs, s.fleet.topics.jobs, [job_record(greedy("held", 16))])
     # Six more heartbeats (3 s), each still needing weights, and no answer: a worker that
