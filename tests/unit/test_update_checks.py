@@ -285,6 +285,51 @@ async def test_a_rollback_to_a_checkpoint_rewritten_since_it_was_loaded_loses_th
     assert host.llm.loaded[-1] == "nan" and host.weight_version == version
 
 
+class RebuildingHost(FakeHost):
+    """A host whose every update builds a new engine on the checkpoint (`rebuild` mode)."""
+
+    def configure(self, checkpoint: Path) -> tuple[Any, list[str]]:
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(model=str(checkpoint), hf_config=SERVED)
+        )
+        return config, ["--model", str(checkpoint)]
+
+    async def rebuild(self, vllm_config: Any, engine_args: list[str], version: int) -> None:
+        self.vllm_config = vllm_config
+        self.serving = Path(vllm_config.model_config.model).name
+        self.weight_version = version
+        self.events.append(f"build {self.serving}")
+
+
+async def test_a_rebuild_back_on_a_checkpoint_rewritten_since_it_was_loaded_loses_the_weights(
+    tmp_path,
+):
+    for name in ("a", "b", "huge"):
+        checkpoint(tmp_path / name)
+    host = RebuildingHost(tmp_path / "a")
+    host.bad_probe.add("huge")
+    loads = WeightLoads(host, "rebuild", None)
+    await loads.load(str(tmp_path / "b"), 1)
+    rewrite(tmp_path / "b")
+    with pytest.raises(WeightsLostError, match=r"built on .*/b again, but its files changed"):
+        await loads.load(str(tmp_path / "huge"), 2)
+    # An engine runs (on the rewritten files), reporting version 1; the worker holds its jobs.
+    assert host.events == ["build b", "build huge", "build b"] and host.weight_version == 1
+
+
+async def test_a_rebuild_back_on_an_untouched_checkpoint_serves_it_again(tmp_path):
+    for name in ("a", "b", "huge"):
+        checkpoint(tmp_path / name)
+    host = RebuildingHost(tmp_path / "a")
+    host.bad_probe.add("huge")
+    loads = WeightLoads(host, "rebuild", None)
+    await loads.load(str(tmp_path / "b"), 1)
+    with pytest.raises(WeightUpdateError, match="built on the previous weights again") as raised:
+        await loads.load(str(tmp_path / "huge"), 2)
+    assert not isinstance(raised.value, WeightsLostError)
+    assert (host.serving, host.weight_version) == ("b", 1)
+
+
 async def _noop(*args: Any, **kwargs: Any) -> None:
     return
 

@@ -336,6 +336,7 @@ class WeightLoads:
         except ConfigError as exc:
             raise WeightUpdateError(f"checkpoint {checkpoint}: {exc}") from None
         old_config, old_version = host.vllm_config, host.weight_version
+        previous = self._previous()
         try:
             await host.rebuild(config, args, version)
             self._loads += 1
@@ -343,7 +344,9 @@ class WeightLoads:
         except Exception as exc:
             logger.exception("the engine on %s did not start; back to the old weights", checkpoint)
             await host.rebuild(old_config, [], old_version)  # EngineDeadError if that fails
-            raise WeightUpdateError(f"the engine on {checkpoint} did not start: {exc}") from exc
+            reason = f"the engine on {checkpoint} did not start: {exc}"
+            await self._lost_if_changed(previous, old_version, reason)
+            raise WeightUpdateError(reason) from exc
         if problem is not None:
             logger.warning(
                 "the engine on %s failed the check (%s): back to the old weights",
@@ -352,9 +355,22 @@ class WeightLoads:
             )
             await host.rebuild(old_config, [], old_version)
             self._loads += 1
-            raise WeightUpdateError(
-                f"the update to {checkpoint} (version {version}) failed the check: {problem}; "
-                "the engine was built on the previous weights again"
+            reason = f"the update to {checkpoint} (version {version}) failed the check: {problem}"
+            await self._lost_if_changed(previous, old_version, reason)
+            raise WeightUpdateError(f"{reason}; the engine was built on the previous weights again")
+
+    async def _lost_if_changed(self, before: _Previous, version: int, reason: str) -> None:
+        """WeightsLostError when the engine was just built again on the checkpoint `before`
+        and its files changed since it was loaded: the engine runs, but not on the weights
+        `version` had, so it must hold its jobs until an update loads."""
+        if before is None:
+            return
+        previous, fingerprint = before
+        if await asyncio.to_thread(checkpoint_fingerprint, previous) != fingerprint:
+            raise WeightsLostError(
+                f"{reason}; the engine was built on {previous} again, but its files changed "
+                f"on disk since it was loaded, so it does not serve the weights of version "
+                f"{version}"
             )
 
     async def transfer(
