@@ -1,10 +1,11 @@
-"""Reader side of split results: parts in, whole results out, each job once."""
+"""Reader side of split results: parts in, whole results out, each submission of a job once."""
 
 from __future__ import annotations
 
 import collections
 import time
 from collections.abc import Callable, Iterable
+from typing import TypeAlias
 
 import msgspec
 
@@ -12,6 +13,10 @@ from schemas.errors import SchemaError
 from schemas.results import Completed, Result
 
 __all__ = ["Incomplete", "ResultAssembler", "merge_parts"]
+
+# What one answer answers: a job id and the submission of it (None: the job named none, or a
+# worker older than submissions answered it).
+_Key: TypeAlias = tuple[str, str | None]
 
 
 class Incomplete(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,15 +40,17 @@ class _Attempt:
 
 
 class ResultAssembler:
-    """Feed it decoded results in any order, duplicates included; `add` returns each job's
-    result once, when it is whole.
+    """Feed it decoded results in any order, duplicates included; `add` returns the result of
+    each submission of a job once, when it is whole.
 
-    A whole record (no `part`) or a `Failed` is returned as it comes. Parts are grouped by
-    `(job_id, part.attempt)`; when every part of one attempt is in, the completions are merged
-    in `index` order into one `Completed` without `part`, and the parts of the job's other
-    attempts (a first run cut short by a crash) are dropped. Whatever arrives for a job after
-    its result was returned is a duplicate and returns None. The `remember` most recent
-    finished job ids are kept for that; older ones are forgotten.
+    A job is identified by its `job_id` and `submission_id`: a job id sent again under a new
+    submission (a re-run, a restarted trainer) is a new job here, whose answer is not taken
+    for a duplicate of the earlier one's. A whole record (no `part`) or a `Failed` is returned
+    as it comes. Parts are grouped by job and `part.attempt`; when every part of one attempt is
+    in, the completions are merged in `index` order into one `Completed` without `part`, and
+    the parts of the job's other attempts (a first run cut short by a crash) are dropped.
+    Whatever arrives for a job after its result was returned is a duplicate and returns None.
+    The `remember` most recent finished jobs are kept for that; older ones are forgotten.
 
     Anyone who can write to the results topic can send parts under attempt names of their
     choosing, so at most `max_attempts` attempts are held per job: a new one beyond that pushes
@@ -66,8 +73,8 @@ class ResultAssembler:
         self._remember = remember
         self._max_attempts = max_attempts
         self._clock = clock
-        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._pending: dict[str, dict[str, _Attempt]] = {}
+        self._done: collections.OrderedDict[_Key, None] = collections.OrderedDict()
+        self._pending: dict[_Key, dict[str, _Attempt]] = {}
 
     def add(self, result: Result) -> Result | None:
         """The job's whole result if `result` completes it, else None (a part or a duplicate).
@@ -77,13 +84,14 @@ class ResultAssembler:
         job_id = result.job_id
         if job_id is None:  # an unreadable job's answer: nothing to assemble or deduplicate
             return result
-        if job_id in self._done:
+        key = _key(job_id, result.submission_id)
+        if key in self._done:
             return None
         if not isinstance(result, Completed) or isinstance(result.part, msgspec.UnsetType):
-            self._finish(job_id)
+            self._finish(key)
             return result
         part = result.part
-        attempts = self._pending.setdefault(job_id, {})
+        attempts = self._pending.setdefault(key, {})
         attempt = attempts.get(part.attempt)
         if attempt is None:
             if len(attempts) >= self._max_attempts:
@@ -98,7 +106,7 @@ class ResultAssembler:
         attempt.parts.setdefault(part.index, result)
         if len(attempt.parts) < attempt.count:
             return None
-        self._finish(job_id)
+        self._finish(key)
         return merge_parts([attempt.parts[i] for i in range(attempt.count)])
 
     def add_all(self, results: Iterable[Result]) -> list[Result]:
@@ -116,26 +124,38 @@ class ResultAssembler:
                 count=attempt.count,
                 age_s=now - attempt.first_seen,
             )
-            for job_id, attempts in self._pending.items()
+            for (job_id, _), attempts in self._pending.items()
             for name, attempt in attempts.items()
             if now - attempt.first_seen > older_than_s
         ]
 
-    def discard(self, job_id: str) -> None:
-        """Forget the parts held for `job_id` (after giving up on it); later ones start afresh."""
-        self._pending.pop(job_id, None)
+    def discard(self, job_id: str, submission_id: str | None = None) -> None:
+        """Forget the parts held for that submission of `job_id` (after giving up on it); later
+        ones start afresh."""
+        self._pending.pop((job_id, submission_id), None)
+
+    def forget(self, job_id: str, submission_id: str | None = None) -> None:
+        """Forget that submission of `job_id` altogether, its parts and that it was answered:
+        for a reader that sends the job again and wants its next answer."""
+        key = (job_id, submission_id)
+        self._pending.pop(key, None)
+        self._done.pop(key, None)
 
     @property
     def pending_jobs(self) -> int:
         """Jobs with parts held and no whole result yet."""
         return len(self._pending)
 
-    def _finish(self, job_id: str) -> None:
-        self._pending.pop(job_id, None)
+    def _finish(self, key: _Key) -> None:
+        self._pending.pop(key, None)
         done = self._done
-        done[job_id] = None
+        done[key] = None
         if len(done) > self._remember:
             done.popitem(last=False)
+
+
+def _key(job_id: str, submission_id: str | msgspec.UnsetType) -> _Key:
+    return (job_id, None if isinstance(submission_id, msgspec.UnsetType) else submission_id)
 
 
 def merge_parts(parts: list[Completed]) -> Completed:

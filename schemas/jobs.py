@@ -14,12 +14,14 @@ __all__ = [
     "MAX_PROMPT_CHARS",
     "MAX_PROMPT_TOKENS",
     "MAX_SESSION_ID_CHARS",
+    "MAX_SUBMISSION_ID_CHARS",
     "Job",
     "SamplingSpec",
 ]
 
 MAX_JOB_ID_CHARS: Final = 256
 MAX_SESSION_ID_CHARS: Final = 256
+MAX_SUBMISSION_ID_CHARS: Final = 64
 MAX_PROMPT_CHARS: Final = 4 * 1024 * 1024
 MAX_PROMPT_TOKENS: Final = 1024 * 1024
 MAX_N: Final = 128
@@ -101,6 +103,12 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # The topic the answer goes to instead of the worker's results topic (many trainers, one
     # fleet); the worker answers it only if its --reply-topics allows it.
     reply_to: Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,249}$")] | None = None
+    # Names this sending of the job; its results echo it. A job id sent again (a re-run turn,
+    # a restarted trainer, a second trainer) gets a new one, so its sender tells the answer to
+    # this sending from a late answer to an earlier one under the same id.
+    submission_id: Annotated[str, Meta(min_length=1, max_length=MAX_SUBMISSION_ID_CHARS)] | None = (
+        None
+    )
 
     @property
     def record_key(self) -> bytes:

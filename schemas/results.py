@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from schemas.jobs import MAX_N
+from schemas.jobs import MAX_N, MAX_SUBMISSION_ID_CHARS
 from schemas.routed_experts import RoutedExperts
 
 __all__ = [
@@ -22,6 +22,9 @@ __all__ = [
     "Timings",
     "VersionSpan",
 ]
+
+
+SubmissionId = Annotated[str, Meta(min_length=1, max_length=MAX_SUBMISSION_ID_CHARS)]
 
 
 class ErrorCode(enum.StrEnum):
@@ -126,6 +129,8 @@ class Completed(msgspec.Struct, frozen=True, kw_only=True, tag="completed", tag_
     # (vLLM's `RequestOutput.num_cached_tokens`): a turn served where the turns before it ran
     # has them cached. Absent when the engine does not say.
     cached_prompt_tokens: Annotated[int, Meta(ge=0)] | UnsetType = UNSET
+    # The job's `submission_id`, when it had one: which sending of the job this answers.
+    submission_id: SubmissionId | UnsetType = UNSET
 
     @property
     def is_part(self) -> bool:
@@ -146,6 +151,8 @@ class Failed(msgspec.Struct, frozen=True, kw_only=True, tag="failed", tag_field=
     partial: list[Completion] | UnsetType = UNSET
     prompt_token_count: int | UnsetType = UNSET
     weight_version: int | UnsetType = UNSET
+    # The job's `submission_id`, when it had one and could be read (see `Completed`).
+    submission_id: SubmissionId | UnsetType = UNSET
 
 
 Result = Completed | Failed

@@ -140,3 +140,24 @@ async def test_smaller_shrinks_a_refused_record_to_the_minimal_one_then_gives_up
             "vkw.source.offset",
             "vkw.value.dropped",
         }
+
+
+async def test_every_answer_of_a_job_echoes_its_submission_and_none_without_one():
+    completed = await builder().answer(TP, record(job(submission_id="s-1")))
+    b = builder({RESULTS: 64 * 1024}, num_layers=48, top_k=8, num_experts=128)
+    failed = await b.answer(
+        TP,
+        record(
+            job(
+                submission_id="s-2",
+                return_routed_experts=True,
+                sampling=SamplingSpec(max_tokens=500),
+            )
+        ),
+    )
+    unnamed = await builder().answer(TP, record(job()))
+
+    assert decode_result(value_of(completed.records[0])).submission_id == "s-1"
+    failure = decode_result(value_of(failed.records[0]))
+    assert isinstance(failure, Failed) and failure.submission_id == "s-2"
+    assert b"submission_id" not in value_of(unnamed.records[0])  # as before submissions

@@ -186,3 +186,33 @@ def test_a_part_claiming_more_parts_than_a_job_can_have_completions_is_refused()
     wire["part"]["count"] = 129
     with pytest.raises(SchemaError, match="count"):
         decode_result(msgspec.json.encode(wire))
+
+
+def test_each_submission_of_a_job_id_is_answered_once_and_forget_lets_it_be_answered_again():
+    assembler = ResultAssembler()
+    first = msgspec.structs.replace(whole("j", "a", 1), submission_id="s1")
+    second = msgspec.structs.replace(whole("j", "b", 1), submission_id="s2")
+    unnamed = whole("j", "c", 1)
+
+    assert assembler.add(first) == first
+    assert assembler.add(first) is None
+    assert assembler.add(second) == second
+    assert assembler.add(unnamed) == unnamed
+    assert assembler.add(unnamed) is None
+    assembler.forget("j")
+    assert assembler.add(unnamed) == unnamed
+    assert assembler.add(first) is None  # forgetting one submission leaves the others
+
+
+def test_parts_of_two_submissions_of_one_job_id_are_never_merged():
+    assembler = ResultAssembler()
+    one = [msgspec.structs.replace(p, submission_id="s1") for p in parts("j", "a", [1, 1])]
+    two = [msgspec.structs.replace(p, submission_id="s2") for p in parts("j", "a", [1, 1])]
+
+    assert assembler.add(one[0]) is None
+    assert assembler.add(two[1]) is None
+    merged = assembler.add(two[0])
+
+    assert isinstance(merged, Completed) and merged.submission_id == "s2"
+    assert [c.index for c in merged.completions] == [0, 1]
+    assert assembler.pending_jobs == 1  # s1's first part, still waiting for its second

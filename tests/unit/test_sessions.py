@@ -254,7 +254,11 @@ async def test_a_failed_turn_leaves_the_conversation_where_it_was() -> None:
     assert conversation.record(failed) is None
     again = conversation.next_job(tokens(5))
 
-    assert again == asked
+    # The same turn asked again, under a submission of its own.
+    assert msgspec.structs.replace(again, submission_id=None) == msgspec.structs.replace(
+        asked, submission_id=None
+    )
+    assert again.submission_id is not None and again.submission_id != asked.submission_id
     assert len(conversation.turns) == 1
 
 
@@ -307,3 +311,35 @@ def test_results_summary_says_what_was_cached_when_the_engine_said() -> None:
 
     assert summarize(said) == "t1 completed prompt=300 cached=256"
     assert summarize(silent) == "t1 completed prompt=300"
+
+
+async def test_an_answer_to_an_earlier_asking_of_a_turn_is_refused_and_the_turn_stays_asked() -> (
+    None
+):
+    engine = MockEngine(SETTINGS)
+    conversation = Conversation(sampling=SamplingSpec(max_tokens=3))
+    conversation.record(await answer(engine, conversation.next_job(tokens(20))))
+    first = conversation.next_job(tokens(5))
+    conversation.record(
+        Failed(job_id=first.job_id, error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late"))
+    )
+    rerun = conversation.next_job(tokens(9, 3))
+    late = msgspec.structs.replace(await answer(engine, first), submission_id=first.submission_id)
+    unnamed = msgspec.structs.replace(late, submission_id=msgspec.UNSET)  # an older worker's
+
+    with pytest.raises(ConversationError, match="an earlier asking of the turn"):
+        conversation.record(late)
+    with pytest.raises(ConversationError, match=r"a prompt of \d+ tokens, not"):
+        conversation.record(unnamed)
+    same_length = msgspec.structs.replace(
+        unnamed,
+        prompt_token_count=len(rerun.prompt_token_ids or ()),
+        prompt_token_ids=[0] * len(rerun.prompt_token_ids or ()),
+    )
+    with pytest.raises(ConversationError, match="another prompt of the same length"):
+        conversation.record(same_length)
+    assert conversation.in_flight == rerun and len(conversation.turns) == 1
+
+    fresh = msgspec.structs.replace(await answer(engine, rerun), submission_id=rerun.submission_id)
+    turn = conversation.record(fresh)
+    assert turn is not None and turn.prompt_token_ids == rerun.prompt_token_ids

@@ -15,6 +15,7 @@ from typing import Final, Literal
 
 import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
+from msgspec import UNSET
 
 from schemas import ErrorCode, ErrorInfo, Failed, Job, peek_job_id, peek_reply_to
 from worker.answering.encoder import encode_result
@@ -140,6 +141,7 @@ class RecordShaper:
             error=ErrorInfo(code=code, detail=detail, retryable=retryable),
             metadata=job.metadata,
             worker=self._worker_id,
+            submission_id=UNSET if job.submission_id is None else job.submission_id,
         )
         if partial is not None:
             failed = msgspec.structs.replace(

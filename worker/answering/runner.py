@@ -100,6 +100,7 @@ class JobRunner:
             cached_prompt_tokens=(
                 UNSET if output.cached_prompt_tokens is None else output.cached_prompt_tokens
             ),
+            submission_id=UNSET if job.submission_id is None else job.submission_id,
         )
         return Ran(result, queue_wait, engine_s)
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 
+from msgspec import UnsetType
+
 from schemas import (
     Completed,
     Failed,
@@ -32,7 +34,12 @@ from schemas import (
     stitch_turns,
 )
 
-__all__ = ["Conversation", "ConversationError"]
+__all__ = ["Conversation", "ConversationError", "new_submission_id"]
+
+
+def new_submission_id() -> str:
+    """A name for one sending of a job (`Job.submission_id`), unique across trainers and runs."""
+    return uuid.uuid4().hex
 
 
 class ConversationError(Exception):
@@ -133,6 +140,9 @@ class Conversation:
                 session_id=self.session_id,
                 metadata={**self._metadata, **(metadata or {})},
                 min_weight_version=max(floors) if floors else None,
+                # New for each asking, a re-run of the turn included: `record` takes only the
+                # answer to this one, never a late answer to an earlier asking.
+                submission_id=new_submission_id(),
             )
         )
         self._asked = job
@@ -149,6 +159,8 @@ class Conversation:
             raise ConversationError(
                 f"the answer of {result.job_id} is not the turn in flight, {asked.job_id}"
             )
+        if (mismatch := _not_asked(asked, result)) is not None:
+            raise ConversationError(f"{asked.job_id}: the answer {mismatch}")
         self._asked = None
         if isinstance(result, Failed):
             return None
@@ -200,6 +212,24 @@ class Conversation:
             return None
         version = self._results[-1].weight_version
         return version if isinstance(version, int) else None
+
+
+def _not_asked(asked: Job, result: Result) -> str | None:
+    """How `result` is not the answer to `asked` as sent, by what it echoes (its submission,
+    its prompt); None when it is, or echoes too little to tell."""
+    echoed = result.submission_id
+    if not isinstance(echoed, UnsetType) and echoed != asked.submission_id:
+        return (
+            f"is to submission {echoed}, an earlier asking of the turn, not {asked.submission_id}"
+        )
+    if isinstance(result, Failed):
+        return None
+    prompt = asked.prompt_token_ids or []
+    if result.prompt_token_count != len(prompt):
+        return f"is to a prompt of {result.prompt_token_count} tokens, not {len(prompt)}"
+    if result.prompt_token_ids is not None and result.prompt_token_ids != prompt:
+        return "is to another prompt of the same length"
+    return None
 
 
 def _check_one_completion(sampling: SamplingSpec) -> None:

@@ -48,7 +48,7 @@ from schemas import (
     encode,
 )
 from schemas.payloads import payload_root as to_payload_root
-from worker.client.conversation import Conversation
+from worker.client.conversation import Conversation, new_submission_id
 from worker.client.fleet import Fleet, new_command_id
 from worker.core.paced_consumer import PacedConsumer
 from worker.core.tracing import TraceContext, current_trace_context, trace_context
@@ -72,7 +72,7 @@ class RolloutError(Exception):
 
 
 class _Pending:
-    __slots__ = ("deadline", "future", "job", "retries", "trace", "wire_id")
+    __slots__ = ("deadline", "future", "job", "retries", "submission", "trace", "wire_id")
 
     def __init__(
         self, job: Job, future: asyncio.Future[Result], deadline: float, trace: TraceContext
@@ -85,6 +85,9 @@ class _Pending:
         self.retries = 0
         # The id the job travels under now: its own, or its latest resubmission's.
         self.wire_id = job.job_id
+        # The submission it travels under now: new for every sending, so an answer to an
+        # earlier sending of the same id (a re-run, an earlier trainer) is told apart.
+        self.submission = new_submission_id()
 
 
 class RolloutClient:
@@ -243,6 +246,9 @@ class RolloutClient:
             raise RolloutError(f"job {job.job_id} is already in flight on this client")
         pending = _Pending(job, future, deadline, trace)
         self._pending[job.job_id] = pending
+        # An answer to the id's earlier submission was remembered as answered: a worker that
+        # echoes no submission answers this one under the same name.
+        self._assembler.forget(job.job_id)
         # A caller that stops waiting (a cancelled `generate`, `wait_for` around the future)
         # cancels the future: the job is then forgotten, so `in_flight` drops and its id may be
         # submitted again.
@@ -375,7 +381,11 @@ class RolloutClient:
         job = pending.job
         deadline = pending.deadline if job.deadline is None else min(job.deadline, pending.deadline)
         wire = msgspec.structs.replace(
-            job, job_id=wire_id, deadline=deadline, reply_to=self._reply_to or job.reply_to
+            job,
+            job_id=wire_id,
+            submission_id=pending.submission,
+            deadline=deadline,
+            reply_to=self._reply_to or job.reply_to,
         )
         # One task at a time appends to the producer's batches: thousands of jobs submitted
         # at once, each waiting for room in a full batch, would wake each other for nothing.
@@ -401,7 +411,7 @@ class RolloutClient:
             return
         if self._pending.get(pending.wire_id) is pending:
             del self._pending[pending.wire_id]
-            self._assembler.discard(pending.wire_id)
+            self._discard_parts(pending)
 
     def _track(self, task: asyncio.Task[None]) -> None:
         """Keep a send task referenced until it ends (the loop holds tasks only weakly)."""
@@ -453,8 +463,14 @@ class RolloutClient:
         except SchemaError as exc:
             logger.warning("undecodable result skipped: %s", exc)
             return
-        if result.job_id is None or result.job_id not in self._pending:
+        pending = None if result.job_id is None else self._pending.get(result.job_id)
+        if pending is None:
             return  # another client's job, or one answered already: nothing of it is kept
+        if not _answers(pending, result):
+            # A late answer to an earlier sending of this id: another prompt, or the same one
+            # generated for a caller who has since stopped waiting for it.
+            logger.info("an answer to an earlier submission of job %s skipped", result.job_id)
+            return
         try:
             whole = self._assembler.add(result)
         except SchemaError as exc:  # a part that disagrees with its attempt's other parts
@@ -462,8 +478,7 @@ class RolloutClient:
             return
         if whole is None or whole.job_id is None:
             return
-        pending = self._pending.get(whole.job_id)
-        if pending is None or pending.future.done():
+        if self._pending.get(whole.job_id) is not pending or pending.future.done():
             return
         original = pending.job.job_id
         if (
@@ -473,16 +488,25 @@ class RolloutClient:
         ):
             pending.retries += 1
             del self._pending[whole.job_id]
-            wire_id = f"{original}{RETRY_SEPARATOR}{pending.retries}"
+            wire_id = self._retry_id(original, pending.retries)
             logger.info(
                 "job %s failed (%s): resubmitting as %s", original, whole.error.code, wire_id
             )
             pending.wire_id = wire_id
+            pending.submission = new_submission_id()
             self._pending[wire_id] = pending
+            self._assembler.forget(wire_id)
             self._track(asyncio.create_task(self._send(wire_id, pending)))
             return
         del self._pending[whole.job_id]
-        answer: Result = msgspec.structs.replace(whole, job_id=original)
+        # The caller sees its own job: its id and submission, whichever sending was answered.
+        answer: Result = msgspec.structs.replace(
+            whole,
+            job_id=original,
+            submission_id=msgspec.UNSET
+            if pending.job.submission_id is None
+            else pending.job.submission_id,
+        )
         if self._resolve and isinstance(answer, Completed) and _has_references(answer):
             try:
                 answer = await asyncio.to_thread(_resolved, answer, self._payload_root)
@@ -502,9 +526,22 @@ class RolloutClient:
                 if now < pending.deadline or pending.future.done():
                     continue
                 del self._pending[wire_id]
-                self._assembler.discard(wire_id)
+                self._discard_parts(pending)
                 pending.future.set_result(_expired(pending, self._timeout_s))
                 self._progress()
+
+    def _retry_id(self, original: str, retries: int) -> str:
+        """The id a job's resubmission travels under: `<id>~retry<n>`, the first such `n` from
+        `retries` that no job in flight here holds (a caller may have submitted that very id)."""
+        number = retries
+        while (wire_id := f"{original}{RETRY_SEPARATOR}{number}") in self._pending:
+            number += 1
+        return wire_id
+
+    def _discard_parts(self, pending: _Pending) -> None:
+        """Drop the parts held for the sending of `pending` that is in flight."""
+        self._assembler.discard(pending.wire_id, pending.submission)
+        self._assembler.discard(pending.wire_id)
 
     def _progress(self) -> None:
         self._answered += 1
@@ -524,6 +561,24 @@ def _expired(pending: _Pending, timeout_s: float) -> Failed:
         metadata=pending.job.metadata,
         worker="rollout-client",
     )
+
+
+def _answers(pending: _Pending, result: Result) -> bool:
+    """Whether `result` answers the sending of `pending` in flight: the submission it echoes,
+    or, from a worker that echoes none, the prompt and completion count it echoes. A failure
+    without one (a worker that could not read the job) cannot be told apart, and is taken."""
+    if not isinstance(result.submission_id, msgspec.UnsetType):
+        return result.submission_id == pending.submission
+    if isinstance(result, Failed):
+        return True
+    job = pending.job
+    if len(result.completions) > job.sampling.n:
+        return False
+    prompt = job.prompt_token_ids
+    if prompt is None:
+        return True  # a text prompt: its tokens are the worker's to say
+    echoed = result.prompt_token_ids
+    return result.prompt_token_count == len(prompt) and (echoed is None or echoed == prompt)
 
 
 def _check_every_worker_updated(
