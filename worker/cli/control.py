@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import msgspec
+from aiokafka.errors import KafkaError
 
 from schemas import (
     Abort,
@@ -153,7 +154,7 @@ async def run_control(args: argparse.Namespace, settings: Settings) -> int:
 
     sent = False
     try:
-        async with Fleet.from_settings(settings) as fleet:
+        async with Fleet.from_settings(settings, quiet_start=True) as fleet:
             live = await fleet.live_workers(command.target, timeout_s=left()) if args.wait else {}
             since = await fleet.status_end(timeout_s=left()) if args.wait else {}
             await fleet.send(command, timeout_s=left())
@@ -166,7 +167,7 @@ async def run_control(args: argparse.Namespace, settings: Settings) -> int:
                 print("no live worker of the target to wait for", file=sys.stderr)
                 return EXIT_FAILED
             acks = await fleet.acks(command.command_id, live, since, left())
-    except TimeoutError as exc:
+    except (TimeoutError, KafkaError) as exc:
         print(f"{exc} ({'sent' if sent else 'not sent'})", file=sys.stderr)
         return EXIT_FAILED
     print(ack_table(sorted(live), acks))
@@ -196,9 +197,9 @@ def ack_table(workers: list[str], acks: dict[str, CommandAck]) -> str:
 async def run_status(args: argparse.Namespace, settings: Settings) -> int:
     target = None if args.all_groups else Target(group=settings.group_id)
     try:
-        async with Fleet.from_settings(settings) as fleet:
+        async with Fleet.from_settings(settings, quiet_start=True) as fleet:
             live = await fleet.live_workers(target, timeout_s=args.timeout_s)
-    except TimeoutError as exc:
+    except (TimeoutError, KafkaError) as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_FAILED
     print(status_table(list(live.values())))

@@ -33,6 +33,7 @@ from worker import __version__
 from worker.answering.encoder import encode_result
 from worker.cli.control import add_control_parsers, run_control, run_status
 from worker.cli.replay_out import ReplayWriter
+from worker.client.fleet import aiokafka_quiet, start_clients
 from worker.core.config import Settings, add_settings_arguments, settings_from
 from worker.core.errors import BrokerError, ConfigError, FatalError, WorkerError
 
@@ -404,7 +405,9 @@ async def _submit(settings: Settings, path: Path, *, progress: bool) -> int:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text: {exc}") from None
     producer = make_producer(settings, linger_ms=20)
-    await producer.start()
+    await start_clients(
+        [producer], settings.bootstrap_servers, f"writing {settings.jobs_topic}", quiet=True
+    )
     try:
         bar = tqdm(total=len(jobs), unit="job", disable=not progress, file=sys.stderr)
         deliveries = []
@@ -443,7 +446,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
     """Submit through the rollout client and print each result as it is answered."""
     from tqdm import tqdm  # noqa: PLC0415
 
-    from worker.client.rollout import RolloutClient  # noqa: PLC0415
+    from worker.client.rollout import RolloutClient, RolloutError  # noqa: PLC0415
     from worker.core.kafka import client_kwargs  # noqa: PLC0415
 
     try:
@@ -457,7 +460,7 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
         sink = stack.enter_context(args.out.open("wb")) if args.out is not None else None
         # Connected as every other command is: the security flags reach the client.
         connection = client_kwargs(settings)
-        async with RolloutClient(
+        client = RolloutClient(
             bootstrap_servers=connection.pop("bootstrap_servers"),
             **connection,
             jobs_topic=settings.jobs_topic,
@@ -466,8 +469,17 @@ async def _submit_and_wait(settings: Settings, args: argparse.Namespace) -> int:
             max_retries=args.max_retries,
             payload_root=settings.payload_store,
             on_progress=lambda done, _: _advance(bar, done),
-        ) as client:
-            results = await client.generate(jobs)
+        )
+        try:
+            with aiokafka_quiet():  # an unreachable broker is said in one line, below
+                await client.start()
+            try:
+                results = await client.generate(jobs)
+            finally:
+                await client.close()
+        except RolloutError as exc:
+            bar.close()
+            raise WorkerError(str(exc)) from None
         bar.close()
         for result in results:
             print(summarize(result))
@@ -582,7 +594,9 @@ async def _results(
 
     # No group: a reader of results assigns partitions itself and commits nothing.
     consumer = make_consumer(settings, group_id=None, group_instance_id=None)
-    await consumer.start()
+    await start_clients(
+        [consumer], settings.bootstrap_servers, f"reading {settings.results_topic}", quiet=True
+    )
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(out.open("wb")) if out is not None else None
         report = _ResultsReport(quiet=quiet, raw=raw, sink=sink, replay=replay)

@@ -9,13 +9,16 @@ waiting for records that never come.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import msgspec
-from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import KafkaError
 
 from schemas import (
     Command,
@@ -32,7 +35,7 @@ from worker.core.errors import BrokerError
 from worker.core.kafka import client_kwargs
 from worker.core.paced_consumer import PacedConsumer
 
-__all__ = ["Fleet", "new_command_id"]
+__all__ = ["Fleet", "aiokafka_quiet", "new_command_id", "start_clients"]
 
 T = TypeVar("T")
 
@@ -47,6 +50,43 @@ MAX_STATUS_RECORD_BYTES: Final = 64 * 1024
 
 def new_command_id() -> str:
     return f"cmd-{uuid.uuid4().hex[:12]}"
+
+
+async def start_clients(
+    clients: Sequence[AIOKafkaProducer | AIOKafkaConsumer],
+    servers: str,
+    what: str,
+    *,
+    quiet: bool = False,
+) -> None:
+    """Start `clients` in order, for `what`. A broker that cannot be reached (or refuses them)
+    is a `BrokerError` saying what was tried, and leaves none of them open: an aiokafka client
+    not stopped, even one never started, is reported unclosed when it is collected. `quiet`:
+    aiokafka logs nothing below CRITICAL meanwhile (a command line, whose one line of error
+    says it all, and which runs nothing else while it connects)."""
+    try:
+        with aiokafka_quiet(quiet):
+            for client in clients:
+                await client.start()
+    except (KafkaError, OSError) as exc:
+        for client in reversed(clients):
+            with contextlib.suppress(Exception):  # stopping a half-started client may fail too
+                await client.stop()
+        raise BrokerError(f"{what}: cannot reach Kafka at {servers} ({exc})") from None
+
+
+@contextlib.contextmanager
+def aiokafka_quiet(quiet: bool = True) -> Iterator[None]:
+    """aiokafka logs nothing below CRITICAL within (when `quiet`): for a command line that
+    reports a broker it cannot reach in one line of its own."""
+    aiokafka_logger = logging.getLogger("aiokafka")
+    level = aiokafka_logger.level
+    if quiet:
+        aiokafka_logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        aiokafka_logger.setLevel(level)
 
 
 class Fleet:
@@ -69,27 +109,36 @@ class Fleet:
         control_topic: str,
         status_topic: str,
         control_hmac_key: str | None = None,
+        quiet_start: bool = False,
     ) -> None:
         self._control_topic = control_topic
+        self._quiet_start = quiet_start
         self._status_topic = status_topic
         self._key = None if control_hmac_key is None else control_hmac_key.encode()
+        self._servers = str(connection.get("bootstrap_servers"))
         self._producer = AIOKafkaProducer(**connection, acks="all")
         self._consumer = PacedConsumer(**connection, group_id=None, enable_auto_commit=False)
         self._partitions: list[TopicPartition] = []
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Fleet:
-        """The fleet `settings` name, connected as the worker's own clients are."""
+    def from_settings(cls, settings: Settings, *, quiet_start: bool = False) -> Fleet:
+        """The fleet `settings` name, connected as the worker's own clients are; `quiet_start`:
+        see `start_clients`."""
         return cls(
             client_kwargs(settings),
             control_topic=settings.control_topic,
             status_topic=settings.status_topic,
             control_hmac_key=settings.control_hmac_key,
+            quiet_start=quiet_start,
         )
 
     async def __aenter__(self) -> Fleet:
-        await self._producer.start()
-        await self._consumer.start()
+        await start_clients(
+            (self._producer, self._consumer),
+            self._servers,
+            f"reading {self._status_topic} and writing {self._control_topic}",
+            quiet=self._quiet_start,
+        )
         topic = self._status_topic
         partitions = self._consumer.partitions_for_topic(topic)
         if partitions is None:

@@ -49,7 +49,8 @@ from schemas import (
 )
 from schemas.payloads import payload_root as to_payload_root
 from worker.client.conversation import Conversation, new_submission_id
-from worker.client.fleet import Fleet, new_command_id
+from worker.client.fleet import Fleet, new_command_id, start_clients
+from worker.core.errors import BrokerError
 from worker.core.paced_consumer import PacedConsumer
 from worker.core.tracing import TraceContext, current_trace_context, trace_context
 
@@ -175,8 +176,16 @@ class RolloutClient:
             max_partition_fetch_bytes=32 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
         )
-        await self._producer.start()
-        await self._consumer.start()
+        servers = str(self._connection["bootstrap_servers"])
+        try:
+            await start_clients(
+                (self._producer, self._consumer),
+                servers,
+                f"writing {self._jobs_topic} and reading {self._results_topic}",
+            )
+        except BrokerError as exc:
+            self._consumer = self._producer = None
+            raise RolloutError(str(exc)) from None
         partitions = self._consumer.partitions_for_topic(self._results_topic)
         if partitions is None:
             await self._consumer.topics()
@@ -342,7 +351,7 @@ class RolloutClient:
                 await fleet.send(command, timeout_s=left())
                 sent = True
                 acks = await fleet.acks(command.command_id, live, since, left())
-        except TimeoutError as exc:
+        except (TimeoutError, BrokerError, KafkaError) as exc:
             raise RolloutError(
                 f"update to version {version}: {exc} "
                 f"({'sent, acknowledgements not read' if sent else 'not sent'})"
@@ -360,7 +369,7 @@ class RolloutClient:
                 return await fleet.live_workers(
                     target or Target(group=self._group_id), timeout_s=timeout_s
                 )
-        except TimeoutError as exc:
+        except (TimeoutError, BrokerError, KafkaError) as exc:
             raise RolloutError(f"fleet status: {exc}") from None
 
     @contextlib.asynccontextmanager
