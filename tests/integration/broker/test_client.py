@@ -29,6 +29,7 @@ from schemas import (
     decode_job,
     encode,
 )
+from worker.client.conversation import Conversation
 from worker.client.rollout import RETRY_SEPARATOR, RolloutClient, RolloutError
 from worker.dev.harness.fleet import Results
 from worker.dev.harness.topics import make_fleet
@@ -86,6 +87,11 @@ def done(job: Job, text: str = "ok", **kwargs: Any) -> Completed:
         prompt_token_count=1,
         **kwargs,
     )
+
+
+def echo(job: Job) -> str | msgspec.UnsetType:
+    """The submission a worker's answer to `job` echoes: the job's, absent when it has none."""
+    return msgspec.UNSET if job.submission_id is None else job.submission_id
 
 
 def job(job_id: str, **kwargs: Any) -> Job:
@@ -478,3 +484,68 @@ async def test_a_caller_that_stops_waiting_leaves_nothing_pending_and_may_submit
         again = await asyncio.wait_for(c.generate([job("a"), job("b")]), 30)
         assert [r.job_id for r in again] == ["a", "b"] and answered.is_set()
         assert c.in_flight == 0
+
+
+async def test_a_job_id_sent_again_takes_its_own_answer_never_the_late_one_of_its_first_sending(
+    kafka_bootstrap_servers, new_topic
+):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+    held: list[Job] = []
+
+    def answer(j: Job, n: int) -> list[Result]:
+        # The first sending is answered only once the second arrives, and first.
+        if n == 0:
+            held.append(j)
+            return []
+        (late,) = held
+        return [
+            done(late, text="first sending", submission_id=echo(late)),
+            done(j, text="second sending", submission_id=echo(j)),
+        ]
+
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer) as responder,
+        client(bs, jobs_topic, results_topic, max_retries=0) as c,
+    ):
+        with pytest.raises(TimeoutError):  # its caller stops waiting for the first sending
+            await asyncio.wait_for(c.submit(job("a")), 1.0)
+        second = await asyncio.wait_for(c.submit(job("a", metadata={"try": "2"})), 30)
+        assert c.in_flight == 0
+    assert isinstance(second, Completed) and second.completions[0].text == "second sending"
+    assert second.job_id == "a"
+    sent = [j.submission_id for j in responder.seen]
+    assert len(sent) == 2 and None not in sent and sent[0] != sent[1]
+
+
+async def test_a_failed_turn_runs_again_on_the_same_client(kafka_bootstrap_servers, new_topic):
+    bs = kafka_bootstrap_servers
+    jobs_topic, results_topic = await topics(new_topic)
+
+    def answer(j: Job, n: int) -> list[Result]:
+        if n == 0:
+            error = ErrorInfo(code=ErrorCode.ENGINE_ERROR, detail="the engine failed")
+            return [Failed(job_id=j.job_id, error=error, submission_id=echo(j))]
+        prompt = j.prompt_token_ids or []
+        completion = Completion(index=0, token_ids=[7, 8], text="", finish_reason="stop")
+        return [
+            Completed(
+                job_id=j.job_id,
+                completions=[completion],
+                prompt_token_count=len(prompt),
+                submission_id=echo(j),
+            )
+        ]
+
+    conversation = Conversation(return_routed_experts=False)
+    async with (
+        Responder(bs, jobs_topic, results_topic, answer),
+        client(bs, jobs_topic, results_topic, timeout_s=20.0) as c,
+    ):
+        failed = await asyncio.wait_for(c.turn(conversation, [1, 2, 3]), 30)
+        assert isinstance(failed, Failed) and conversation.turns == []
+        started = time.monotonic()
+        again = await asyncio.wait_for(c.turn(conversation, [1, 2, 3]), 30)
+        assert time.monotonic() - started < 10  # answered, not expired at the client's timeout
+    assert isinstance(again, Completed) and again.completions[0].token_ids == [7, 8]
+    assert conversation.token_ids == [1, 2, 3, 7, 8]
