@@ -17,7 +17,7 @@ import pytest
 
 from schemas import Completed, Failed, RoutedExperts, SamplingSpec, encode
 from worker.client.conversation import Conversation
-from worker.client.rollout import RolloutClient
+from worker.client.rollout import RolloutClient, RolloutError
 
 
 class Topics:
@@ -294,3 +294,22 @@ async def test_two_trainers_on_one_results_topic_each_take_only_their_own_answer
     results = await asyncio.wait_for(asyncio.gather(first, second), 2)
 
     assert [r.completions[0].token_ids for r in results] == [[1], [2]]  # type: ignore[union-attr]
+
+
+async def test_an_id_a_resubmission_travels_under_is_refused_without_touching_either(
+    topics: Topics,
+) -> None:
+    client = topics.client(timeout_s=3, max_retries=1)
+    own = client.submit({"job_id": "x", "prompt_token_ids": prompt(3)})
+    topics.publish(failed(await topics.job(0), "aborted", retryable=True))
+    resubmitted = await topics.job(1)
+    assert resubmitted["job_id"] == "x~retry1"
+
+    with pytest.raises(RolloutError, match="a resubmission of job x travels under that id"):
+        client.submit({"job_id": "x~retry1", "prompt_token_ids": prompt(8)})
+    topics.publish(completed(resubmitted, [1]))
+    result = await asyncio.wait_for(own, 2)
+
+    assert isinstance(result, Completed) and result.job_id == "x"
+    assert result.completions[0].token_ids == [1] and len(topics.jobs) == 2
+    assert client.in_flight == 0

@@ -251,7 +251,12 @@ class RolloutClient:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Result] = loop.create_future()
         deadline = time.time() + self._timeout_s
-        if job.job_id in self._pending:
+        if (holder := self._pending.get(job.job_id)) is not None:
+            if holder.job.job_id != job.job_id:
+                raise RolloutError(
+                    f"job {job.job_id}: a resubmission of job {holder.job.job_id} travels under "
+                    "that id until it is answered"
+                )
             raise RolloutError(f"job {job.job_id} is already in flight on this client")
         pending = _Pending(job, future, deadline, trace)
         self._pending[job.job_id] = pending
