@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from schemas import Completed, Completion, Job, RoutedExperts
-from worker.client.rollout import _resolved
+from worker.client.inflight import _resolved
 from worker.engines.vllm_engine import _completion
 
 

@@ -371,7 +371,7 @@ def test_fuzzed_results_fail_at_most_their_own_job_and_every_good_one_is_answere
                     assert isinstance(got, (RolloutError, Completed, Failed)), got
                 else:
                     victim.cancel()
-                client._pending.pop("victim", None)
+                client._inflight.pending.pop("victim", None)
                 assert client._stopped is None
 
             runner.run(one_round())

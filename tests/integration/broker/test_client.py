@@ -434,7 +434,7 @@ async def test_the_clients_connection_options_reach_the_fleet_it_steers(monkeypa
         seen.append({**connection, **topics})
         raise Refused
 
-    monkeypatch.setattr("worker.client.rollout.Fleet", fleet)
+    monkeypatch.setattr("worker.client.steering.Fleet", fleet)
     c = RolloutClient(
         bootstrap_servers="127.0.0.1:1",
         security_protocol="SASL_PLAINTEXT",
