@@ -55,7 +55,8 @@ class Conversation:
     worker's cache. `sampling` must ask for one completion (`n` = 1): a conversation continues
     one sequence. `min_weight_version`: no turn runs on older weights; each turn also asks for
     at least the weights its previous turn ran on, so a session moved to another worker never
-    steps back to an older policy. Jobs are named `<conversation_id>-turn<k>`.
+    steps back to an older policy. Jobs are named `<conversation_id>-turn<k>`, each asking of a
+    turn under a new `submission_id`.
     """
 
     def __init__(
