@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from schemas import Completed, Failed, RoutedExperts, SamplingSpec, encode
+from schemas import Completed, Failed, RoutedExperts, SamplingSpec, SchemaError, as_job, encode
 from worker.client.conversation import Conversation
 from worker.client.rollout import RolloutClient, RolloutError
 
@@ -313,3 +313,24 @@ async def test_an_id_a_resubmission_travels_under_is_refused_without_touching_ei
     assert isinstance(result, Completed) and result.job_id == "x"
     assert result.completions[0].token_ids == [1] and len(topics.jobs) == 2
     assert client.in_flight == 0
+
+
+async def test_a_forged_answer_with_an_unreadable_submission_is_skipped(topics: Topics) -> None:
+    client = topics.client(timeout_s=3)
+    future = client.submit({"job_id": "j", "prompt_token_ids": prompt(4)})
+    sent = await topics.job(0)
+    for forged in ("", "s" * 65, 7):
+        topics.publish({**completed(sent, [9]), "submission_id": forged})
+    topics.publish(completed(sent, [1]))
+
+    result = await asyncio.wait_for(future, 2)
+
+    assert result.completions[0].token_ids == [1]  # type: ignore[union-attr]
+    assert client.in_flight == 0
+
+
+def test_a_job_with_a_submission_id_out_of_bounds_is_refused_naming_it() -> None:
+    for bad in ("", "s" * 65):
+        with pytest.raises(SchemaError) as caught:
+            as_job({"job_id": "j", "prompt": "hi", "submission_id": bad})
+        assert caught.value.path == "$.submission_id"
