@@ -436,19 +436,24 @@ SERIES_SUFFIXES = {
 }
 
 
-def exported_series() -> dict[str, str]:
-    """Series name -> family, from a scrape of the worker's /metrics over HTTP."""
+def scrape() -> str:
+    """A just-started worker's /metrics, read over HTTP as Prometheus reads it."""
     metrics = Metrics()
     server = MetricsServer(metrics, "127.0.0.1", 0)
     server.start()
     try:
         url = f"http://127.0.0.1:{server.bound_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
+            text: str = reply.read().decode()
     finally:
         server.stop()
+    return text
+
+
+def exported_series() -> dict[str, str]:
+    """Series name -> family, from a scrape of the worker's /metrics over HTTP."""
     series = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(scrape()):
         for suffix in SERIES_SUFFIXES[family.type]:
             series[family.name + suffix] = family.name
     return series
@@ -494,6 +499,42 @@ def test_the_dashboard_and_the_rules_name_only_metrics_the_worker_exports() -> N
 
     assert expressions
     assert not unknown, f"not exported by the worker: {sorted(unknown)}"
+
+
+# A counter a rule waits to rise, with its selector's label matchers.
+INCREASE = re.compile(r"increase\((vkw_\w+)\{([^}]*)\}\[")
+MATCHER = re.compile(r'(\w+)\s*(!=|=)\s*"([^"]*)"')
+
+
+def test_every_counter_an_alert_waits_to_rise_reads_zero_from_a_workers_start() -> None:
+    """Prometheus counts no increase into a series' first sample (prometheus/prometheus
+    `promql/functions.go`, `extrapolatedRate`: a range with fewer than two samples gives
+    nothing), and a labelled series appears only once its label values are used
+    (prometheus/client_python `docs/content/instrumenting/labels.md`: "Metrics with labels are
+    not initialized when declared ... initialize the label values by calling the .labels()
+    method alone"). A series born by the increment an alert waits for, such as a restarted
+    worker's first crash-looped job, would raise no alert: each must read 0 from the start."""
+    samples = [s for family in text_string_to_metric_families(scrape()) for s in family.samples]
+    watched = [
+        (found.group(1), MATCHER.findall(found.group(2)))
+        for rule in rules()
+        for found in INCREASE.finditer(rule["expr"])
+    ]
+
+    assert len(watched) >= 4
+    for name, matchers in watched:
+        selected = [
+            sample.value
+            for sample in samples
+            if sample.name == name
+            and all(
+                (sample.labels.get(label, "") == value) == (op == "=")
+                for label, op, value in matchers
+                if label != "job"  # Prometheus's own, from the scrape
+            )
+        ]
+        assert selected, f"{name}{{{matchers}}} is absent until it first rises"
+        assert set(selected) == {0.0}, name
 
 
 def test_the_dashboard_shows_what_an_operator_of_the_fleet_watches() -> None:

@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from schemas import ErrorCode
+
 __all__ = ["LoopCounter", "LoopHistogram", "Metrics", "MetricsServer"]
 
 logger = logging.getLogger(__name__)
@@ -28,12 +30,22 @@ class LoopCounter:
     second, with a handful of updates per job, that lock is a visible share of the CPU.
     """
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        zeroed: Sequence[tuple[str, ...]] = (),
+    ) -> None:
+        """`zeroed`: label values whose series read 0 from the start (see `Metrics`)."""
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         # An unlabelled counter reads 0 from the start, as prometheus_client's does.
         self.values: dict[tuple[str, ...], float] = {} if self.labelnames else {(): 0.0}
+        for labels in zeroed:
+            self.inc(0.0, labels)
 
     def inc(self, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
         if len(labels) != len(self.labelnames):
@@ -84,6 +96,11 @@ class Metrics:
     """The worker's metrics, in a registry of their own so tests and several workers don't clash.
 
     Those updated per job are loop-local (no lock); the rest are prometheus_client's.
+
+    The labelled counters that alert rules watch for an increase read 0 from the start for the
+    label values they watch: a labelled series otherwise appears with its first increment, and
+    Prometheus counts no increase into a series' first sample, so a process's first crash-looped
+    job or failed weight update would raise no alert.
     """
 
     def __init__(self, registry: prom.CollectorRegistry | None = None) -> None:
@@ -93,6 +110,7 @@ class Metrics:
             "vkw_jobs",
             "Jobs answered, by outcome (completed, failed, dead_lettered)",
             ["outcome", "code"],
+            zeroed=[("completed", ""), *(("dead_lettered", code.value) for code in ErrorCode)],
         )
         self.queue_wait = LoopHistogram(
             "vkw_queue_wait_seconds", "Time from produce to start", _LATENCY_BUCKETS
@@ -174,8 +192,14 @@ class Metrics:
             registry=r,
         )
         self.commits = prom.Counter(
-            "vkw_commits", "Offset commits, by result", ["result"], registry=r
+            "vkw_commits",
+            "Offset commits, by result (ok; retry: timed out or refused by the broker, made "
+            "again; failed: refused by a rebalance)",
+            ["result"],
+            registry=r,
         )
+        for result in ("ok", "retry", "failed"):
+            self.commits.labels(result)
         self.offset_map_degraded = prom.Counter(
             "vkw_offset_map_degraded",
             "Commits whose offset map left a section out to fit --offset-map-max-bytes, by "
@@ -183,6 +207,8 @@ class Metrics:
             ["dropped"],
             registry=r,
         )
+        for section in ("answered", "running", "deaths"):
+            self.offset_map_degraded.labels(section)
         self.assigned_partitions = prom.Gauge(
             "vkw_assigned_partitions", "Partitions held", registry=r
         )
@@ -205,6 +231,7 @@ class Metrics:
             ["kind", "outcome"],
             registry=r,
         )
+        self.commands.labels("update_weights", "failed")
         self.control_records_dropped = prom.Counter(
             "vkw_control_records_dropped",
             "Control records dropped unanswered, by reason (unreadable; unsigned under a key)",
