@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import msgspec
+import prometheus_client as prom
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -24,7 +25,7 @@ from worker.core.config import (
     flag_name,
     settings_from,
 )
-from worker.core.metrics import Metrics, MetricsServer
+from worker.core.metrics import LoopCounter, LoopHistogram, Metrics, MetricsServer
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
@@ -501,9 +502,49 @@ def test_the_dashboard_and_the_rules_name_only_metrics_the_worker_exports() -> N
     assert not unknown, f"not exported by the worker: {sorted(unknown)}"
 
 
+SELECTOR = re.compile(r"\b(vkw_[A-Za-z0-9_:]*)\{([^}]*)\}")
+LABEL_MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)\s*"')
+# Labels Prometheus adds to every series it scrapes.
+PROMETHEUS_LABELS = {"job", "instance"}
 # A counter a rule waits to rise, with its selector's label matchers.
 INCREASE = re.compile(r"increase\((vkw_\w+)\{([^}]*)\}\[")
 MATCHER = re.compile(r'(\w+)\s*(!=|=)\s*"([^"]*)"')
+
+
+def family_labels() -> dict[str, set[str]]:
+    """Family name -> its label names, from the worker's metrics themselves (a scrape shows a
+    labelled family's labels only once a series of it exists)."""
+    labels = {}
+    for metric in vars(Metrics()).values():
+        if isinstance(metric, LoopCounter):
+            labels[metric.name] = set(metric.labelnames)
+        elif isinstance(metric, LoopHistogram):
+            labels[metric.name] = {"le"}
+        elif isinstance(metric, prom.metrics.MetricWrapperBase):
+            names = set(metric._labelnames)
+            labels[metric._name] = names | ({"le"} if isinstance(metric, prom.Histogram) else set())
+    return labels
+
+
+def test_the_dashboard_and_the_rules_select_only_labels_the_worker_exports() -> None:
+    series = exported_series()
+    labels = family_labels()
+    expressions = dashboard_expressions() + [rule["expr"] for rule in rules()]
+    selected = [
+        (name, label)
+        for expr in expressions
+        for name, matchers in SELECTOR.findall(expr)
+        for label in LABEL_MATCHER.findall(matchers)
+    ]
+
+    unknown = {
+        f"{name}{{{label}}}"
+        for name, label in selected
+        if label not in labels[series[name]] | PROMETHEUS_LABELS
+    }
+
+    assert len(selected) > len(expressions)
+    assert not unknown, f"labels the worker does not export: {sorted(unknown)}"
 
 
 def test_every_counter_an_alert_waits_to_rise_reads_zero_from_a_workers_start() -> None:
