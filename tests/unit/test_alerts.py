@@ -106,6 +106,19 @@ def test_the_rule_tester_fails_an_alert_that_does_not_fire(tmp_path: Path) -> No
     assert "VkwCrashSuspectsLinger" in tested.stdout + tested.stderr
 
 
+def test_every_alert_is_tested_firing_and_silent() -> None:
+    fired: set[str] = set()
+    silent: set[str] = set()
+    for case in rule_tests():
+        for check in case["alert_rule_test"]:
+            (fired if check.get("exp_alerts") else silent).add(check["alertname"])
+    alerts = {rule["alert"] for rule in rules()}
+
+    assert alerts - fired == set(), "never expected to fire"
+    assert alerts - silent == set(), "never expected to stay silent"
+    assert fired | silent <= alerts
+
+
 def test_the_rule_tests_feed_only_series_the_worker_exports() -> None:
     # `up` is Prometheus's own, one per scrape target.
     known = exported_series().keys() | {"up"}

@@ -589,6 +589,7 @@ def test_the_dashboard_shows_what_an_operator_of_the_fleet_watches() -> None:
         "vkw_engine_seconds",
         "vkw_publish_seconds",
         "vkw_weight_version",
+        "vkw_needs_weights",
         "vkw_commands",
         "vkw_commits",
         "vkw_offset_map_degraded",
@@ -606,6 +607,8 @@ def test_the_rules_cover_the_fleets_failures() -> None:
         "VkwWeightVersionSkew",
         "VkwWeightUpdateFailed",
         "VkwDeadLetters",
+        "VkwCommitsFailing",
+        "VkwNeedsWeights",
     } <= by_name.keys()
     for name, rule in by_name.items():
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}, name
