@@ -18,6 +18,11 @@ So the state comes from the fleet's own answers:
   there to apply them): the worker applies them itself, in order, as it would live, with every
   check (freshness among them, so an old record nobody answered is not obeyed now).
 
+A command id is taken once, at its first record, as a following worker takes it: a later
+record under the same id (a signed command produced again byte for byte) is a duplicate here
+too, so a copy produced after the fleet answered the original is neither unanswered nor the
+newest update or pause.
+
 `read_catch_up_plan` reads both topics with a consumer of its own, so a caller can learn the
 checkpoints to build an engine on before the engine (and the control plane) exists.
 """
@@ -84,7 +89,8 @@ OnDropped = Callable[[ConsumerRecord[bytes, bytes], str, str], None]
 
 @dataclass
 class ControlLog:
-    """The control topic as a worker may take it: readable, signed (under a key) commands."""
+    """The control topic as a worker may take it: readable, signed (under a key) commands,
+    each id once (see `take`)."""
 
     #: (offset, command) for every command addressed to this worker, in topic order.
     addressed: list[tuple[int, Command]] = field(default_factory=list)
@@ -92,6 +98,17 @@ class ControlLog:
     ids: dict[str, int] = field(default_factory=dict)
     #: The offset the topic was read up to.
     end: int = 0
+
+    def take(self, offset: int, command: Command, *, addressed: bool) -> bool:
+        """Take `command` at `offset`; False for a duplicate: a following worker applies an id
+        once, at its first record, so a later record under it (a replayed copy) is no command
+        at catch-up either."""
+        if command.command_id in self.ids:
+            return False
+        self.ids[command.command_id] = offset
+        if addressed:
+            self.addressed.append((offset, command))
+        return True
 
 
 @dataclass
@@ -192,9 +209,8 @@ async def read_control_topic(
                 if on_dropped is not None:
                     on_dropped(record, reason, detail)
                 continue
-            log.ids[command.command_id] = record.offset
-            if command.target.matches(settings.group_id, settings.worker_id):
-                log.addressed.append((record.offset, command))
+            addressed = command.target.matches(settings.group_id, settings.worker_id)
+            log.take(record.offset, command, addressed=addressed)
     return log
 
 

@@ -178,7 +178,9 @@ class ControlPlane:
         # No command for this worker: nothing the fleet's answers could say about it.
         state = await self._fleet_state() if log.addressed else FleetState()
         plan = plan_catch_up(log, state, self._engine.weight_version)
-        self._applied |= plan.seen
+        # Every id in the log is taken, as by a worker that followed it: a later copy is a
+        # duplicate, whoever it addresses.
+        self._applied |= log.ids.keys()
         await self._take_checkpoint(plan, log.ids)
         if isinstance(plan.pause, Pause):
             ack = await self._apply(
@@ -200,9 +202,6 @@ class ControlPlane:
             )
         stale = 0
         for offset, command in plan.unanswered:
-            if command.command_id in self._applied:
-                continue
-            self._applied.add(command.command_id)
             if staleness(command, self._clock(), self._settings) is not None:
                 stale += 1  # nobody answered it when it was fresh: not obeyed now
                 continue

@@ -197,3 +197,33 @@ async def test_a_worker_learns_the_checkpoints_to_build_on_before_its_engine_exi
     plan = await read_catch_up_plan(settings, 0)
     assert [u.command_id for u in plan.checkpoints] == ["fleet-c", "fleet-b"]
     assert plan.unanswered == [] and plan.seen == {"fleet-b", "fleet-c", "fleet-d"}
+
+
+async def test_a_copy_of_an_answered_rollback_is_not_obeyed_by_a_starting_worker(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path
+):
+    # The fleet applied 5, 6, a rollback to 5 and 7, then went down; a byte-for-byte copy of
+    # the signed rollback was produced after that (no key needed to copy a record). Measured
+    # before: the starting worker took the copy for a command nobody answered and applied it,
+    # serving 5 where the fleet had left 7.
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    key, now = KEY.encode(), time.time()
+    paths = {v: checkpoint(tmp_path, f"v{v}") for v in (5, 6, 7)}
+    commands = [
+        UpdateWeights(command_id="u5", version=5, path=paths[5], issued_at=now),
+        UpdateWeights(command_id="u6", version=6, path=paths[6], issued_at=now),
+        UpdateWeights(command_id="r5", version=5, path=paths[5], force=True, issued_at=now),
+        UpdateWeights(command_id="u7", version=7, path=paths[7], issued_at=now),
+    ]
+    records = [encode(sign_command(c, key)) for c in commands]
+    await send(bs, fleet, *records, records[2])
+    await answered(bs, fleet, *((c.command_id, o, "ok") for o, c in enumerate(commands)))
+    await produce(bs, fleet.topics.jobs, [job_record(job("after-copy"))])
+    async with Status(bs, fleet.status) as status, Results(bs, fleet.topics.results) as results:
+        w = await start_steered(fleet, "w1", control_hmac_key=KEY)
+        got = completed((await results.wait("after-copy"))["after-copy"])
+        assert got.weight_version == 7
+        assert w.inner.loads == [(paths[7], 7)]
+        assert [a.command_id for a in acks_of(status, "w1")] == ["u7"]
+    assert await w.stop() == 0

@@ -1,0 +1,227 @@
+"""A starting worker's catch-up with the project's own `ControlPlane`, on in-memory topics.
+
+What the control topic holds is judged by what the fleet said it did (the status topic's
+tail): these cases are the ones where the two disagree in ways a following worker would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas import (
+    Command,
+    CommandAck,
+    Pause,
+    Resume,
+    StatusMessage,
+    Target,
+    UpdateWeights,
+    WorkerStatus,
+    encode,
+    sign_command,
+)
+from tests.unit.test_control_fuzz import (
+    CONTROL,
+    ISSUED_AT,
+    KEY,
+    STATUS,
+    IdleWorker,
+    OnePartition,
+    StatusTopic,
+)
+from worker.control.catch_up import ControlLog
+from worker.control.plane import ControlPlane
+from worker.core.config import settings_from
+from worker.core.metrics import Metrics
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.steerable import SteerableEngine
+
+GROUP = "g"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    for name in ("v3", "v5", "v6", "v7"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"name": name}))
+    return tmp_path
+
+
+def update(root: Path, version: int, **kwargs: Any) -> UpdateWeights:
+    return UpdateWeights(
+        command_id=kwargs.pop("command_id", f"u{version}"),
+        version=version,
+        path=str(root / f"v{version}"),
+        issued_at=ISSUED_AT,
+        **kwargs,
+    )
+
+
+def transfer(version: int) -> UpdateWeights:
+    return UpdateWeights(
+        command_id=f"t{version}",
+        version=version,
+        backend="nccl",
+        update_info={"names": []},
+        issued_at=ISSUED_AT,
+    )
+
+
+def ack(command: Command, offset: int, worker: str = "w1") -> CommandAck:
+    return CommandAck(
+        worker=worker,
+        group=GROUP,
+        command_id=command.command_id,
+        kind="update_weights",
+        outcome="ok",
+        duration_s=0.1,
+        weight_version=0,
+        at=ISSUED_AT,
+        offset=offset,
+    )
+
+
+def heartbeat(worker: str = "w1", **state: Any) -> WorkerStatus:
+    return WorkerStatus(
+        worker=worker,
+        group=GROUP,
+        model="m",
+        weight_version=0,
+        paused=False,
+        in_flight=0,
+        lag=0,
+        engine_healthy=True,
+        uptime_s=1.0,
+        at=ISSUED_AT,
+        interval_s=5.0,
+        **state,
+    )
+
+
+class Started:
+    """A control plane caught up on `control` (records as given) and the status tail."""
+
+    def __init__(self, plane: ControlPlane, engine: SteerableEngine, sent: StatusTopic) -> None:
+        self.plane, self.engine, self.sent = plane, engine, sent
+
+    @property
+    def loads(self) -> list[tuple[str, int]]:
+        inner = self.engine._inner
+        assert isinstance(inner, MockEngine)
+        return inner.loads
+
+
+async def start(
+    root: Path,
+    control: list[bytes],
+    status: list[StatusMessage],
+    *,
+    worker: str = "w2",
+    version: int = 0,
+    key: bytes | None = None,
+    built_on: str | None = None,
+) -> Started:
+    control_topic = OnePartition(CONTROL, listed=frozenset({STATUS}))
+    for value in control:
+        control_topic.add(value)
+    status_topic = OnePartition(STATUS)
+    for message in status:
+        status_topic.add(encode(message))
+    values: dict[str, Any] = {
+        "control_topic": CONTROL,
+        "status_topic": STATUS,
+        "worker_id": worker,
+        "group_id": GROUP,
+        "weights_root": [str(root)],
+        "allow_weight_transfer": True,
+    }
+    if key is not None:
+        values["control_hmac_key"] = key.decode()
+    engine = SteerableEngine(
+        MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4, weight_version=version))
+    )
+    sent = StatusTopic()
+    plane = ControlPlane(
+        settings_from(values, {}),
+        engine,
+        Metrics(),
+        IdleWorker(),
+        consumer=control_topic,
+        producer=sent,
+        status_consumer=status_topic,
+        clock=lambda: ISSUED_AT,
+        built_on=built_on,
+    )
+    await plane.start()
+    await plane.catch_up()
+    return Started(plane, engine, sent)
+
+
+def signed(*commands: Command) -> list[bytes]:
+    return [encode(sign_command(c, KEY)) for c in commands]
+
+
+# ---- a replayed record ---------------------------------------------------------------------
+
+
+def test_a_replayed_rollback_is_a_duplicate_at_catch_up_as_it_is_live(root):
+    # The trainer rolled back to 5, then moved on to 7. A byte-for-byte copy of the signed
+    # rollback (anyone who can write the topic can make one) is produced after it; the fleet
+    # skips it as a duplicate, but its next heartbeat has not gone out yet. The starting
+    # worker took the copy for an unanswered rollback and applied it: 5, with the fleet on 7.
+    u5, u6, u7 = update(root, 5), update(root, 6), update(root, 7)
+    rollback = update(root, 5, command_id="r5", force=True)
+    control = signed(u5, u6, rollback, u7)
+    control.append(control[2])
+    status: list[StatusMessage] = [
+        *(ack(c, o) for o, c in enumerate((u5, u6, rollback, u7))),
+        heartbeat(weights_command_id="u7", control_offset=4),
+    ]
+
+    async def run() -> Started:
+        return await start(root, control, status, key=KEY)
+
+    got = asyncio.run(run())
+    assert got.engine.weight_version == 7
+    assert got.loads == [(str(root / "v7"), 7)]
+    assert [a.command_id for a in got.sent.acks().values()] == ["u7"]
+    assert got.plane.status().control_offset == 5
+
+
+@pytest.mark.parametrize("fleet_beat_after_copy", [False, True])
+def test_a_replayed_pause_leaves_a_starting_worker_running_with_the_fleet(
+    root, fleet_beat_after_copy
+):
+    # Pause, resume, then a copy of the pause. Before the fleet's next heartbeat the copy was
+    # taken as unanswered and applied; after it, as the latest pause the fleet applied.
+    pause = Pause(command_id="p", issued_at=ISSUED_AT)
+    resume = Resume(command_id="r", issued_at=ISSUED_AT)
+    control = signed(pause, resume)
+    control.append(control[0])
+    status: list[StatusMessage] = [
+        ack(pause, 0),
+        ack(resume, 1),
+        heartbeat(control_offset=3 if fleet_beat_after_copy else 2),
+    ]
+
+    async def run() -> Started:
+        return await start(root, control, status, key=KEY)
+
+    got = asyncio.run(run())
+    assert not got.engine.paused
+    assert got.sent.acks() == {}
+    assert got.plane.status().pause_command_id is None
+
+
+def test_the_first_record_of_an_id_is_the_command_whoever_the_copy_addresses():
+    # A following worker takes an id once, at its first record, addressed to it or not.
+    log = ControlLog()
+    first = Pause(command_id="p", target=Target(group="other"))
+    assert log.take(0, first, addressed=False)
+    assert not log.take(3, Pause(command_id="p"), addressed=True)
+    assert (log.ids, log.addressed) == ({"p": 0}, [])
