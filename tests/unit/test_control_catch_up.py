@@ -225,3 +225,41 @@ def test_the_first_record_of_an_id_is_the_command_whoever_the_copy_addresses():
     assert log.take(0, first, addressed=False)
     assert not log.take(3, Pause(command_id="p"), addressed=True)
     assert (log.ids, log.addressed) == ({"p": 0}, [])
+
+
+# ---- targeted commands -----------------------------------------------------------------------
+
+
+def test_a_command_for_a_worker_that_was_down_is_applied_when_it_starts(root):
+    # A pause for w2 alone, sent while w2 was down. w1 passed over it (not its own) and its
+    # heartbeats said so; w2 took that for an answer and forgot the pause.
+    pause = Pause(command_id="p", target=Target(workers=["w2"]), issued_at=ISSUED_AT)
+    u6 = update(root, 6, target=Target(workers=["w2"]))
+    status: list[StatusMessage] = [heartbeat("w1", control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(pause), encode(u6)], status, worker="w2")
+
+    got = asyncio.run(run())
+    assert got.engine.paused
+    assert (got.engine.weight_version, got.plane.status().pause_command_id) == (6, "p")
+    assert {cid: a.offset for cid, a in got.sent.acks().items()} == {"p": 0, "u6": 1}
+
+
+def test_a_command_for_a_worker_that_answered_it_is_not_applied_again(root):
+    pause = Pause(command_id="p", target=Target(workers=["w2"]), issued_at=ISSUED_AT)
+    status: list[StatusMessage] = [
+        ack(pause, 0, worker="w2"),
+        heartbeat("w1", control_offset=1),
+        heartbeat("w2", control_offset=1, pause_command_id="p"),
+    ]
+
+    async def run() -> Started:
+        return await start(root, [encode(pause)], status, worker="w2")
+
+    got = asyncio.run(run())
+    # Answered by w2 before it stopped: the pause in force is the fleet's state, taken as such
+    # (acknowledged once more, at the offset it was sent at), not a command applied again.
+    assert got.engine.paused
+    assert [a.command_id for a in got.sent.acks().values()] == ["p"]
+    assert got.sent.acks()["p"].offset == 0

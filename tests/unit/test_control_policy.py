@@ -157,7 +157,7 @@ def plan(
         log.ids[command.command_id] = offset
     state = FleetState(
         applied={c.command_id for c in commands} if applied is None else applied,
-        answered_below=len(commands) if answered_below is None else answered_below,
+        answered_by={"other": len(commands) if answered_below is None else answered_below},
     )
     return plan_catch_up(log, state, start)
 

@@ -6,17 +6,19 @@ trainer asked for, not what happened: an update the fleet refused (a path outsid
 checkpoint cut short) or a record produced again after a trim is in the topic just the same.
 So the state comes from the fleet's own answers:
 
-- **answered commands** (below the offset up to which a worker of this group has acknowledged
-  or reported, `WorkerStatus.control_offset`): their outcome is the fleet's. An update counts
-  when a worker of the group acknowledged it `ok` or reports serving it (`weights_command_id`);
-  the newest of those, in topic order, is the state, the older ones the fallbacks when it no
-  longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
-  version the worker starts with counts (an update from an earlier run on the same topic).
+- **answered commands** (below the offset up to which a worker the command addresses has
+  acknowledged or reported, `WorkerStatus.control_offset`): their outcome is the fleet's. An
+  update counts when a worker of the group acknowledged it `ok` or reports serving it
+  (`weights_command_id`); the newest of those, in topic order, is the state, the older ones
+  the fallbacks when it no longer loads. Likewise the latest pause or resume the fleet
+  applied. Nothing older than the version the worker starts with counts (an update from an
+  earlier run on the same topic).
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
-- **unanswered commands** (at or above that offset: sent while no worker of the group was
-  there to apply them): the worker applies them itself, in order, as it would live, with every
-  check (freshness among them, so an old record nobody answered is not obeyed now).
+- **unanswered commands** (at or above that offset: sent while no worker it addresses was
+  there to apply them, e.g. one naming a worker that was down): the worker applies them itself,
+  in order, as it would live, with every check (freshness among them, so an old record nobody
+  answered is not obeyed now).
 
 A command id is taken once, at its first record, as a following worker takes it: a later
 record under the same id (a signed command produced again byte for byte) is a duplicate here
@@ -48,6 +50,7 @@ from schemas import (
     Pause,
     Resume,
     SchemaError,
+    Target,
     UpdateWeights,
     WorkerStatus,
     decode_command,
@@ -117,8 +120,24 @@ class FleetState:
 
     #: Ids of commands a worker of the group acknowledged `ok` or reports in force.
     applied: set[str] = field(default_factory=set)
-    #: Commands below this offset were answered by a worker of the group.
-    answered_below: int = 0
+    #: Per worker of the group, the offset below which it answered every command addressed to
+    #: it (acknowledged, or passed as not its own).
+    answered_by: dict[str, int] = field(default_factory=dict)
+
+    def answer(self, worker: str, below: int) -> None:
+        self.answered_by[worker] = max(self.answered_by.get(worker, 0), below)
+
+    @property
+    def answered_below(self) -> int:
+        """Commands below this offset were answered by some worker of the group."""
+        return max(self.answered_by.values(), default=0)
+
+    def answered(self, offset: int, target: Target) -> bool:
+        """Whether a worker `target` addresses answered the command at `offset`: another
+        worker passing over a command meant for a worker that was down answered nothing."""
+        if target.workers is None:
+            return offset < self.answered_below
+        return any(self.answered_by.get(worker, 0) > offset for worker in target.workers)
 
 
 @dataclass
@@ -132,9 +151,9 @@ class CatchUpPlan:
     transfer: UpdateWeights | None = None
     #: The latest pause or resume the fleet applied.
     pause: Pause | Resume | None = None
-    #: Commands no worker of the group has answered: applied now, in order, as live.
+    #: Commands no worker they address has answered: applied now, in order, as live.
     unanswered: list[tuple[int, Command]] = field(default_factory=list)
-    #: Ids of the commands answered already: none is applied again.
+    #: Ids of the commands for this worker answered already: none is applied again.
     seen: set[str] = field(default_factory=set)
     #: The offset the plan was read up to.
     end: int = 0
@@ -143,14 +162,15 @@ class CatchUpPlan:
 def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> CatchUpPlan:
     """The plan for a worker that starts on `start_version` (see the module's docstring)."""
     plan = CatchUpPlan(end=log.end)
-    plan.seen = {cid for cid, offset in log.ids.items() if offset < state.answered_below}
     updates: list[UpdateWeights] = []
     for offset, command in log.addressed:
-        if offset >= state.answered_below:
+        if not state.answered(offset, command.target):
             plan.unanswered.append((offset, command))
-        elif command.command_id not in state.applied:
+            continue
+        plan.seen.add(command.command_id)
+        if command.command_id not in state.applied:
             continue  # the fleet refused it, or it was never the fleet's to apply
-        elif isinstance(command, Pause | Resume):
+        if isinstance(command, Pause | Resume):
             plan.pause = command
         elif isinstance(command, UpdateWeights) and command.version >= start_version:
             updates.append(command)
@@ -256,12 +276,12 @@ def _take_answer(state: FleetState, value: bytes | None, group: str) -> None:
     if isinstance(message, CommandAck):
         if message.offset is not None:
             # Acknowledged in topic order: everything before it was answered too.
-            state.answered_below = max(state.answered_below, message.offset + 1)
+            state.answer(message.worker, message.offset + 1)
         if message.outcome == "ok":
             state.applied.add(message.command_id)
     elif isinstance(message, WorkerStatus):
         if message.control_offset is not None:
-            state.answered_below = max(state.answered_below, message.control_offset)
+            state.answer(message.worker, message.control_offset)
         state.applied |= {
             cid for cid in (message.weights_command_id, message.pause_command_id) if cid
         }
