@@ -34,7 +34,7 @@ from tests.unit.test_control_fuzz import (
     OnePartition,
     StatusTopic,
 )
-from worker.control.catch_up import ControlLog
+from worker.control.catch_up import ControlLog, FleetState, plan_catch_up
 from worker.control.plane import ControlPlane
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
@@ -263,3 +263,55 @@ def test_a_command_for_a_worker_that_answered_it_is_not_applied_again(root):
     assert got.engine.paused
     assert [a.command_id for a in got.sent.acks().values()] == ["p"]
     assert got.sent.acks()["p"].offset == 0
+
+
+# ---- rollbacks below the start version -------------------------------------------------------
+
+
+def test_a_rollback_below_the_start_version_undoes_the_update_it_rolled_back_from(root):
+    # Started on version 5; the fleet went to 7 and was rolled back (force) to 3. Only
+    # versions from 5 up counted, so the starting worker loaded 7, the weights the trainer
+    # had just rolled back from.
+    u7, rollback = update(root, 7), update(root, 3, command_id="r3", force=True)
+    status: list[StatusMessage] = [ack(u7, 0), ack(rollback, 1), heartbeat(control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(u7), encode(rollback)], status, version=5)
+
+    got = asyncio.run(run())
+    assert got.loads == [(str(root / "v3"), 3)]
+    assert got.plane.status().weights_command_id == "r3"
+
+
+def test_a_rollback_between_the_engine_build_and_the_catch_up_is_taken(root):
+    # The engine was built on the fleet's 7 (read before the build); a forced rollback to 3
+    # came while it was built and the fleet applied it. The catch-up counts from the built
+    # version, 7, so it dropped the rollback and kept serving 7.
+    u7, rollback = update(root, 7), update(root, 3, command_id="r3", force=True)
+    status: list[StatusMessage] = [ack(u7, 0), ack(rollback, 1), heartbeat(control_offset=2)]
+
+    async def run() -> Started:
+        control = [encode(u7), encode(rollback)]
+        return await start(root, control, status, version=7, built_on="u7")
+
+    got = asyncio.run(run())
+    assert (got.engine.weight_version, got.loads) == (3, [(str(root / "v3"), 3)])
+
+
+def test_updates_after_a_rollback_below_the_start_version_count_from_its_version():
+    def versions(start: int, *commands: UpdateWeights) -> list[int]:
+        log = ControlLog(end=len(commands))
+        for offset, command in enumerate(commands):
+            log.take(offset, command, addressed=True)
+        state = FleetState(applied={c.command_id for c in commands})
+        state.answer("w1", len(commands))
+        return [u.version for u in plan_catch_up(log, state, start).checkpoints]
+
+    def up(version: int, **kwargs: Any) -> UpdateWeights:
+        cid = f"{'r' if kwargs.get('force') else 'u'}{version}"
+        return UpdateWeights(command_id=cid, version=version, path=f"/c/{version}", **kwargs)
+
+    assert versions(5, up(7), up(3, force=True), up(4)) == [4, 3, 7]
+    # A rollback with nothing of this run before it is an earlier run's: not counted, nor
+    # what follows it below the start version.
+    assert versions(10, up(5), up(9, force=True), up(4)) == []

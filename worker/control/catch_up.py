@@ -12,7 +12,8 @@ So the state comes from the fleet's own answers:
   (`weights_command_id`); the newest of those, in topic order, is the state, the older ones
   the fallbacks when it no longer loads. Likewise the latest pause or resume the fleet
   applied. Nothing older than the version the worker starts with counts (an update from an
-  earlier run on the same topic).
+  earlier run on the same topic), except a forced rollback from an update that counts: it
+  undoes this run's weights, and the updates after it count from its version on.
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
@@ -163,6 +164,7 @@ def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> Cat
     """The plan for a worker that starts on `start_version` (see the module's docstring)."""
     plan = CatchUpPlan(end=log.end)
     updates: list[UpdateWeights] = []
+    floor = start_version
     for offset, command in log.addressed:
         if not state.answered(offset, command.target):
             plan.unanswered.append((offset, command))
@@ -172,8 +174,14 @@ def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> Cat
             continue  # the fleet refused it, or it was never the fleet's to apply
         if isinstance(command, Pause | Resume):
             plan.pause = command
-        elif isinstance(command, UpdateWeights) and command.version >= start_version:
-            updates.append(command)
+        elif isinstance(command, UpdateWeights):
+            if command.version >= floor:
+                updates.append(command)
+            elif command.force and updates:
+                # It rolls back from weights of this run: the trainer's state, and what it
+                # sends next counts from its version on.
+                updates.append(command)
+                floor = command.version
     if updates and updates[-1].backend != "checkpoint":
         plan.transfer = updates[-1]
     plan.checkpoints = [u for u in reversed(updates) if u.backend == "checkpoint"]
