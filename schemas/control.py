@@ -186,6 +186,10 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True, tag="status", tag_
     weights_command_id: str | None = None
     #: The fleet's `pause` in force on it (None: not paused by the fleet).
     pause_command_id: str | None = None
+    #: With `needs_weights` after a restart: the fleet's newest update, a weight transfer it
+    #: could not repeat. Repeated in every heartbeat, so a worker starting once that update's
+    #: acknowledgements have left the status topic's tail still learns the fleet is on it.
+    needs_weights_command_id: str | None = None
     #: The control topic's offset it has applied every command below (None: not following).
     #: A worker starting later takes the state of the commands below it from what the fleet
     #: said, and applies the ones at or above it itself.

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import ConsumerRecord
 
 from schemas import (
     Command,
@@ -315,3 +316,45 @@ def test_updates_after_a_rollback_below_the_start_version_count_from_its_version
     # A rollback with nothing of this run before it is an earlier run's: not counted, nor
     # what follows it below the start version.
     assert versions(10, up(5), up(9, force=True), up(4)) == []
+
+
+# ---- needs_weights ---------------------------------------------------------------------------
+
+
+def test_needs_weights_survives_the_transfers_acknowledgements_leaving_the_status_tail(root):
+    # The fleet's newest update was a transfer. A worker restarted after it reports
+    # needs_weights. Once the transfer's acknowledgements have left the status tail a later
+    # worker reads, only heartbeats tell it: they said which checkpoint was served, not that
+    # the fleet was on a transfer, so the later worker served that checkpoint with no hold.
+    u3, t5 = update(root, 3), transfer(5)
+    control = [encode(u3), encode(t5)]
+    acks: list[StatusMessage] = [ack(u3, 0), ack(t5, 1)]
+
+    async def run() -> tuple[Started, Started]:
+        first = await start(root, control, acks, worker="w1")
+        tail_without_acks: list[StatusMessage] = [first.plane.status()]
+        later = await start(root, control, tail_without_acks, worker="w2")
+        return first, later
+
+    first, later = asyncio.run(run())
+    for got in (first, later):
+        beat = got.plane.status()
+        assert got.engine.weight_version == 3
+        assert got.engine.paused  # jobs held until the next update (--stale-weights-at-start)
+        assert (beat.needs_weights, beat.weights_command_id) == (True, "u3")
+    assert later.plane.status().needs_weights_command_id == "t5"
+
+
+def test_an_update_that_loads_ends_the_needs_weights_heartbeats(root):
+    u3, t5, u6 = update(root, 3), transfer(5), update(root, 6)
+
+    async def run() -> Started:
+        got = await start(root, [encode(u3), encode(t5)], [ack(u3, 0), ack(t5, 1)])
+        value = encode(u6)
+        await got.plane._take(ConsumerRecord(CONTROL, 0, 2, 0, 0, None, value, None, 0, 0, ()))
+        return got
+
+    got = asyncio.run(run())
+    beat = got.plane.status()
+    assert (beat.needs_weights, beat.needs_weights_command_id) == (False, None)
+    assert (got.engine.weight_version, got.engine.paused) == (6, False)

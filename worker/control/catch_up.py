@@ -9,11 +9,12 @@ So the state comes from the fleet's own answers:
 - **answered commands** (below the offset up to which a worker the command addresses has
   acknowledged or reported, `WorkerStatus.control_offset`): their outcome is the fleet's. An
   update counts when a worker of the group acknowledged it `ok` or reports serving it
-  (`weights_command_id`); the newest of those, in topic order, is the state, the older ones
-  the fallbacks when it no longer loads. Likewise the latest pause or resume the fleet
-  applied. Nothing older than the version the worker starts with counts (an update from an
-  earlier run on the same topic), except a forced rollback from an update that counts: it
-  undoes this run's weights, and the updates after it count from its version on.
+  (`weights_command_id`, or `needs_weights_command_id` for a transfer it could not repeat);
+  the newest of those, in topic order, is the state, the older ones the fallbacks when it no
+  longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
+  version the worker starts with counts (an update from an earlier run on the same topic),
+  except a forced rollback from an update that counts: it undoes this run's weights, and
+  the updates after it count from its version on.
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
@@ -290,9 +291,12 @@ def _take_answer(state: FleetState, value: bytes | None, group: str) -> None:
     elif isinstance(message, WorkerStatus):
         if message.control_offset is not None:
             state.answer(message.worker, message.control_offset)
-        state.applied |= {
-            cid for cid in (message.weights_command_id, message.pause_command_id) if cid
-        }
+        in_force = (
+            message.weights_command_id,
+            message.pause_command_id,
+            message.needs_weights_command_id,
+        )
+        state.applied |= {cid for cid in in_force if cid}
 
 
 async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpPlan:

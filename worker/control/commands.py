@@ -89,8 +89,8 @@ class CommandRunner:
         self._metrics = metrics
         self._worker = worker
         self._policy = WeightsPolicy(settings)
-        # The latest update in the topic at start was a transfer this worker cannot repeat.
-        self._needs_weights = False
+        # The fleet's latest update at start was a transfer this worker cannot repeat: its id.
+        self._lacking: str | None = None
         # The fleet's own pause state (a `needs_weights` hold keeps the gate closed anyway).
         self._fleet_paused = False
 
@@ -134,8 +134,8 @@ class CommandRunner:
                 command.on_inflight,
             )
         self._metrics.weight_update_time.observe(time.monotonic() - t0)
-        if self._needs_weights:
-            holding, self._needs_weights = self._holding, False
+        if self._lacking is not None:
+            holding, self._lacking = self._holding, None
             if holding and not self._fleet_paused:
                 await engine.resume()
         if command.on_inflight == "restart" and not catching_up:
@@ -147,16 +147,22 @@ class CommandRunner:
 
     @property
     def needs_weights(self) -> bool:
-        return self._needs_weights
+        return self._lacking is not None
+
+    @property
+    def lacking(self) -> str | None:
+        """The id of the fleet's update this worker could not repeat at start (None: none)."""
+        return self._lacking
 
     @property
     def _holding(self) -> bool:
-        return self._needs_weights and self._settings.stale_weights_at_start == "hold"
+        return self.needs_weights and self._settings.stale_weights_at_start == "hold"
 
-    async def lack_weights(self) -> bool:
-        """The latest update could not be repeated: report `needs_weights` until the next
-        one, holding the jobs unless told to serve; whether they are held."""
-        self._needs_weights = True
+    async def lack_weights(self, command_id: str) -> bool:
+        """The fleet's latest update, `command_id`, could not be repeated: report
+        `needs_weights` until the next one, holding the jobs unless told to serve; whether
+        they are held."""
+        self._lacking = command_id
         if self._holding:
             await self._engine.pause("wait")
         return self._holding

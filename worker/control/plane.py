@@ -12,8 +12,8 @@ applied that loads here, falling back to older applied ones, then to its start-u
 the latest pause or resume the fleet applied), and it applies the commands nobody answered
 itself, as it would live. A newest update it cannot repeat (a weight transfer) leaves it
 `needs_weights` until the next update, holding its jobs unless told to serve. Heartbeats say
-which update's weights it serves, which pause holds it and how far it has read the control
-topic, so the next worker to start can do the same.
+which update's weights it serves (and which transfer it lacks), which pause holds it and how
+far it has read the control topic, so the next worker to start can do the same.
 
 Every command is checked before anything changes: its signature (`--control-hmac-key`: a
 record that is not signed is dropped unanswered, counted in `vkw_control_records_dropped`),
@@ -191,7 +191,7 @@ class ControlPlane:
             if ack.outcome == "ok":
                 self._pause_command_id = plan.pause.command_id
         if plan.transfer is not None:
-            hold = await self._runner.lack_weights()
+            hold = await self._runner.lack_weights(plan.transfer.command_id)
             logger.warning(
                 "the fleet's latest update (%s, version %d over %s) cannot be repeated after a "
                 "restart: %s until the next update_weights",
@@ -480,6 +480,7 @@ class ControlPlane:
             needs_weights=self._needs_weights,
             weights_command_id=self._weights_command_id,
             pause_command_id=self._pause_command_id if self._engine.paused else None,
+            needs_weights_command_id=self._runner.lacking,
             control_offset=self._next_offset if self._following else None,
         )
 

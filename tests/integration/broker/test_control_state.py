@@ -19,8 +19,9 @@ from schemas import (
     sign_command,
 )
 from tests.integration.broker.test_control import checkpoint, job
-from tests.integration.broker.test_control_security import KEY, acks_of
+from tests.integration.broker.test_control_security import KEY, acks_of, transfer
 from tests.workers import worker_settings
+from worker.control import catch_up
 from worker.control.catch_up import read_catch_up_plan
 from worker.dev.harness.clients import job_record, produce
 from worker.dev.harness.fleet import Results, Status, answered, completed, send
@@ -227,3 +228,28 @@ async def test_a_copy_of_an_answered_rollback_is_not_obeyed_by_a_starting_worker
         assert w.inner.loads == [(paths[7], 7)]
         assert [a.command_id for a in acks_of(status, "w1")] == ["u7"]
     assert await w.stop() == 0
+
+
+async def test_needs_weights_outlives_the_transfers_acknowledgements_in_the_status_tail(
+    kafka_bootstrap_servers, new_topic, start_steered, tmp_path, monkeypatch
+):
+    # A worker restarted after a transfer says needs_weights. Once the transfer's
+    # acknowledgements are older than the tail a starting worker reads (here: the last 2
+    # records, which are the first worker's heartbeats), the next worker must still hold.
+    # Measured before: it served 3 with no hold, and `status` showed it current.
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    b = checkpoint(tmp_path, "b")
+    await send(bs, fleet, UpdateWeights(command_id="v3", version=3, path=b), transfer("t5", 5))
+    await answered(bs, fleet, ("v3", 0, "ok"), ("t5", 1, "ok"))
+    async with Status(bs, fleet.status) as status:
+        first = await start_steered(fleet, "w1", allow_weight_transfer=True)
+        await wait_for(lambda: len(status.statuses("w1")) >= 2, 30, "two heartbeats")
+        assert await first.stop() == 0
+        monkeypatch.setattr(catch_up, "STATUS_TAIL_RECORDS", 2)
+        second = await start_steered(fleet, "w2", allow_weight_transfer=True)
+        await wait_for(lambda: status.statuses("w2"), 30, "a heartbeat")
+        beat = status.statuses("w2")[-1]
+        assert (beat.needs_weights, beat.weight_version, beat.weights_command_id) == (True, 3, "v3")
+        assert second.engine.paused
+    assert await second.stop() == 0
