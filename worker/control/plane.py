@@ -28,27 +28,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Final, Literal
+from typing import Final
 
-import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.errors import KafkaError
 
-from schemas import (
-    Abort,
-    Command,
-    CommandAck,
-    ControlRecordError,
-    Pause,
-    ResetPrefixCache,
-    Resume,
-    StatusMessage,
-    UpdateWeights,
-    WorkerStatus,
-    encode,
-)
+from schemas import Pause, WorkerStatus
+from worker.control.applying import CommandApplier
 from worker.control.catch_up import (
-    CatchUpPlan,
     FleetState,
     check_control_partitions,
     plan_catch_up,
@@ -56,9 +43,10 @@ from worker.control.catch_up import (
     read_fleet_state,
     take_command,
 )
-from worker.control.commands import CommandRunner, WorkerView, staleness
+from worker.control.commands import WorkerView, staleness
+from worker.control.status import StatusSender
 from worker.core.config import Settings
-from worker.core.errors import FatalError, WeightUpdateError
+from worker.core.errors import FatalError
 from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
 from worker.core.metrics import Metrics
 from worker.core.paced_consumer import PacedConsumer
@@ -69,7 +57,6 @@ __all__ = ["ControlPlane", "WorkerView"]
 
 logger = logging.getLogger(__name__)
 
-_SEND_TIMEOUT_S: Final = 10.0
 # A command is returned the moment it is fetched, and a stop cancels the wait: the timeout only
 # ends an empty wait, and each such end is a wake-up with nothing to do.
 _FOLLOW_WAIT_MS: Final = 10_000
@@ -79,7 +66,8 @@ _FLEET_STATE_TIMEOUT_S: Final = 60.0
 
 
 class ControlPlane:
-    """Applies the control topic's commands to `engine`; see the module's docstring."""
+    """Applies the control topic's commands to `engine`; see the module's docstring. The
+    status topic's side is `StatusSender`'s, applying and acknowledging `CommandApplier`'s."""
 
     def __init__(
         self,
@@ -114,22 +102,18 @@ class ControlPlane:
         self._tp = TopicPartition(settings.control_topic, 0)
         self._following = False
         self._status_on = False
-        self._applied: set[str] = set()
         self._worker = worker
         self._started = time.monotonic()
         self._started_clients = False
-        self._runner = CommandRunner(settings, engine, metrics, worker, clock=clock)
+        self._status = StatusSender(settings, engine, metrics, clock=clock)
+        self._commands = CommandApplier(
+            settings, engine, metrics, worker, self._status, clock=clock
+        )
+        self._runner = self._commands.runner
         key = settings.control_hmac_key
         self._key = None if key is None else key.encode()
         # The control topic's offset every command below has been applied or passed over.
         self._next_offset = 0
-        # What heartbeats report as in force: the update served, the fleet's pause.
-        self._weights_command_id: str | None = None
-        self._pause_command_id: str | None = None
-        # Records dropped since the last report, by reason, and the latest unreadable one.
-        self._dropped: dict[str, int] = {}
-        self._unreadable: ControlRecordError | None = None
-        self._dropped_reported = -float("inf")
 
     async def start(self) -> None:
         consumer, producer = self._given
@@ -146,7 +130,9 @@ class ControlPlane:
         await self._consumer.start()
         topics = await self._consumer.topics()
         self._status_on = self._settings.status_topic in topics
-        if not self._status_on:
+        if self._status_on:
+            self._status.attach(self._producer)
+        else:
             logger.warning(
                 "status topic %s does not exist: acknowledgements and heartbeats go to the log "
                 "only (create it, or start with --create-topics)",
@@ -171,25 +157,28 @@ class ControlPlane:
     async def catch_up(self) -> None:
         """Apply the state the control topic and the fleet's answers hold for this worker;
         before jobs are fetched."""
-        self._publish_version()
+        commands = self._commands
+        commands.publish_version()
         if not self._following:
             return
-        log = await read_control_topic(self._consumer, self._settings, on_dropped=self._drop)
+        log = await read_control_topic(self._consumer, self._settings, on_dropped=self._status.drop)
         # No command for this worker: nothing the fleet's answers could say about it.
         state = await self._fleet_state() if log.addressed else FleetState()
         plan = plan_catch_up(log, state, self._engine.weight_version)
         # Every id in the log is taken, as by a worker that followed it: a later copy is a
         # duplicate, whoever it addresses.
-        self._applied |= log.ids.keys()
-        await self._take_checkpoint(plan, log.ids)
+        commands.applied |= log.ids.keys()
+        await commands.take_checkpoint(
+            plan.checkpoints, log.ids, built_on=self._built_on, passed_over=self._passed_over
+        )
         if isinstance(plan.pause, Pause):
-            ack = await self._apply(
+            ack = await commands.apply(
                 Pause(command_id=plan.pause.command_id, mode="wait"),
                 catching_up=True,
                 offset=log.ids.get(plan.pause.command_id),
             )
             if ack.outcome == "ok":
-                self._pause_command_id = plan.pause.command_id
+                commands.pause_command_id = plan.pause.command_id
         if plan.transfer is not None:
             hold = await self._runner.lack_weights(plan.transfer.command_id)
             logger.warning(
@@ -205,7 +194,7 @@ class ControlPlane:
             if staleness(command, self._clock(), self._settings) is not None:
                 stale += 1  # nobody answered it when it was fresh: not obeyed now
                 continue
-            await self._apply(command, offset=offset)
+            await commands.apply(command, offset=offset)
         if stale:
             logger.warning(
                 "%d commands nobody in group %s answered are older than --command-max-age-s "
@@ -214,7 +203,7 @@ class ControlPlane:
                 self._settings.group_id,
             )
         self._next_offset = plan.end
-        await self._report_dropped(force=True)
+        await self._status.report_dropped(force=True)
         logger.info(
             "control plane caught up at %s-0@%d: weight version %d%s",
             self._settings.control_topic,
@@ -249,37 +238,6 @@ class ControlPlane:
         finally:
             await bounded(consumer.stop, "status consumer stop", self._settings.close_timeout_s)
 
-    async def _take_checkpoint(self, plan: CatchUpPlan, offsets: dict[str, int]) -> None:
-        """Serve the newest checkpoint the fleet applied that loads here, saying so loudly
-        when that is not the newest one."""
-        failed: list[str] = []
-        for update in plan.checkpoints:
-            offset = offsets.get(update.command_id)
-            reason = self._passed_over.get(update.command_id)
-            if reason is not None:
-                failed.append(update.command_id)
-                await self._acknowledge(
-                    update, "failed", f"did not start an engine here: {reason}", 0.0, offset
-                )
-                continue
-            ack = await self._apply(
-                update,
-                catching_up=True,
-                loaded=update.command_id == self._built_on,
-                offset=offset,
-            )
-            if ack.outcome == "ok":
-                break
-            failed.append(update.command_id)
-        if failed:
-            logger.error(
-                "the fleet's checkpoint updates %s do not load on this worker: serving %s "
-                "(version %d), older than the fleet's",
-                ", ".join(failed),
-                self._weights_command_id or "the start-up checkpoint",
-                self._engine.weight_version,
-            )
-
     async def run(self) -> None:
         """Follow the control topic and send heartbeats, until cancelled. Neither ends by
         itself: if one fails, the other is stopped and the failure raised at once."""
@@ -310,16 +268,17 @@ class ControlPlane:
                 await self._take(record)
                 # Only once it is done: a worker starting meanwhile applies it itself.
                 self._next_offset = record.offset + 1
-            await self._report_dropped()
+            await self._status.report_dropped()
 
     async def _take(self, record: ConsumerRecord[bytes, bytes]) -> None:
         command, reason, detail = take_command(record.value or b"", self._key)
+        commands = self._commands
         if command is None:
-            self._drop(record, reason, detail)
-        elif command.command_id not in self._applied:
-            self._applied.add(command.command_id)
-            if self._addressed(command):
-                await self._apply(command, offset=record.offset)
+            self._status.drop(record, reason, detail)
+        elif command.command_id not in commands.applied:
+            commands.applied.add(command.command_id)
+            if commands.addressed(command):
+                await commands.apply(command, offset=record.offset)
 
     def _follow_from_beginning(self) -> None:
         self._consumer.assign([self._tp])
@@ -336,119 +295,6 @@ class ControlPlane:
             return []
         return list(batch.get(self._tp, []))
 
-    def _drop(self, record: ConsumerRecord[bytes, bytes], reason: str, detail: str) -> None:
-        """Count a record that is nobody's command; reported once per heartbeat interval at
-        most, so a flood of them costs no send each (and, under a key, no send at all)."""
-        self._metrics.control_records_dropped.labels(reason).inc()
-        self._dropped[reason] = self._dropped.get(reason, 0) + 1
-        if reason == "unreadable" and self._key is None:
-            count = 1 if self._unreadable is None else self._unreadable.count + 1
-            self._unreadable = ControlRecordError(
-                worker=self._settings.worker_id,
-                group=self._settings.group_id,
-                offset=record.offset,
-                detail=detail[:1000],
-                at=0.0,
-                count=count,
-            )
-
-    async def _report_dropped(self, *, force: bool = False) -> None:
-        if not self._dropped:
-            return
-        now = time.monotonic()
-        if not force and now - self._dropped_reported < self._settings.status_interval_s:
-            return
-        self._dropped_reported = now
-        dropped, self._dropped = self._dropped, {}
-        report, self._unreadable = self._unreadable, None
-        logger.warning(
-            "control records dropped unanswered since the last report: %s%s",
-            ", ".join(f"{count} {reason}" for reason, count in sorted(dropped.items())),
-            "" if report is None else f" (latest at offset {report.offset}: {report.detail})",
-        )
-        if report is not None:
-            await self._send(msgspec.structs.replace(report, at=self._clock()))
-
-    def _addressed(self, command: Command) -> bool:
-        return command.target.matches(self._settings.group_id, self._settings.worker_id)
-
-    async def _apply(
-        self,
-        command: Command,
-        *,
-        catching_up: bool = False,
-        loaded: bool = False,
-        offset: int | None = None,
-    ) -> CommandAck:
-        """Run `command` (at `offset` in the control topic) and acknowledge it; `loaded`: the
-        engine was built on its checkpoint, so there is nothing to run."""
-        t0 = time.monotonic()
-        outcome: Literal["ok", "failed"] = "ok"
-        detail = ""
-        try:
-            if loaded:
-                detail = "the engine was built on this checkpoint at start"
-            else:
-                detail = await self._runner.run(command, catching_up=catching_up)
-        except WeightUpdateError as exc:
-            outcome, detail = "failed", str(exc)
-        except FatalError as exc:
-            outcome, detail = "failed", f"the engine stopped: {exc}"
-            self._worker.fail(exc, f"control command {command.command_id}")
-        if outcome == "ok":
-            if isinstance(command, UpdateWeights):
-                self._weights_command_id = command.command_id
-            elif isinstance(command, Pause):
-                self._pause_command_id = command.command_id
-            elif isinstance(command, Resume):
-                self._pause_command_id = None
-        return await self._acknowledge(command, outcome, detail, time.monotonic() - t0, offset)
-
-    async def _acknowledge(
-        self,
-        command: Command,
-        outcome: Literal["ok", "failed"],
-        detail: str,
-        duration: float,
-        offset: int | None,
-    ) -> CommandAck:
-        kind = type(command).__name__
-        ack = CommandAck(
-            worker=self._settings.worker_id,
-            group=self._settings.group_id,
-            command_id=command.command_id,
-            kind=_KINDS.get(type(command), kind),
-            outcome=outcome,
-            detail=detail[:2000],
-            duration_s=duration,
-            weight_version=self._engine.weight_version,
-            at=self._clock(),
-            offset=offset,
-        )
-        log = logger.info if outcome == "ok" else logger.warning
-        log(
-            "command %s (%s) %s in %.2fs%s",
-            command.command_id,
-            ack.kind,
-            outcome,
-            duration,
-            f": {detail}" if detail else "",
-        )
-        self._metrics.commands.labels(ack.kind, outcome).inc()
-        self._publish_version()
-        await self._send(ack)
-        return ack
-
-    def _publish_version(self) -> None:
-        self._metrics.weight_version.set(self._engine.weight_version)
-        self._metrics.paused.set(1 if self._engine.paused else 0)
-        self._metrics.needs_weights.set(1 if self._needs_weights else 0)
-
-    @property
-    def _needs_weights(self) -> bool:
-        # The engine's own: an update failed and the weights before it could not be put back.
-        return self._runner.needs_weights or self._engine.needs_weights
-
     async def _heartbeats(self) -> None:
         while True:
             try:
@@ -456,14 +302,15 @@ class ControlPlane:
                 healthy = True
             except FatalError:
                 healthy = False  # the worker's own check stops it; the status says why first
-            self._publish_version()
-            await self._send(self.status(engine_healthy=healthy))
-            await self._report_dropped()
+            self._commands.publish_version()
+            await self._status.send(self.status(engine_healthy=healthy))
+            await self._status.report_dropped()
             await asyncio.sleep(self._settings.status_interval_s)
 
     def status(self, *, engine_healthy: bool = True) -> WorkerStatus:
         worker = self._worker
         s = self._settings
+        commands = self._commands
         return WorkerStatus(
             worker=s.worker_id,
             group=s.group_id,
@@ -477,31 +324,9 @@ class ControlPlane:
             at=self._clock(),
             interval_s=s.status_interval_s,
             weight_reload=self._engine.weight_reload,
-            needs_weights=self._needs_weights,
-            weights_command_id=self._weights_command_id,
-            pause_command_id=self._pause_command_id if self._engine.paused else None,
+            needs_weights=commands.needs_weights,
+            weights_command_id=commands.weights_command_id,
+            pause_command_id=commands.pause_command_id if self._engine.paused else None,
             needs_weights_command_id=self._runner.lacking,
             control_offset=self._next_offset if self._following else None,
         )
-
-    async def _send(self, message: StatusMessage) -> None:
-        if not self._status_on:
-            return
-        try:
-            async with asyncio.timeout(_SEND_TIMEOUT_S):
-                await self._producer.send_and_wait(
-                    self._settings.status_topic,
-                    value=encode(message),
-                    key=self._settings.worker_id.encode(),
-                )
-        except (TimeoutError, KafkaError) as exc:
-            logger.warning("status topic: %s not sent (%r)", type(message).__name__, exc)
-
-
-_KINDS: Final[dict[type[Any], str]] = {
-    Pause: "pause",
-    Resume: "resume",
-    UpdateWeights: "update_weights",
-    Abort: "abort",
-    ResetPrefixCache: "reset_prefix_cache",
-}
