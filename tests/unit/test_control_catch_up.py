@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from aiokafka import ConsumerRecord
+from hypothesis import given
+from hypothesis import strategies as st
 
 from schemas import (
     Command,
@@ -28,14 +30,16 @@ from schemas import (
 )
 from tests.unit.test_control_fuzz import (
     CONTROL,
+    HOSTILE_STATUS,
     ISSUED_AT,
     KEY,
     STATUS,
+    STREAMS,
     IdleWorker,
     OnePartition,
     StatusTopic,
 )
-from worker.control.catch_up import ControlLog, FleetState, plan_catch_up
+from worker.control.catch_up import ControlLog, FleetState, plan_catch_up, read_fleet_state
 from worker.control.plane import ControlPlane
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
@@ -358,3 +362,34 @@ def test_an_update_that_loads_ends_the_needs_weights_heartbeats(root):
     beat = got.plane.status()
     assert (beat.needs_weights, beat.needs_weights_command_id) == (False, None)
     assert (got.engine.weight_version, got.engine.paused) == (6, False)
+
+
+# ---- hostile status records ------------------------------------------------------------------
+
+
+@STREAMS
+@given(st.data())
+def test_hostile_status_records_never_hide_the_fleets_answers_from_the_catch_up(data):
+    # The status topic is not signed: junk, forged and oversized records are skipped or
+    # counted, and never raise or take a real answer away.
+    live = [f"w{i}" for i in range(data.draw(st.integers(1, 3)))]
+    records: list[bytes | None] = []
+    for n, worker in enumerate(live):
+        records += data.draw(st.lists(HOSTILE_STATUS, max_size=4))
+        records.append(encode(ack(Pause(command_id=f"p{n}"), n, worker=worker)))
+        records.append(
+            encode(heartbeat(worker, control_offset=n + 1, needs_weights_command_id=f"t{n}"))
+        )
+    records += data.draw(st.lists(HOSTILE_STATUS, max_size=4))
+
+    async def run() -> FleetState:
+        partition = OnePartition(STATUS, fetch_max=5)
+        for value in records:
+            partition.add(value)
+        settings = settings_from({"status_topic": STATUS, "group_id": GROUP}, {})
+        return await read_fleet_state(partition, settings)
+
+    state = asyncio.run(run())
+    for n, worker in enumerate(live):
+        assert {f"p{n}", f"t{n}"} <= state.applied
+        assert state.answered_by[worker] >= n + 1

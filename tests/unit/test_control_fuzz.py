@@ -116,6 +116,10 @@ STATUS_FIELDS = [
     "detail",
     "duration_s",
     "offset",
+    "control_offset",
+    "weights_command_id",
+    "pause_command_id",
+    "needs_weights_command_id",
 ]
 
 
