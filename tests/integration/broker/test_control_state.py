@@ -12,6 +12,7 @@ from schemas import (
     Abort,
     CommandAck,
     Pause,
+    Target,
     UpdateWeights,
     WorkerStatus,
     decode_status,
@@ -253,3 +254,26 @@ async def test_needs_weights_outlives_the_transfers_acknowledgements_in_the_stat
         assert (beat.needs_weights, beat.weight_version, beat.weights_command_id) == (True, 3, "v3")
         assert second.engine.paused
     assert await second.stop() == 0
+
+
+async def test_a_pause_for_a_worker_that_was_down_holds_it_when_it_starts(
+    kafka_bootstrap_servers, new_topic, start_steered
+):
+    # w1 passes over a pause meant for w2 alone and reports an offset past it. Measured
+    # before: w2, starting later, took that for the fleet's answer and never paused.
+    bs = kafka_bootstrap_servers
+    fleet = await make_fleet(new_topic)
+    async with Status(bs, fleet.status) as status:
+        first = await start_steered(fleet, "w1")
+        await status.wait_live("w1")
+        pause = Pause(command_id="p-w2", target=Target(workers=["w2"]), issued_at=time.time())
+        await send(bs, fleet, pause)
+        await wait_for(
+            lambda: any(s.control_offset == 1 for s in status.statuses("w1")), 10, "w1 past it"
+        )
+        second = await start_steered(fleet, "w2")
+        (ack,) = await status.wait_acks("p-w2", 1)
+        assert (ack.worker, ack.outcome, ack.offset) == ("w2", "ok", 0)
+        assert second.engine.paused and not first.engine.paused
+    assert await second.stop() == 0
+    assert await first.stop() == 0
