@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from aiokafka import ConsumerRecord
 from hypothesis import given
@@ -301,6 +302,28 @@ def test_a_rollback_between_the_engine_build_and_the_catch_up_is_taken(root):
 
     got = asyncio.run(run())
     assert (got.engine.weight_version, got.loads) == (3, [(str(root / "v3"), 3)])
+
+
+@pytest.mark.parametrize(("beat_age_s", "served"), [(0.0, 3), (3600.0, 5)])
+def test_a_rollback_of_the_start_up_weights_counts_while_the_fleet_serves_it(
+    root, beat_age_s, served
+):
+    # Started on 5 like the fleet, which was then rolled back (force) to 3 with no update
+    # before: nothing of this run precedes the rollback, so the worker started on 5 while the
+    # fleet served 3. A fleet serving it now (a heartbeat within three intervals) says it is
+    # this run's; an hour-old heartbeat is an earlier run's fleet, and 5 stands.
+    rollback = update(root, 3, command_id="r3", force=True)
+    beat = heartbeat(weights_command_id="r3", control_offset=1)
+    status: list[StatusMessage] = [
+        ack(rollback, 0),
+        msgspec.structs.replace(beat, at=ISSUED_AT - beat_age_s),
+    ]
+
+    async def run() -> Started:
+        return await start(root, [encode(rollback)], status, version=5)
+
+    got = asyncio.run(run())
+    assert got.engine.weight_version == served
 
 
 def test_updates_after_a_rollback_below_the_start_version_count_from_its_version():

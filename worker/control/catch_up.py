@@ -13,8 +13,9 @@ So the state comes from the fleet's own answers:
   the newest of those, in topic order, is the state, the older ones the fallbacks when it no
   longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
   version the worker starts with counts (an update from an earlier run on the same topic),
-  except a forced rollback from an update that counts: it undoes this run's weights, and
-  the updates after it count from its version on.
+  except a forced rollback from an update that counts, or one a worker of the group serves
+  now (a heartbeat within three of its intervals): it undoes this run's weights, and the
+  updates after it count from its version on.
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +128,9 @@ class FleetState:
     #: it (acknowledged, or passed as not its own).
     answered_by: dict[str, int] = field(default_factory=dict)
 
+    #: Ids of updates a worker of the group serves now (a heartbeat within three intervals).
+    served_now: set[str] = field(default_factory=set)
+
     def answer(self, worker: str, below: int) -> None:
         self.answered_by[worker] = max(self.answered_by.get(worker, 0), below)
 
@@ -178,9 +183,10 @@ def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> Cat
         elif isinstance(command, UpdateWeights):
             if command.version >= floor:
                 updates.append(command)
-            elif command.force and updates:
-                # It rolls back from weights of this run: the trainer's state, and what it
-                # sends next counts from its version on.
+            elif command.force and (updates or command.command_id in state.served_now):
+                # It rolls back from weights of this run (an update before it, or the start-up
+                # weights of a fleet that serves it now, not an earlier run's): the trainer's
+                # state, and what it sends next counts from its version on.
                 updates.append(command)
                 floor = command.version
     if updates and updates[-1].backend != "checkpoint":
@@ -243,9 +249,13 @@ async def read_control_topic(
     return log
 
 
-async def read_fleet_state(consumer: AIOKafkaConsumer, settings: Settings) -> FleetState:
+async def read_fleet_state(
+    consumer: AIOKafkaConsumer, settings: Settings, *, now: float | None = None
+) -> FleetState:
     """What the tail of the status topic says this worker's group did with the control
-    topic; `consumer` is assigned the status topic's partitions for it."""
+    topic; `consumer` is assigned the status topic's partitions for it. `now` (default: the
+    clock's) dates the heartbeats that say what the fleet serves now."""
+    now = time.time() if now is None else now
     state = FleetState()
     topic = settings.status_topic
     partitions = consumer.partitions_for_topic(topic)
@@ -269,11 +279,11 @@ async def read_fleet_state(consumer: AIOKafkaConsumer, settings: Settings) -> Fl
             continue
         for records in batch.values():
             for record in records:
-                _take_answer(state, record.value, settings.group_id)
+                _take_answer(state, record.value, settings.group_id, now)
     return state
 
 
-def _take_answer(state: FleetState, value: bytes | None, group: str) -> None:
+def _take_answer(state: FleetState, value: bytes | None, group: str, now: float) -> None:
     if value is None or len(value) > MAX_STATUS_RECORD_BYTES:
         return
     try:
@@ -297,6 +307,9 @@ def _take_answer(state: FleetState, value: bytes | None, group: str) -> None:
             message.needs_weights_command_id,
         )
         state.applied |= {cid for cid in in_force if cid}
+        # Live as the Fleet reader counts it: dated within three intervals of now, either way.
+        if message.weights_command_id and abs(message.at - now) <= 3 * message.interval_s:
+            state.served_now.add(message.weights_command_id)
 
 
 async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpPlan:

@@ -226,7 +226,7 @@ class ControlPlane:
         await consumer.start()
         try:
             async with asyncio.timeout(_FLEET_STATE_TIMEOUT_S):
-                return await read_fleet_state(consumer, self._settings)
+                return await read_fleet_state(consumer, self._settings, now=self._clock())
         except TimeoutError:
             logger.warning(
                 "status topic %s could not be read in %.0f s: every command in the control "
