@@ -12,11 +12,19 @@ Invariants (each violation names one):
 - `stalled`: after the faults, no partition with work stays without a commit advance for longer
   than `progress_bound_s`;
 - `commit_backwards`: a committed position never moves backwards;
-- `duplicates`: jobs answered twice are bounded by what may have been in flight at each death
-  (`max_in_flight` per disruption); a job a clean hand-over names as running, its answer
-  handed to the producer before the hand-over and appended after the rebalance began, is the
-  next owner's to run, and may be answered twice when the old owner's delivery lands after
-  all (sent again after the hand-over, it may not);
+- `duplicates`: each answer of a job after its first has a cause between the two, as the
+  README's delivery semantics give them (`_Causes`): a death of the first answer's process (a
+  kill, an exit, the group removing it while it lived, a missed poll interval), a hand-over
+  of the job's partition the group refused, or an outage in which no commit could land, each
+  while no landed commit covered the job; an acknowledgement lost (or, without an idempotent
+  producer, late); the trainer sending the job again. A job a clean hand-over names as
+  running, its answer handed to the producer before the hand-over and appended after the
+  rebalance began, is the next owner's to run, and may be answered twice when the old
+  owner's delivery lands after all (sent again after the hand-over, it may not). Nothing
+  else answers a job twice: not a clean hand-over, a rebalance or an adoption;
+- `wrong_weights`: a completed result carries the weight version of the generation that made
+  it (the simulated engine records each, `worker.dev.sim.paths`), not the version served
+  when the job started or when its answer was sent;
 - `unasked_exit`: no worker exits except when told to stop, and then with status 0;
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
   `--offset-map-max-bytes`;
@@ -103,6 +111,9 @@ class Bounds:
     #: The longest a stopping worker tries to leave, from its SIGTERM on: its shutdown grace
     #: and half of its close timeout.
     leave_budget_s: float = 0.0
+    #: The workers' producers are idempotent: a batch retried after a slow acknowledgement is
+    #: not appended twice (tansu has no idempotent producer).
+    idempotent: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,19 +124,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.invariant}] at {self.at:.3f}s: {self.detail}"
-
-
-_DISRUPTIONS = frozenset(
-    {
-        "kill",
-        "member_removed",
-        "commit_refused",
-        "poll_timeout",
-        "fault_lose_acks",
-        "sigterm",
-        "trainer_resend",
-    }
-)
 
 
 def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) -> list[Violation]:
@@ -165,24 +163,8 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                 )
     maps = list(_committed_maps(history, bounds))
     handed_over = _handed_over_in_flight(history, ledger, maps, sent)
-    # Only the trainer's own job ids: hostile records may all name the same one ("x").
-    duplicates = sum(
-        count - 1
-        for job_id, count in answers.items()
-        if count > 1 and job_id in kinds and job_id not in handed_over
-    )
-    disruptions = sum(1 for e in history.events if e.kind in _DISRUPTIONS)
-    allowed = disruptions * bounds.max_in_flight + _answered_uncommitted_at_deaths(
-        history, ledger, maps, sent
-    )
-    if duplicates > allowed:
-        violations.append(
-            Violation(
-                "duplicates",
-                f"{duplicates} duplicate answers; {disruptions} disruptions allow {allowed}",
-                bounds.end,
-            )
-        )
+    violations += _duplicates(history, ledger, maps, sent, handed_over, bounds)
+    violations += _stamps(history, sent)
     violations += _commits_and_exits(history)
     violations += _blame(history, cluster, ledger, bounds, maps)
     applied = _latest_applied(cluster, bounds.status_topic)
@@ -329,11 +311,13 @@ def _map_cap(history: History) -> int:
 
 
 class _Sent(NamedTuple):
-    """One answer record: who produced it, when it was handed to the producer, when appended."""
+    """One answer record: who produced it, when it was handed to the producer, when appended,
+    and the weight version it carries (None: not a completed result)."""
 
     producer: str
     submitted: float
     appended: float
+    weight_version: int | None = None
 
 
 def _read_answers(
@@ -366,51 +350,254 @@ def _read_answers(
                 appended = record.timestamp_ms / 1000
                 submitted = appended if record.submitted_ms is None else record.submitted_ms / 1000
                 sent.setdefault(result.job_id, []).append(
-                    _Sent(record.producer, submitted, appended)
+                    _Sent(
+                        record.producer,
+                        submitted,
+                        appended,
+                        result.weight_version
+                        if isinstance(result, Completed) and isinstance(result.weight_version, int)
+                        else None,
+                    )
                 )
                 if isinstance(result, Failed) and result.error.detail.startswith("not run again"):
                     crash_looped.append(result.job_id)
     return answers, sent, crash_looped
 
 
-def _answered_uncommitted_at_deaths(
+#: The faults during which a worker may lose what it answered but did not commit: a commit
+#: or a hand-over cannot land, and the next owner runs again what the map does not name.
+_OUTAGES = frozenset({"coordinator_outage", "broker_outage"})
+
+#: The longest the simulated broker loses acknowledgements after a `lost_acks` fault.
+_LOST_ACKS_S = 1.0
+
+
+@dataclass
+class _Causes:
+    """What the history says can make a job answered twice, each cause at the word of the
+    README's delivery semantics: a death (a kill, an exit, a member the group removed while
+    its process lived on, a consumer that missed its poll interval) redoes what its process
+    answered and no landed commit covered; a hand-over the group refused, or an outage that
+    kept it from landing, does the same; an acknowledgement lost, or a batch retried without
+    an idempotent producer, appends an answer twice; a job the trainer itself sent again is
+    two jobs. Anything else (a clean hand-over, a rebalance, an adoption) answers nothing
+    twice."""
+
+    #: worker id -> (start time, process name), in time order
+    starts: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    #: process -> when it died, exited, was removed from the group, or missed its poll
+    deaths: dict[str, list[float]] = field(default_factory=dict)
+    #: (client, tp) -> when the group refused a commit of the client for that partition
+    refusals: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    #: windows during which commits could not land
+    outages: list[tuple[float, float]] = field(default_factory=list)
+    #: windows during which acknowledgements were lost (or, without idempotence, late)
+    lost_acks: list[tuple[float, float]] = field(default_factory=list)
+    #: jobs the trainer sent again
+    resent: set[str] = field(default_factory=set)
+    #: tp -> commits landed: (when, position, offsets its map names answered)
+    commits: dict[str, list[tuple[float, int, frozenset[int]]]] = field(default_factory=dict)
+
+    def process(self, client: str, at: float) -> str | None:
+        """The process of worker `client` (a client id ending in its worker id) alive at `at`."""
+        worker_id = client.rsplit("-", 1)[-1]
+        started = self.starts.get(worker_id, [])
+        i = bisect.bisect_right(started, (at, "\uffff"))
+        return started[i - 1][1] if i else None
+
+    def uncovered(self, tp: str, offset: int, at: float) -> bool:
+        """Whether no commit landed by `at` covers `offset` (below its position, or named
+        answered in its map): a next owner reading then runs it."""
+        landed = self.commits.get(tp, [])
+        i = bisect.bisect_right(landed, (at, float("inf"), frozenset()))
+        if not i:
+            return True
+        _, position, answered = landed[i - 1]
+        return offset >= position and offset not in answered
+
+    def explains(self, tp: str, offset: int, first: _Sent, again: _Sent) -> str | None:
+        """The cause that lets `first` and `again` answer one job, or None."""
+        process = self.process(first.producer, first.submitted)
+        for died in self.deaths.get(process or "", []):
+            if first.submitted <= died <= again.submitted and self.uncovered(tp, offset, died):
+                return f"a death of {process} at {died:.3f}s"
+        for refused in self.refusals.get((first.producer, tp), []):
+            if first.submitted <= refused <= again.submitted and self.uncovered(
+                tp, offset, refused
+            ):
+                return f"a hand-over refused at {refused:.3f}s"
+        for began, ended in self.outages:
+            if (
+                began <= again.submitted
+                and ended >= first.submitted
+                and self.uncovered(tp, offset, min(ended, again.submitted))
+            ):
+                return f"an outage from {began:.3f}s to {ended:.3f}s"
+        for began, ended in self.lost_acks:
+            if began <= first.appended <= ended or began <= first.submitted <= ended:
+                return f"acknowledgements lost from {began:.3f}s"
+        return None
+
+
+def _causes(  # noqa: PLR0912, PLR0915 - one branch per kind of event
+    history: History, maps: list[tuple[Event, str, OffsetMap]], bounds: Bounds
+) -> _Causes:
+    causes = _Causes()
+    answered_in = {id(event): offset_map.answered for event, _, offset_map in maps}
+    process_of_member: dict[str, str] = {}
+    process_of_client: dict[str, str] = {}
+    alive: set[str] = set()
+    began: dict[str, float] = {}
+    for event in history.events:
+        fields = event.fields
+        kind = event.kind
+        if kind == "start":
+            worker = fields["worker"]
+            causes.starts.setdefault(worker.split("#")[0], []).append((event.at, worker))
+            alive.add(worker)
+        elif kind in ("kill", "exit"):
+            causes.deaths.setdefault(fields["worker"], []).append(event.at)
+            alive.discard(fields["worker"])
+        elif kind == "joined":
+            process_of_member[fields["member"]] = fields["process"]
+            process_of_client[fields["client"]] = fields["process"]
+            started = causes.starts.setdefault(fields["process"].split("#")[0], [])
+            if not started or started[-1][1] != fields["process"]:
+                # A history that records no start (the checker's own tests): its join.
+                started.append((event.at, fields["process"]))
+        elif kind == "member_removed" and fields["why"] != "left":
+            process = process_of_member.get(fields["member"])
+            if process in alive:
+                causes.deaths.setdefault(process, []).append(event.at)
+        elif kind == "poll_timeout":
+            process = process_of_client.get(fields["client"])
+            if process is not None:
+                causes.deaths.setdefault(process, []).append(event.at)
+        elif kind == "commit_refused":
+            for tp in fields["tps"]:
+                causes.refusals.setdefault((fields["client"], tp), []).append(event.at)
+        elif kind == "commit":
+            causes.commits.setdefault(fields["tp"], []).append(
+                (event.at, fields["offset"], answered_in.get(id(event), frozenset()))
+            )
+        elif kind == "trainer_resend":
+            causes.resent.add(fields["job"])
+        elif kind == "fault_lose_acks":
+            causes.lost_acks.append((event.at, event.at + _LOST_ACKS_S))
+        elif kind == "fault" and fields["fault"] in {*_OUTAGES, "slow_acks"}:
+            began.setdefault(fields["fault"], event.at)
+        elif kind == "fault_over":
+            over = [*_OUTAGES, "slow_acks"] if fields["fault"] == "all" else [fields["fault"]]
+            for fault in over:
+                if (start := began.pop(fault, None)) is not None:
+                    window = (start, event.at)
+                    if fault in _OUTAGES:
+                        causes.outages.append(window)
+                    elif not bounds.idempotent:
+                        causes.lost_acks.append(window)
+    for fault, start in began.items():
+        window = (start, bounds.end)
+        if fault in _OUTAGES:
+            causes.outages.append(window)
+        elif not bounds.idempotent:
+            causes.lost_acks.append(window)
+    return causes
+
+
+def _duplicates(  # noqa: PLR0917
     history: History,
     ledger: Ledger,
     maps: list[tuple[Event, str, OffsetMap]],
     sent: dict[str, list[_Sent]],
-) -> int:
-    """At each kill, the jobs of the dead process's partitions that it had answered and that no
-    landed commit covered (their offset at or past the committed position, not named answered
-    in its map): the next owner runs them again. At-least-once delivery allows it, and their
-    number is not bounded by `max_in_flight`: while a coordinator is away no commit lands, and
-    the worker goes on answering until its hold on fetching (`Committer`'s uncommitted-answers
-    limit) engages (seed 102340: a sole member answered 33 jobs through a 4.8 s outage, then
-    was killed). An answer a landed map names answered is not excused here."""
+    handed_over: set[str],
+    bounds: Bounds,
+) -> list[Violation]:
+    """`duplicates`: each answer of a trainer's job after its first needs a cause
+    (`_Causes`): none is allowed across a clean hand-over, a rebalance or an adoption. The
+    first job answered twice without one is flagged (its answers and who sent them)."""
+    causes = _causes(history, maps, bounds)
     where = {job_id: source for source, (_, job_id) in ledger.records.items()}
-    answered_in = {id(event): offset_map.answered for event, _, offset_map in maps}
-    first_answer = {job_id: min(s.appended for s in answers) for job_id, answers in sent.items()}
-    assigned: dict[str, set[str]] = {}
-    committed: dict[str, tuple[int, frozenset[int]]] = {}
-    redone = 0
-    for event in history.events:
-        if event.kind == "joined":
-            assigned[event.fields["process"]] = set(event.fields["tps"])
-        elif event.kind == "commit":
-            # A commit without a map (or with one this checker cannot read) names none answered.
-            committed[event.fields["tp"]] = (
-                event.fields["offset"],
-                answered_in.get(id(event), frozenset()),
-            )
-        elif event.kind == "kill":
-            tps = assigned.pop(event.fields["worker"], set())
-            for job_id, at in first_answer.items():
-                source = where.get(job_id)
-                if source is None or at > event.at or source[0] not in tps:
-                    continue
-                position, answered = committed.get(source[0], (0, frozenset()))
-                if source[1] >= position and source[1] not in answered:
-                    redone += 1
-    return redone
+    unexplained: list[tuple[float, str]] = []
+    for job_id, answers in sent.items():
+        source = where.get(job_id)
+        if len(answers) < 2 or source is None or job_id in handed_over or job_id in causes.resent:
+            continue
+        tp, offset = source
+        ordered = sorted(answers, key=lambda answer: answer.appended)
+        for k, again in enumerate(ordered[1:], start=1):
+            if not any(causes.explains(tp, offset, first, again) for first in ordered[:k]):
+                answered = ", ".join(
+                    f"{a.producer.rsplit('-', 1)[-1]} sent {a.submitted:.3f}s "
+                    f"appended {a.appended:.3f}s"
+                    for a in ordered
+                )
+                unexplained.append(
+                    (
+                        again.appended,
+                        f"job {job_id} ({tp}@{offset}) answered {len(ordered)} times with no "
+                        f"death, refused hand-over, outage or lost acknowledgement between: "
+                        f"{answered}",
+                    )
+                )
+                break
+    unexplained.sort()
+    return [
+        Violation(
+            "duplicates",
+            f"{detail}"
+            + (
+                f" (and {len(unexplained) - 1} more jobs)"
+                if i == 0 and len(unexplained) > 1
+                else ""
+            ),
+            at,
+        )
+        for i, (at, detail) in enumerate(unexplained[:1])
+    ]
+
+
+def _stamps(history: History, sent: dict[str, list[_Sent]]) -> list[Violation]:
+    """`wrong_weights`: a completed result carries the version of the weights that generated
+    it (the engine's last generation of that job in that process before it was sent), and
+    the process sending it still served those weights when it generated it."""
+    generated: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    starts: dict[str, list[tuple[float, str]]] = {}
+    for event in history.of("generated", "start"):
+        if event.kind == "start":
+            worker = event.fields["worker"]
+            starts.setdefault(worker.split("#")[0], []).append((event.at, worker))
+        else:
+            key = (event.fields["worker"], event.fields["job"])
+            generated.setdefault(key, []).append((event.at, event.fields["version"]))
+    violations: list[Violation] = []
+    for job_id, answers in sorted(sent.items()):
+        for answer in answers:
+            if answer.weight_version is None:
+                continue
+            worker_id = answer.producer.rsplit("-", 1)[-1]
+            started = starts.get(worker_id, [])
+            i = bisect.bisect_right(started, (answer.submitted, "\uffff"))
+            if not i:
+                continue
+            process = started[i - 1][1]
+            runs = generated.get((process, job_id), [])
+            j = bisect.bisect_right(runs, (answer.submitted, float("inf")))
+            made_with = runs[j - 1][1] if j else None
+            if made_with != answer.weight_version:
+                violations.append(
+                    Violation(
+                        "wrong_weights",
+                        f"job {job_id} answered by {process} at {answer.submitted:.3f}s stamped "
+                        f"weights {answer.weight_version}; "
+                        + (
+                            "that process never generated it"
+                            if made_with is None
+                            else f"its last generation there ran on weights {made_with}"
+                        ),
+                        answer.submitted,
+                    )
+                )
+    return violations[:1]
 
 
 def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, str, OffsetMap]]:
@@ -450,8 +637,10 @@ def _handed_over_in_flight(
         for offset in offset_map.running:
             entry = ledger.records.get((tp, offset))
             if entry is not None and any(
-                producer == writer and submitted <= event.at and appended >= began
-                for producer, submitted, appended in sent.get(entry[1], ())
+                answer.producer == writer
+                and answer.submitted <= event.at
+                and answer.appended >= began
+                for answer in sent.get(entry[1], ())
             ):
                 jobs.add(entry[1])
     return jobs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,13 @@ class History:
         self.events: list[Event] = []
         #: Once closed (the run is over and checked), nothing more is recorded.
         self.closed = False
+        #: How many times each path of the worker worth reaching ran (`count`): kept beside
+        #: the events, out of the digest, so that counting one more path replays every seed.
+        self.paths: Counter[str] = Counter()
+
+    def count(self, path: str, times: int = 1) -> None:
+        if not self.closed and times:
+            self.paths[path] += times
 
     def add(self, kind: str, **fields: Any) -> None:
         if self.closed:

@@ -28,6 +28,7 @@ from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.fleet import KILLS_ENGINE, Fleet
 from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
+from worker.dev.sim.paths import observed
 from worker.engines.mock import MockEngineSettings
 
 __all__ = ["FAULTS", "HOSTILE_SHARES", "Outcome", "Scenario", "run"]
@@ -182,7 +183,8 @@ def run(scenario: Scenario) -> Outcome:
     logging.disable(logging.CRITICAL)
     try:
         planted = MUTANTS[scenario.mutant]() if scenario.mutant else contextlib.nullcontext()
-        with virtual_time(clock), planted:
+        # Observed inside the planted defect: a path the mutant replaces is counted as run.
+        with virtual_time(clock), planted, observed(history):
             outcome = loop.run_until_complete(_simulate(scenario, clock, history))
     finally:
         logging.disable(previous_disable)
@@ -271,6 +273,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         status_topic=STATUS,
         never_evicts=scenario.flavour is Flavour.NOIDA,
         leave_budget_s=settings.shutdown_grace_s + settings.close_timeout_s / 2,
+        idempotent=settings.enable_idempotence,
     )
     for worker_id in fleet.alive():
         history.add(
@@ -322,6 +325,7 @@ def _heal(cluster: Cluster, fleet: Fleet) -> None:
     cluster.leaderless.clear()
     cluster.ack_delay_s = 0.0
     cluster.coordinator_back(fleet.clock.now)
+    fleet.history.add("fault_over", fault="all")
 
 
 async def _coordinator_timers(cluster: Cluster) -> None:
@@ -473,7 +477,7 @@ async def _faults(  # noqa: PLR0912 - one branch per fault kind
                 _later_call(loop, rng.uniform(1.0, 15.0), cluster.leaderless.discard, tp)
             case "slow_acks":
                 cluster.ack_delay_s = rng.uniform(0.2, 2.0)
-                _later_call(loop, rng.uniform(2.0, 8.0), setattr, cluster, "ack_delay_s", 0.0)
+                _later_call(loop, rng.uniform(2.0, 8.0), _acks_prompt, fleet)
             case "lost_acks":
                 cluster.lose_acks = True
                 history.add("fault_lose_acks")
@@ -553,11 +557,18 @@ async def _send_update(
 def _coordinator_back(fleet: Fleet) -> None:
     fleet.cluster.coordinator_down = False
     fleet.cluster.coordinator_back(fleet.clock.now)
+    fleet.history.add("fault_over", fault="coordinator_outage")
 
 
 def _broker_back(fleet: Fleet) -> None:
     fleet.cluster.broker_down = False
     fleet.cluster.coordinator_back(fleet.clock.now)
+    fleet.history.add("fault_over", fault="broker_outage")
+
+
+def _acks_prompt(fleet: Fleet) -> None:
+    fleet.cluster.ack_delay_s = 0.0
+    fleet.history.add("fault_over", fault="slow_acks")
 
 
 def _serving_beside(fleet: Fleet, victim: str) -> bool:
