@@ -20,6 +20,7 @@ import concurrent.futures
 import functools
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker.dev.sim.checker import Kind
 from worker.dev.sim.cluster import Flavour
+from worker.dev.sim.mutants import MUTANTS
+from worker.dev.sim.paths import PATHS
 from worker.dev.sim.run import HOSTILE_SHARES, Outcome, Scenario, run
 
 
@@ -39,14 +42,34 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         duration_s=args.duration_s,
         settle_s=args.settle_s,
         jobs_per_s=args.jobs_per_s or 4.0 * workers,
-        hostile={Kind(k): HOSTILE_SHARES[Kind(k)] for k in args.hostile.split(",") if k},
+        hostile={
+            **{Kind(k): HOSTILE_SHARES[Kind(k)] for k in args.hostile.split(",") if k},
+            **({Kind.SLOW: args.slow_jobs} if args.slow_jobs else {}),
+        },
         weight_update_every_s=args.weight_update_every_s,
         bad_update_share=0.2 if args.weight_update_every_s else 0.0,
         engine_killing_update_share=args.engine_killing_updates,
         flavour=Flavour(args.flavour),
         static_members=args.static or args.flavour == "noida",
         offset_metadata_max_bytes=args.offset_metadata_max_bytes,
+        mutant=args.mutant,
     )
+
+
+def paths_of(outcome: Outcome) -> dict[str, int]:
+    """How many times each path of `PATHS` ran, with what the history counts itself."""
+    history = outcome.history
+    counted = dict(history.paths)
+    for kind in ("kill", "rebalance", "commit_refused", "poll_timeout", "static_rejoin"):
+        counted[kind] = sum(1 for _ in history.of(kind))
+    counted["members_removed"] = sum(
+        1 for e in history.of("member_removed") if e.fields["why"] != "left"
+    )
+    return counted
+
+
+def path_line(counted: dict[str, int]) -> str:
+    return "  paths: " + " ".join(f"{k}={v}" for k, v in sorted(counted.items()) if v)
 
 
 def report(outcome: Outcome) -> str:
@@ -65,7 +88,8 @@ def report(outcome: Outcome) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's options (also `bench/mutants.py`'s flag sets)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, help="replay this seed and print its trace")
     parser.add_argument("--seeds", type=int, default=10)
@@ -81,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"hostile record kinds to send, comma-separated: {', '.join(k.value for k in HOSTILE_SHARES)}",
     )
     parser.add_argument(
+        "--slow-jobs",
+        type=float,
+        default=0.0,
+        help="share of valid jobs about as long as the revoke grace (rebalances find them running)",
+    )
+    parser.add_argument(
         "--weight-update-every-s", type=float, default=0.0, help="weight updates (0: none)"
     )
     parser.add_argument(
@@ -92,13 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--processes", type=int, default=1, help="seeds run side by side, one per process"
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--mutant",
+        choices=sorted(MUTANTS),
+        help="run a planted defect instead of the real worker (see bench/mutants.py)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     sizes = [int(n) for n in args.workers.split(",")]
     if args.seed is not None:
         outcome = run(scenario(args, args.seed, sizes[0]))
         for line in outcome.trace():
             print(line)
         print(report(outcome))
+        print(path_line(paths_of(outcome)))
         for violation in outcome.violations:
             print(f"  {violation}")
         return 1 if outcome.violations else 0
@@ -108,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     wedged: list[int] = []
     broken: dict[str, list[int]] = {}
     rates: dict[int, list[float]] = {}
+    totals: Counter[str] = Counter(dict.fromkeys(PATHS, 0))
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.processes) as pool:
         for summary in pool.map(functools.partial(run_one, args), runs, chunksize=4):
             print(summary.line, flush=True)
+            print(path_line(summary.paths), flush=True)
+            totals.update(summary.paths)
             for described in summary.violations[:5]:
                 print(f"  seed {summary.seed}: {described}")
             failed += bool(summary.violations)
@@ -133,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for invariant, seeds in sorted(broken.items()):
         print(f"  {invariant}: seeds {', '.join(map(str, seeds))}")
+    print("paths run, in all (a path at 0 is one no seed reached):")
+    for path, times in totals.items():
+        print(f"  {path:<26} {times:>7}  {PATHS.get(path, '')}")
     return 1 if failed else 0
 
 
@@ -147,6 +193,7 @@ class Summary:
     violations: list[str]
     invariants: list[str]
     wedged: bool
+    paths: dict[str, int]
 
 
 def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summary:
@@ -160,6 +207,7 @@ def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summ
         violations=[str(v) for v in outcome.violations],
         invariants=sorted({v.invariant for v in outcome.violations}),
         wedged=outcome.wedged_at is not None,
+        paths=paths_of(outcome),
     )
 
 

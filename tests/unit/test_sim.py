@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import importlib.util
 import os
 import random
 import subprocess
@@ -34,7 +36,17 @@ from worker.dev.sim.clients import Process, SimBatch, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
 from worker.dev.sim.history import History
-from worker.dev.sim.run import HOSTILE_SHARES, MAX_SETTLE_ROUNDS, Scenario, run
+from worker.dev.sim.run import (
+    FLAG_SETS,
+    FLEET_SIZES,
+    HOSTILE_SHARES,
+    MAX_SETTLE_ROUNDS,
+    Scenario,
+    drawn,
+    flag_set_scenario,
+    replay_command,
+    run,
+)
 
 TP = TopicPartition("t", 0)
 T = TypeVar("T")
@@ -639,6 +651,76 @@ def test_fleet_under_faults_breaks_no_invariant(seed: int) -> None:
     faults = [e for e in outcome.history.of("fault")]
     assert faults, "the schedule injected nothing"
     assert outcome.violations == [], "\n".join(map(str, outcome.violations))
+
+
+#: Each planted defect (`worker.dev.sim.mutants.MUTANTS`) with the run of `bench/mutants.py
+#: --first-seed 700000` that first caught it: flag set, seed, fleet size, and an invariant the
+#: checker broke. The real worker passes each of these runs.
+MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
+    "commit_past_running": ("hostile", 700001, 3, "unanswered"),
+    "revoke_leaves_jobs_running": ("hostile", 700001, 3, "duplicates"),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(MUTANT_CATCHES))
+def test_the_checker_catches_each_planted_defect_on_its_recorded_seed(mutant: str) -> None:
+    flags, seed, workers, invariant = MUTANT_CATCHES[mutant]
+    caught = run(flag_set_scenario(flags, seed, workers, mutant)).violations
+    replay = replay_command(flags, seed, workers, mutant)
+    assert invariant in {v.invariant for v in caught}, f"{replay}: {caught[:3]}"
+    real = run(flag_set_scenario(flags, seed, workers)).violations
+    assert real == [], f"{replay_command(flags, seed, workers)}: {real[:3]}"
+
+
+def test_the_net_flag_sets_are_what_bench_sim_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay command a failure prints must run the scenario that failed."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_sim", Path(__file__).resolve().parents[2] / "bench" / "sim.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench_sim = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_sim", bench_sim)  # its dataclasses look it up
+    spec.loader.exec_module(bench_sim)
+    for flags, options in FLAG_SETS.items():
+        for workers in FLEET_SIZES:
+            args = bench_sim.parser().parse_args([*options, "--mutant", "skip_record"])
+            expected = bench_sim.scenario(args, 11, workers)
+            assert flag_set_scenario(flags, 11, workers, "skip_record") == expected, flags
+
+
+#: Fresh seeds each commit runs beside the recorded ones, drawn from the commit's hash; a
+#: violation prints its replay command. About a second of CPU each.
+FRESH_SEEDS = 9
+
+
+@functools.cache
+def _fresh_base() -> int:
+    """The first fresh seed: from `VKW_SIM_FRESH_BASE`, else from `git rev-parse HEAD` (a
+    tree without git history runs the seeds of an all-zero hash)."""
+    if base := os.environ.get("VKW_SIM_FRESH_BASE"):
+        return int(base)
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        head = "0" * 40
+    return 1_000_000 + int(head[:8], 16) % 9_000_000
+
+
+@pytest.mark.parametrize("k", range(FRESH_SEEDS))
+def test_fresh_seeds_drawn_from_the_commit_break_no_invariant(k: int) -> None:
+    flags, workers = drawn(k)
+    seed = _fresh_base() + k
+    outcome = run(flag_set_scenario(flags, seed, workers))
+    assert outcome.violations == [], (
+        f"replay: {replay_command(flags, seed, workers)}\n"
+        + "\n".join(map(str, outcome.violations[:5]))
+    )
 
 
 def test_the_checker_flags_a_worker_that_skips_records() -> None:

@@ -72,6 +72,8 @@ class Kind(enum.Enum):
     """What the trainer meant a record to be."""
 
     VALID = "valid"
+    #: A valid job about as long as a revoke's grace: a rebalance finds it running.
+    SLOW = "slow"
     LONG = "long"
     INVALID = "invalid"
     CRASH = "crash"

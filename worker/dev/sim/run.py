@@ -31,7 +31,18 @@ from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import observed
 from worker.engines.mock import MockEngineSettings
 
-__all__ = ["FAULTS", "HOSTILE_SHARES", "Outcome", "Scenario", "run"]
+__all__ = [
+    "FAULTS",
+    "FLAG_SETS",
+    "FLEET_SIZES",
+    "HOSTILE_SHARES",
+    "Outcome",
+    "Scenario",
+    "drawn",
+    "flag_set_scenario",
+    "replay_command",
+    "run",
+]
 
 JOBS: Final = "sim.jobs"
 RESULTS: Final = "sim.results"
@@ -54,6 +65,13 @@ HOSTILE_SHARES: Final = {
     Kind.REPLY_SMALL: 0.005,
     Kind.REPLY_LOCKED: 0.005,
 }
+
+#: How many times a normal job's tokens a slow one generates (`Kind.SLOW`): 0.6 s to 6 s at
+#: the default 5 ms a token, about the revoke grace (3 s), so that a rebalance finds jobs
+#: still running when the grace ends (parked, then adopted or moved) without long rollouts.
+SLOW_FACTOR: Final = 30
+#: The share of slow jobs the net's flag sets send (`FLAG_SETS`).
+SLOW_SHARE: Final = 0.02
 
 #: The longest a run settles after its faults, in settle periods, however late deaths go on.
 MAX_SETTLE_ROUNDS: Final = 3
@@ -110,6 +128,68 @@ class Scenario:
     engine_killing_update_share: float = 0.0
     #: A planted defect (`worker.dev.sim.mutants.MUTANTS`) to run instead of the real worker.
     mutant: str | None = None
+
+
+#: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
+#: seeds every commit runs): the default fleet; hostile records with weight updates, some of
+#: which kill the engine; static members on noida-db's rules. Each sends slow jobs too: without
+#: them only the hostile set's long rollouts outlast a revoke's grace, and the paths of parked
+#: partitions (adopted, moved, answers held for the verdict) ran in few seeds.
+FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
+    "default": ("--slow-jobs", str(SLOW_SHARE)),
+    "hostile": (
+        "--slow-jobs",
+        str(SLOW_SHARE),
+        "--hostile",
+        "invalid,crash,long,reply_small,reply_locked",
+        "--weight-update-every-s",
+        "8",
+        "--engine-killing-updates",
+        "0.3",
+    ),
+    "noida": ("--slow-jobs", str(SLOW_SHARE), "--flavour", "noida", "--static"),
+}
+#: The fleet sizes those runs take in turn.
+FLEET_SIZES: Final = (3, 5, 1)
+
+
+def drawn(k: int) -> tuple[str, int]:
+    """The flag set and fleet size of the `k`th run of a sweep over `FLAG_SETS`."""
+    names = list(FLAG_SETS)
+    return names[k % len(names)], FLEET_SIZES[(k // len(names)) % len(FLEET_SIZES)]
+
+
+def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = None) -> Scenario:
+    """What `bench/sim.py --seed SEED --workers WORKERS` with the flags of `FLAG_SETS[flags]`
+    runs (its defaults: 8 partitions and 4 jobs a second per worker)."""
+    hostile = flags == "hostile"
+    return Scenario(
+        seed=seed,
+        workers=workers,
+        partitions=max(6, 8 * workers),
+        jobs_per_s=4.0 * workers,
+        hostile={**(HOSTILE_SHARES if hostile else {}), Kind.SLOW: SLOW_SHARE},
+        weight_update_every_s=8.0 if hostile else 0.0,
+        bad_update_share=0.2 if hostile else 0.0,
+        engine_killing_update_share=0.3 if hostile else 0.0,
+        flavour=Flavour.NOIDA if flags == "noida" else Flavour.KAFKA,
+        static_members=flags == "noida",
+        mutant=mutant,
+    )
+
+
+def replay_command(flags: str, seed: int, workers: int, mutant: str | None = None) -> str:
+    """The command that replays a run of `flag_set_scenario`, printing its trace."""
+    return " ".join(
+        [
+            "python bench/sim.py --seed",
+            str(seed),
+            "--workers",
+            str(workers),
+            *FLAG_SETS[flags],
+            *(["--mutant", mutant] if mutant else []),
+        ]
+    )
 
 
 @dataclass
@@ -397,6 +477,8 @@ async def _trainer(
         match kind:
             case Kind.VALID:
                 value = _job(job_id, rng, tokens)
+            case Kind.SLOW:
+                value = _job(job_id, rng, tokens * SLOW_FACTOR)
             case Kind.LONG:
                 value = _job(job_id, rng, scenario.long_tokens)
             case Kind.INVALID:
