@@ -526,9 +526,12 @@ def _answered_twice(cause: str | None) -> list[str]:
             history.add("fault", fault="coordinator_outage", victim=None)
             now[0] = 6.0
             history.add("fault_over", fault="coordinator_outage")
-        case "rebalance":
+        case "rebalance" | "rebalance, a kill elsewhere":
             history.add("rebalance", group="g", generation=2, why="w1 joins")
             _committed(history, "w0", encode_offset_map(0, (), running=(0,), clean=True))
+            if cause != "rebalance":
+                history.add("start", worker="w2#1")
+                history.add("kill", worker="w2#1", why="injected")
     cluster.produce("w1", results, [(b"j0", answer, [])], producer_id=None, now_ms=8_000)
     return sorted({v.invariant for v in check(history, cluster, ledger, BOUNDS)})
 
@@ -538,6 +541,7 @@ def _answered_twice(cause: str | None) -> list[str]:
     [
         (None, True),
         ("rebalance", True),
+        ("rebalance, a kill elsewhere", True),
         ("kill", False),
         ("commit_refused", False),
         ("outage", False),
