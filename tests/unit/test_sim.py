@@ -785,6 +785,21 @@ def _five_hostile_with_updates(seed: int) -> Scenario:
     )
 
 
+def _hostile_with_updates(seed: int, workers: int) -> Scenario:
+    """`bench/sim.py --workers N --hostile invalid,crash,long,reply_small,reply_locked
+    --weight-update-every-s 8 --engine-killing-updates 0.3`."""
+    return Scenario(
+        seed=seed,
+        workers=workers,
+        partitions=8 * workers,
+        jobs_per_s=4 * workers,
+        hostile=HOSTILE_SHARES,
+        weight_update_every_s=8,
+        bad_update_share=0.2,
+        engine_killing_update_share=0.3,
+    )
+
+
 #: Each seed found a defect (the key says what the checker saw), and now guards its fix.
 FOUND_DEFECTS = {
     "refused offset maps, then a partition carrying a death count: no job of that worker's "
@@ -940,6 +955,10 @@ FOUND_DEFECTS = {
     "planned, so none was made, and the next owner counted a death against the job": (
         _five_hostile_with_updates(500000)
     ),
+    "a `keep` update continued a long job on new weights; a `wait` update loaded the next "
+    "version as the continuation finished, before the joined output was built, and the result "
+    "was stamped with that version though its last tokens came from the one before "
+    "(wrong_weights)": _hostile_with_updates(700028, 3),
 }
 
 
@@ -952,21 +971,6 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
-def _hostile_with_updates(seed: int, workers: int) -> Scenario:
-    """`bench/sim.py --workers N --hostile invalid,crash,long,reply_small,reply_locked
-    --weight-update-every-s 8 --engine-killing-updates 0.3`."""
-    return Scenario(
-        seed=seed,
-        workers=workers,
-        partitions=8 * workers,
-        jobs_per_s=4 * workers,
-        hostile=HOSTILE_SHARES,
-        weight_update_every_s=8,
-        bad_update_share=0.2,
-        engine_killing_update_share=0.3,
-    )
-
-
 #: Seeds on which the real worker breaks an invariant the checker holds at the README's word:
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
@@ -976,11 +980,6 @@ OPEN_DEFECTS = {
     "was handed to the producer 1 ms after the clean hand-over that named it running, before "
     "the next assignment's verdict, and the partition's next owner answered the job again "
     "(worker/loop/rebalance.py, worker/delivery/publish.py)": _hostile_with_updates(6, 5),
-    "a `keep` update continued a long job on new weights; a `wait` update loaded the next "
-    "version as the continuation finished, before the joined output was built, and the result "
-    "was stamped with that version though its last tokens came from the one before "
-    "(worker/engines/steerable.py, SteerableEngine's continuation: weight_version is read "
-    "after the gather)": _hostile_with_updates(700028, 3),
 }
 
 

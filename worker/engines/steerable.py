@@ -230,6 +230,10 @@ class SteerableEngine:
         """Each unfinished completion of `first`, continued on the new weights (in the job's
         trace) and joined."""
         prompt = first.prompt_token_ids
+        # The weights each continuation ran on: read once the gather returns, the engine's
+        # version may already be the next update's (a `wait` update loads as soon as the last
+        # continuation finishes, before this coroutine resumes), which made no token of it.
+        versions = [first.weight_version]
 
         async def finish(c: Completion) -> Completion:
             if c.finish_reason != _ABORTED:
@@ -254,13 +258,14 @@ class SteerableEngine:
             continued = await self.generate(
                 rest, f"{request_id}/{c.index}", trace_headers=trace_headers
             )
+            versions.append(continued.weight_version)
             return _join(c, continued.completions[0], whole=done == 0)
 
         completions = await asyncio.gather(*(finish(c) for c in first.completions))
         return EngineOutput(
             prompt_token_ids=prompt,
             completions=list(completions),
-            weight_version=self._inner.weight_version,
+            weight_version=max(versions),
             # The prompt's own prefill was the first run's; continuations feed forward more.
             cached_prompt_tokens=first.cached_prompt_tokens,
         )
