@@ -25,6 +25,8 @@ Invariants (each violation names one):
 - `wrong_weights`: a completed result carries the weight version of the generation that made
   it (the simulated engine records each, `worker.dev.sim.paths`), not the version served
   when the job started or when its answer was sent;
+- `suspect_not_alone`: a record the landed map names in flight at two deaths or more runs
+  with nothing else generating in its worker but suspects of as many (`_QUIET_FROM`);
 - `unasked_exit`: no worker exits except when told to stop, and then with status 0;
 - `state_unbounded`: the state a partition keeps at the broker (its offset map) stays within
   `--offset-map-max-bytes`;
@@ -55,7 +57,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -167,6 +169,7 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
     handed_over = _handed_over_in_flight(history, ledger, maps, sent)
     violations += _duplicates(history, ledger, maps, sent, handed_over, bounds)
     violations += _stamps(history, sent)
+    violations += _suspects_not_alone(history, ledger, maps)
     violations += _commits_and_exits(history)
     violations += _blame(history, cluster, ledger, bounds, maps)
     applied = _latest_applied(cluster, bounds.status_topic)
@@ -600,6 +603,53 @@ def _stamps(history: History, sent: dict[str, list[_Sent]]) -> list[Violation]:
                     )
                 )
     return violations[:1]
+
+
+#: Deaths from which a suspect runs only with nothing else in flight across its worker (the
+#: breaker's `RUN_TOGETHER`): alone, or together with suspects of as many.
+_QUIET_FROM = 2
+
+
+def _suspects_not_alone(
+    history: History, ledger: Ledger, maps: list[tuple[Event, str, OffsetMap]]
+) -> list[Violation]:
+    """`suspect_not_alone`: a record the landed map names in flight at two deaths or more
+    generates with nothing else generating in its process but suspects of two deaths or more
+    (README, "Jobs that kill the worker": they start only when the worker is quiet, and
+    nothing else starts beside them)."""
+    where = {job_id: source for source, (_, job_id) in ledger.records.items()}
+    by_map = {id(event): offset_map.deaths for event, _, offset_map in maps}
+    deaths_now: dict[str, Mapping[int, int]] = {}
+    running: dict[str, dict[str, int]] = {}
+    for event in history.events:
+        fields = event.fields
+        if event.kind == "commit" and id(event) in by_map:
+            deaths_now[fields["tp"]] = by_map[id(event)]
+        elif event.kind == "generating":
+            source = where.get(fields["job"])
+            deaths = deaths_now.get(source[0], {}).get(source[1], 0) if source else 0
+            beside = running.setdefault(fields["worker"], {})
+            others = [job for job in beside if job != fields["job"]]
+            if (
+                others
+                and (deaths >= _QUIET_FROM or any(beside[job] >= _QUIET_FROM for job in others))
+                and not (
+                    deaths >= _QUIET_FROM and all(beside[job] >= _QUIET_FROM for job in others)
+                )
+            ):
+                return [
+                    Violation(
+                        "suspect_not_alone",
+                        f"{fields['worker']} started job {fields['job']} ({deaths} deaths) "
+                        f"while {', '.join(f'{job} ({beside[job]} deaths)' for job in others[:4])} "
+                        "generated",
+                        event.at,
+                    )
+                ]
+            beside[fields["job"]] = deaths
+        elif event.kind == "generation_over":
+            running.get(fields["worker"], {}).pop(fields["job"], None)
+    return []
 
 
 def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, str, OffsetMap]]:

@@ -61,7 +61,7 @@ def observed(history: History) -> Iterator[None]:
         yield
 
 
-def _wrappers(
+def _wrappers(  # noqa: PLR0915 - one wrapper per path
     history: History,
 ) -> list[tuple[type, str, Callable[[Any], Any]]]:
     count = history.count
@@ -143,7 +143,15 @@ def _wrappers(
     def generate(real: Any) -> Any:
         @functools.wraps(real)
         async def recorded(self: SimEngine, job: Any, request_id: str, **kwargs: Any) -> Any:
-            output = await real(self, job, request_id, **kwargs)
+            began = _process_of(self)
+            if began is not None:
+                history.add("generating", worker=began, job=job.job_id)
+            try:
+                output = await real(self, job, request_id, **kwargs)
+            finally:
+                if began is not None:
+                    # Also cancelled (a revoke, a moved parked partition, a kill): over.
+                    history.add("generation_over", worker=began, job=job.job_id)
             process = _process_of(self)
             if process is not None:
                 history.add(
