@@ -588,6 +588,31 @@ def test_a_result_carries_the_weights_that_generated_it(stamped: int, flagged: b
     assert ("wrong_weights" in invariants) is flagged
 
 
+@pytest.mark.parametrize(
+    ("beside", "flagged"),
+    [((), False), ((("j1", 2),), False), ((("j1", 0),), True), ((("j1", 1),), True)],
+    ids=["alone", "together", "beside-a-healthy-job", "beside-a-suspect-of-one"],
+)
+def test_a_suspect_of_two_deaths_generates_alone_or_with_its_like(
+    beside: tuple[tuple[str, int], ...], flagged: bool
+) -> None:
+    """README, "Jobs that kill the worker": suspects of two deaths run together, those of
+    three or more alone, each only when the worker is quiet (worker/loop/breaker.py,
+    `CrashLoopBreaker.take`)."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0"), ("jobs-0", 1): (Kind.VALID, "j1")})
+    deaths = {0: 2} | ({1: beside[0][1]} if beside else {})
+    _committed(history, "w0", encode_offset_map(0, (), running=(), deaths=deaths))
+    for job, _ in beside:
+        history.add("generating", worker="w0#1", job=job)
+    history.add("generating", worker="w0#1", job="j0")
+    invariants = {v.invariant for v in check(history, cluster, ledger, BOUNDS)}
+    assert ("suspect_not_alone" in invariants) is flagged
+
+
 def test_invalid_records_that_name_one_job_id_are_not_duplicates_of_each_other() -> None:
     """Hostile records may all carry `{"job_id": "x"}`: each is answered once, as invalid,
     under the id it names. Those answers are not one job answered twice (seeds 41050, 41241,
