@@ -980,6 +980,13 @@ FOUND_DEFECTS = {
     "planned, so none was made, and the next owner counted a death against the job": (
         _five_hostile_with_updates(500000)
     ),
+    "the checker's own gap: an answer appended in the millisecond acknowledgements began to be "
+    "lost, its record stamped a fraction of a millisecond before the fault's event, was sent "
+    "again by its worker (a lost acknowledgement, not a defect)": Scenario(
+        seed=900039, partitions=24, jobs_per_s=12
+    ),
+    "as seed 900039, the answer's acknowledgement lost, the job then handed over as running "
+    "and answered again by the next owner": Scenario(seed=900040, partitions=24, jobs_per_s=12),
     "a `keep` update continued a long job on new weights; a `wait` update loaded the next "
     "version as the continuation finished, before the joined output was built, and the result "
     "was stamped with that version though its last tokens came from the one before "

@@ -376,6 +376,10 @@ _OUTAGES = frozenset({"coordinator_outage", "broker_outage"})
 #: The longest the simulated broker loses acknowledgements after a `lost_acks` fault.
 _LOST_ACKS_S = 1.0
 
+#: Records carry their times in whole milliseconds, events to the microsecond: an answer
+#: appended in the millisecond a fault began may be stamped just before the fault.
+_MS = 0.001
+
 
 @dataclass
 class _Causes:
@@ -424,22 +428,24 @@ class _Causes:
         """The cause that lets `first` and `again` answer one job, or None."""
         process = self.process(first.producer, first.submitted)
         for died in self.deaths.get(process or "", []):
-            if first.submitted <= died <= again.submitted and self.uncovered(tp, offset, died):
+            if first.submitted - _MS <= died <= again.submitted + _MS and self.uncovered(
+                tp, offset, died
+            ):
                 return f"a death of {process} at {died:.3f}s"
         for refused in self.refusals.get((first.producer, tp), []):
-            if first.submitted <= refused <= again.submitted and self.uncovered(
+            if first.submitted - _MS <= refused <= again.submitted + _MS and self.uncovered(
                 tp, offset, refused
             ):
                 return f"a hand-over refused at {refused:.3f}s"
         for began, ended in self.outages:
             if (
-                began <= again.submitted
-                and ended >= first.submitted
+                began <= again.submitted + _MS
+                and ended >= first.submitted - _MS
                 and self.uncovered(tp, offset, min(ended, again.submitted))
             ):
                 return f"an outage from {began:.3f}s to {ended:.3f}s"
         for began, ended in self.lost_acks:
-            if began <= first.appended <= ended or began <= first.submitted <= ended:
+            if began - _MS <= first.appended <= ended or began - _MS <= first.submitted <= ended:
                 return f"acknowledgements lost from {began:.3f}s"
         return None
 
