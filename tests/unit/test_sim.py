@@ -262,14 +262,7 @@ def test_a_job_a_hand_over_names_running_may_be_answered_twice_only_if_in_flight
     and one sent after the hand-over (seed 14416: a failed batch sent again) was the next
     owner's to give: answered twice, either is the worker's defect."""
     now = [0.0]
-    history = History(lambda: now[0])
-    cluster = Cluster(history)
-    cluster.create_topic("jobs", 1)
-    cluster.create_topic("results", 1)
-    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
-    cluster.produce(
-        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
-    )
+    history, cluster, ledger = _one_job_and_a_results_topic(now)
     now[0] = 10.0
     history.add("rebalance", group="g", generation=1, why="w1 joins")
     answer = encode(Failed(job_id="j0", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late")))
@@ -428,6 +421,19 @@ def test_only_a_member_that_could_not_leave_excuses_a_group_that_waits_for_ever(
     assert (wedged_from(history, bounds) == 27.0) is wedged
 
 
+def _one_job_and_a_results_topic(now: list[float]) -> tuple[History, Cluster, Ledger]:
+    """A cluster with job j0 at jobs-0@0 and an empty results topic; the clock reads `now[0]`."""
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    cluster.create_topic("results", 1)
+    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
+    cluster.produce(
+        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
+    )
+    return history, cluster, ledger
+
+
 def _one_job_owned_by_m0(now: list[float]) -> tuple[History, Cluster, Ledger]:
     """Members m0 (process w0#1) and m1 (w1#1), m0 owning jobs-0 with one job in it; the
     clock reads `now[0]`, 5 s once set up."""
@@ -504,14 +510,7 @@ def _answered_twice(cause: str | None) -> list[str]:
     """j0 answered by w0 at 2 s and by w1 at 8 s, with `cause` in between (at 5 s): the
     invariants the checker breaks."""
     now = [0.0]
-    history = History(lambda: now[0])
-    cluster = Cluster(history)
-    cluster.create_topic("jobs", 1)
-    cluster.create_topic("results", 1)
-    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
-    cluster.produce(
-        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
-    )
+    history, cluster, ledger = _one_job_and_a_results_topic(now)
     history.add("start", worker="w0#1")
     history.add("start", worker="w1#1")
     answer = encode(Failed(job_id="j0", error=ErrorInfo(code=ErrorCode.EXPIRED, detail="late")))
@@ -565,14 +564,7 @@ def test_a_result_carries_the_weights_that_generated_it(stamped: int, flagged: b
     """The engine records each generation's weight version; a result stamped with any other
     (the version served when the job started, before an update) is `wrong_weights`."""
     now = [0.0]
-    history = History(lambda: now[0])
-    cluster = Cluster(history)
-    cluster.create_topic("jobs", 1)
-    cluster.create_topic("results", 1)
-    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0")})
-    cluster.produce(
-        "trainer", TopicPartition("jobs", 0), [(b"j0", b"job", [])], producer_id=None, now_ms=0
-    )
+    history, cluster, ledger = _one_job_and_a_results_topic(now)
     history.add("start", worker="w0#1")
     now[0] = 1.0
     history.add("loaded", worker="w0#1", version=1)
