@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 
 from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
@@ -653,3 +654,68 @@ async def test_a_partition_committed_by_another_member_meanwhile_is_not_taken_ba
     engine.release("slow")
     await turns_pass(loop.consumer)
     assert "slow" not in loop.answered()
+
+
+async def _parked_with_answer_on_its_way(start_loop: Callable[..., Any], *, expire: bool) -> Loop:
+    """A worker on P0 whose job "slow" still runs when P0 is revoked, and whose job "q",
+    answered just before, has its answer on its way: still queued (the producer takes no
+    batch: a broker away) or, with `expire`, handed to the producer and unacknowledged. P0 is
+    then handed over, parked, with "slow" and "q" named as running."""
+    loop = await _slow_job_in_flight(start_loop)
+    producer, consumer = loop.producer, loop.consumer
+    if expire:
+        producer.hold_next = 1
+    else:
+        producer.taking_batches.clear()
+    consumer.add(P0, job("q"))
+    await wait_for(lambda: "q" in loop.engine.started, what="q to start")
+    if expire:
+        await wait_for(lambda: producer.held, what="q's delivery to be held")
+    else:
+        await wait_for(lambda: loop.worker._delivery.pending, what="q's answer to be queued")
+        await turns_pass(consumer)
+    await loop.worker.on_partitions_revoked({P0})
+    assert loop.worker._rebalances._parked, "P0 is parked with slow running"
+    hand_over = decode_offset_map(1, consumer.metadata[-1][P0])
+    assert consumer.commits[-1] == {P0: 1}
+    assert hand_over.clean and {1, 3} <= set(hand_over.running)
+    return loop
+
+
+def _its_delivery_comes_back(loop: Loop, *, expire: bool) -> None:
+    """The broker is back: the queued batch is taken, or the held delivery expires."""
+    if expire:
+        loop.producer.held.pop().set_exception(KafkaTimeoutError())
+    else:
+        loop.producer.taking_batches.set()
+
+
+@pytest.mark.parametrize("expire", [False, True], ids=["queued", "expired"])
+async def test_an_answer_on_its_way_when_its_partition_is_parked_is_not_sent_once_it_moved(
+    start_loop, expire
+):
+    # The hand-over names "q" as running, so the partition's next owner answers it: this
+    # worker sending its answer after the hand-over answered "q" twice, beyond the bound of a
+    # rebalance (an answer handed to the producer and landing after the hand-over).
+    loop = await _parked_with_answer_on_its_way(start_loop, expire=expire)
+    _its_delivery_comes_back(loop, expire=expire)
+    await turns_pass(loop.consumer)
+    assert "q" not in loop.answered()
+    await loop.worker.on_partitions_assigned(set())
+    loop.engine.release("slow")
+    await turns_pass(loop.consumer)
+    assert "q" not in loop.answered()
+    assert "slow" not in loop.answered()
+
+
+@pytest.mark.parametrize("expire", [False, True], ids=["queued", "expired"])
+async def test_an_answer_held_while_its_partition_was_parked_goes_out_once_it_comes_back(
+    start_loop, expire
+):
+    loop = await _parked_with_answer_on_its_way(start_loop, expire=expire)
+    _its_delivery_comes_back(loop, expire=expire)
+    await turns_pass(loop.consumer)
+    await loop.worker.on_partitions_assigned({P0})
+    loop.engine.release("slow")
+    await wait_for(lambda: loop.consumer.commits[-1] == {P0: 4}, what="the commit past all four")
+    assert sorted(loop.answered()) == ["j0", "j2", "q", "slow"]

@@ -21,13 +21,15 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import DefaultPartitioner
 
-__all__ = ["Outbox"]
+__all__ = ["Outbox", "Record"]
 
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
 
 Headers = list[tuple[str, bytes]]
+#: One queued record: topic, key, value, headers and its member.
+Record = tuple[str, bytes | None, bytes | None, Headers, M]
 
 
 class Outbox(Generic[M]):
@@ -50,7 +52,7 @@ class Outbox(Generic[M]):
         self._producer = producer
         self._on_submitted = on_submitted
         self._on_crash = on_crash
-        self._queued: list[tuple[str, bytes | None, bytes | None, Headers, M]] = []
+        self._queued: list[Record[M]] = []
         self._pending = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -60,6 +62,7 @@ class Outbox(Generic[M]):
         # The lot being submitted: its members neither handed to the producer nor taken back
         # yet (by id), and the batch waiting in `send_batch` with its members.
         self._in_lot: dict[int, M] = {}
+        self._lot_records: dict[int, Record[M]] = {}
         self._waiting: tuple[asyncio.Future[Any], list[M]] | None = None
 
     def start(self) -> None:
@@ -87,16 +90,17 @@ class Outbox(Generic[M]):
             self._idle.clear()
             self._wake.set()
 
-    def drop(self, whose: Callable[[M], bool]) -> int:
+    def drop(self, whose: Callable[[M], bool]) -> list[Record[M]]:
         """Take back the records whose member `whose` picks, before they are handed to the
-        producer; how many. That includes those of a batch still waiting in `send_batch` (a
-        previous batch of its partition not yet sent: a broker away): aiokafka has not taken it,
-        so it is withdrawn and built again without them. Records the producer holds are not
-        taken back."""
-        kept = [record for record in self._queued if not whose(record[4])]
-        dropped = len(self._queued) - len(kept)
-        self._queued = kept
+        producer; those taken back. That includes those of a batch still waiting in
+        `send_batch` (a previous batch of its partition not yet sent: a broker away): aiokafka
+        has not taken it, so it is withdrawn and built again without them. Records the producer
+        holds are not taken back; one taken back as the producer takes its batch after all is
+        still submitted (`on_submitted` names it)."""
+        taken = [record for record in self._queued if whose(record[4])]
+        self._queued = [record for record in self._queued if not whose(record[4])]
         in_lot = [key for key, member in self._in_lot.items() if whose(member)]
+        taken += [self._lot_records[key] for key in in_lot]
         for key in in_lot:
             del self._in_lot[key]
         if in_lot and self._waiting is not None:
@@ -104,9 +108,8 @@ class Outbox(Generic[M]):
             if any(id(member) not in self._in_lot for member in members):
                 # At once, so that a producer taking batches again right after cannot send it.
                 send.cancel()
-        dropped += len(in_lot)
-        self._pending -= dropped
-        return dropped
+        self._pending -= len(taken)
+        return taken
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been submitted (not acknowledged)."""
@@ -131,21 +134,19 @@ class Outbox(Generic[M]):
                 await self._submit(records)
             self._idle.set()
 
-    async def _submit(
-        self, records: Sequence[tuple[str, bytes | None, bytes | None, Headers, M]]
-    ) -> None:
+    async def _submit(self, records: Sequence[Record[M]]) -> None:
         self._in_lot = {id(record[4]): record[4] for record in records}
+        self._lot_records = {id(record[4]): record for record in records}
         try:
             await self._submit_lot(records)
         finally:
             self._in_lot = {}
+            self._lot_records = {}
 
-    async def _submit_lot(
-        self, records: Sequence[tuple[str, bytes | None, bytes | None, Headers, M]]
-    ) -> None:
+    async def _submit_lot(self, records: Sequence[Record[M]]) -> None:
         producer = self._producer
         partitions: dict[str, list[int]] = {}
-        slots: dict[tuple[str, int], list[tuple[str, bytes | None, bytes | None, Headers, M]]]
+        slots: dict[tuple[str, int], list[Record[M]]]
         slots = {}
         for record in records:
             topic, key = record[0], record[1]
@@ -174,7 +175,7 @@ class Outbox(Generic[M]):
     async def _send(
         self,
         slot: tuple[str, int],
-        records: list[tuple[str, bytes | None, bytes | None, Headers, M]],
+        records: list[Record[M]],
     ) -> None:
         """Hand `records` (one partition's, in order) to the producer in as many batches as
         they fill, leaving out those taken back meanwhile."""

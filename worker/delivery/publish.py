@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -73,7 +73,9 @@ class Delivery:
     it cannot shrink; `unwritable(answer, index, refused_by)` the answer with that record sent
     elsewhere, its topic refusing this worker's writes, or None when there is nowhere else.
     A producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
-    sequence (`worker.delivery.renewal`); any other stops the worker then. `on_free` is
+    sequence (`worker.delivery.renewal`); any other stops the worker then.
+    `answer_stays(tp, partition)` says, once a rebalance has decided, whether an answer of a
+    partition handed over as running (parked) may still go out (see `park`). `on_free` is
     called when records leave the outbox (slots free up); `on_acknowledged` when the broker
     acknowledged answers (their offsets are finished); `on_fatal` when an answer cannot be
     delivered at all.
@@ -91,6 +93,7 @@ class Delivery:
         on_free: Callable[[], None],
         on_fatal: Callable[[FatalError], None],
         on_acknowledged: Callable[[], None] = lambda: None,
+        answer_stays: Callable[[TopicPartition, PartitionOffsets], Awaitable[bool]] | None = None,
     ) -> None:
         self._producer = producer
         self._publish_timeout_s = settings.publish_timeout_s
@@ -105,11 +108,15 @@ class Delivery:
         self._on_free = on_free
         self._on_acknowledged = on_acknowledged
         self._on_fatal = on_fatal
+        self._answer_stays = answer_stays
         self._send_lock = asyncio.Lock()
         # Unacknowledged deliveries: when each was sent (oldest first) and whose records it has.
         self._deliveries: dict[asyncio.Future[Any], tuple[float, list[_Member]]] = {}
         self._resends: dict[asyncio.Task[None], Ticket] = {}
         self._outbox: Outbox[_Member] = Outbox(producer, self._watch, self._outbox_crashed)
+        # Records taken back from the outbox when their partition was parked, until the verdict
+        # (`park`); one the producer took after all is struck off as it is submitted.
+        self._taken_back: set[_Member] = set()
         self._resending = True
 
     def start(self) -> None:
@@ -182,7 +189,8 @@ class Delivery:
             dropped := self._outbox.drop(lambda member: ours(member[0].tp))
         ):
             logger.info(
-                "%d answers not handed to the producer in time are left to the next owner", dropped
+                "%d answers not handed to the producer in time are left to the next owner",
+                len(dropped),
             )
             self._on_free()
         waiting: list[asyncio.Future[Any]] = [
@@ -213,6 +221,47 @@ class Delivery:
             logger.info("cancelled %d re-sends; their jobs will be redelivered", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
 
+    def park(self, partitions: set[TopicPartition]) -> None:
+        """`partitions` are handed over with their jobs named as running, the rest of their
+        answers with them, and parked until the next assignment says whether they come back
+        (`answer_stays`). Their answers not yet handed to the producer are taken back until
+        then, and a failed delivery of theirs is sent again only then: sent after the hand-over
+        and before the verdict, an answer whose partition moved is given twice, here and by the
+        next owner, who runs its job again."""
+        taken = self._outbox.drop(lambda member: member[0].tp in partitions)
+        by_ticket: dict[Ticket, list[int]] = {}
+        for *_, (ticket, index) in taken:
+            self._taken_back.add((ticket, index))
+            by_ticket.setdefault(ticket, []).append(index)
+        for ticket, indexes in by_ticket.items():
+            task = asyncio.create_task(self._queue_after_verdict(ticket, indexes))
+            self._resends[task] = ticket
+            task.add_done_callback(self._resend_done)
+        if taken:
+            logger.info(
+                "%d answers of %s wait for the next assignment to be sent or dropped",
+                len(taken),
+                sorted(map(str, partitions)),
+            )
+
+    async def _queue_after_verdict(self, ticket: Ticket, indexes: list[int]) -> None:
+        stays = await self._stays(ticket)
+        records = ticket.answer.records
+        for index in indexes:
+            # Not struck off: the producer has not taken it after all.
+            if (ticket, index) in self._taken_back:
+                self._taken_back.discard((ticket, index))
+                if stays:
+                    record = records[index]
+                    self._outbox.add(
+                        record.topic, record.key, record.value, record.headers, (ticket, index)
+                    )
+
+    async def _stays(self, ticket: Ticket) -> bool:
+        if self._answer_stays is None:
+            return True
+        return await self._answer_stays(ticket.tp, ticket.partition)
+
     async def acknowledged(self, deadline: float) -> bool:
         """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
         and acknowledged (re-sends included), cancelling nothing; whether they all were."""
@@ -228,6 +277,8 @@ class Delivery:
 
     def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
+        if self._taken_back:
+            self._taken_back.difference_update(members)
         self._deliveries[delivery] = (time.monotonic(), members)
         delivery.add_done_callback(functools.partial(self._on_delivery, members))
         self._on_free()
@@ -281,6 +332,12 @@ class Delivery:
         backoff = _Backoff(self._publish_timeout_s)
         try:
             while True:
+                # Its partition was handed over parked meanwhile: sent now, the answer would
+                # go out a second time should the partition move (its next owner runs the
+                # job again), so it waits for the verdict.
+                if not await self._stays(ticket):
+                    logger.info("re-send for %s dropped: its partition moved", where)
+                    return
                 delivery, generation = await self._enqueue_fitting(ticket, index, backoff)
                 # aiokafka retries an unreachable broker forever; the loop's watchdog bounds
                 # our patience (`oldest_wait_s`).

@@ -138,6 +138,10 @@ class Rebalances:
             loop = asyncio.get_running_loop()
             self._parked |= {tp: loop.create_future() for tp in running}
             await self._delivery.settle(revoked - running, deadline)
+            # Their answers still on their way go out only once the next assignment gives
+            # them back: the hand-over names those jobs as running, so sent meanwhile, an
+            # answer is given again by the next owner should the partition move.
+            self._delivery.park(running)
             kept: set[TopicPartition] = set()
             try:
                 kept = await self._committer.revoked(revoked, keep=running)

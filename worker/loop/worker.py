@@ -157,6 +157,7 @@ class Worker:
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
             on_acknowledged=self._wake_breaker,
+            answer_stays=self._answer_stays,
         )
         self._watchdog = Watchdog(settings, engine, self._delivery)
         self._rebalances = Rebalances(
@@ -488,6 +489,10 @@ class Worker:
         """An acknowledgement came or a commit ended: the breaker may let the next record go."""
         if self._breaker.engaged:
             self._wake.set()
+
+    async def _answer_stays(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
+        # Late bound: the rebalances' side is built after the delivery it drives.
+        return await self._rebalances.answer_stays(tp, partition)
 
     def _job_crashed(self, exc: BaseException) -> None:
         self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")
