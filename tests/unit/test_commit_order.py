@@ -16,6 +16,7 @@ from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError
 
 from tests.fakes import FakeConsumer
+from tests.unit.test_loop import reads_commits_of
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
@@ -161,3 +162,38 @@ async def test_a_hand_over_that_landed_is_not_made_again_with_the_answers_that_c
 
     assert await committer.hand_over_until(asyncio.get_running_loop().time() + 5)
     assert consumer.commits == [{TP: 1}]
+
+
+async def test_an_adopted_partition_whose_hand_over_landed_late_names_its_job_running_again():
+    """The group refused the revoke's hand-over (noida-db does from the moment another member
+    asks to join), the partition came back unchanged and was adopted with offset 1 still
+    running, and the hand-over, landed on rejoining, was left standing: the tracker still took
+    the write-ahead commit below it for what the group held, so it planned nothing new. The
+    group kept a clean map over a running job, and a death then blamed nobody."""
+    consumer = _Rejoining()
+    committer = Committer(
+        consumer,
+        settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {}),
+        Metrics(),
+        read_committed=reads_commits_of(consumer),
+    )
+    partition = committer.partition(TP)
+    for offset in (0, 1):
+        partition.start(offset)
+    partition.finish(0)
+    await committer.commit_now()  # lands, naming 1 as running
+    consumer.generation = -1  # another member asked to join
+
+    assert await committer.revoked({TP}, keep={TP}) == {TP}
+    assert consumer.refused == 1
+    consumer.generation = 2  # rejoined, and given the partition back
+    assert await committer.adopt({TP}) == {TP}
+    await committer.assigned({TP})
+    assert decode_offset_map(1, consumer.metadata[-1][TP]).clean  # the hand-over, landed
+
+    committer.tick(due=True)
+    await committer.commit_now()
+    held = decode_offset_map(1, consumer.metadata[-1][TP])
+    assert consumer.commits[-1] == {TP: 1}
+    assert not held.clean
+    assert held.running == {1}

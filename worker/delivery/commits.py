@@ -133,7 +133,14 @@ class Committer:
         self.tracker = OffsetTracker(writer=self.incarnation)
         self._read_committed = read_committed
         self._hand_overs = RefusedHandOvers(
-            consumer, metrics, timeout_s=self._timeout_s, read_committed=read_committed
+            consumer,
+            metrics,
+            timeout_s=self._timeout_s,
+            read_committed=read_committed,
+            # Adopted back before it landed, a partition still takes its last landed commit
+            # for what the group holds: planning that again, it would commit nothing, and the
+            # group keep a clean hand-over over the jobs it runs (a death then blames none).
+            on_landed=self.tracker.committed,
         )
         self._inheritance = Inheritance(
             consumer,

@@ -34,7 +34,9 @@ _REFUSED: Final = (CommitFailedError, IllegalStateError)
 
 
 class RefusedHandOvers:
-    """The hand-overs the group refused this member (`refused`), until they land (`land`)."""
+    """The hand-overs the group refused this member (`refused`), until they land (`land`).
+    `on_landed(offsets)` is told what landed: a partition adopted back meanwhile must know the
+    group now holds its hand-over, not the commit it last saw land."""
 
     def __init__(
         self,
@@ -43,8 +45,10 @@ class RefusedHandOvers:
         *,
         timeout_s: float,
         read_committed: CommittedReader | None = None,
+        on_landed: Callable[[dict[TopicPartition, Commit]], None] = lambda _: None,
     ) -> None:
         self._consumer = consumer
+        self._on_landed = on_landed
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._read_committed = read_committed
@@ -140,6 +144,7 @@ class RefusedHandOvers:
             return
         self._metrics.commits.labels("ok").inc()
         logger.info("hand-over of %s landed after all", describe_commits(offsets))
+        self._on_landed(offsets)
 
     async def _not_overtaken(
         self, offsets: dict[TopicPartition, Commit], before: dict[TopicPartition, Commit | None]
