@@ -11,12 +11,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiokafka.errors import OutOfOrderSequenceNumber, TopicAuthorizationFailedError
+from aiokafka.errors import (
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    TopicAuthorizationFailedError,
+)
 
 from schemas import Completed, Failed, Job, Result, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.unit.test_loop import DLQ, P0, RESULTS, settings
-from worker.core.limits import RecordLimits
+from worker.core.limits import RecordLimits, record_bytes
 from worker.dev.harness.waiting import wait_for
 from worker.loop.worker import Worker
 
@@ -81,13 +85,14 @@ class IdempotentBroker(MemoryProducer):
         super()._deliver(delivery, records)
 
 
-def _job(job_id: str, tokens: int, reply_to: str | None = REPLY) -> bytes:
+def _job(job_id: str, tokens: int, reply_to: str | None = REPLY, **metadata: str) -> bytes:
     return encode(
         Job(
             job_id=job_id,
             prompt="hi",
             sampling=SamplingSpec(max_tokens=tokens),
             reply_to=reply_to,
+            metadata=metadata,
         )
     )
 
@@ -98,12 +103,14 @@ async def _serve(
     *,
     limit_lookup: Any = None,
     renewable: bool = True,
+    engine: ScriptedEngine | None = None,
+    **overrides: Any,
 ) -> tuple[int, dict[str, list[Result]], Worker]:
     consumer = FakeConsumer()
     for value in values:
         consumer.add(P0, value)
     consumer.assign({P0})
-    s = settings(reply_topics="trainer-.*")
+    s = settings(reply_topics="trainer-.*", **overrides)
 
     async def present(topic: str) -> bool:
         return True
@@ -112,7 +119,7 @@ async def _serve(
         s,
         consumer=consumer,
         producer=producer,
-        engine=ScriptedEngine(),
+        engine=engine or ScriptedEngine(),
         limits=RecordLimits.from_topic_limits(s, {}),
         topic_lookup=present,
         topic_limit_lookup=limit_lookup,
@@ -224,3 +231,115 @@ async def test_a_reply_topic_refused_before_anything_is_sent_is_answered_on_the_
     (failed,) = answered["first"]
     assert isinstance(failed, Failed) and failed.error.code == "invalid_job", failed
     assert isinstance(answered["plain"][0], Completed)
+
+
+class BatchingBroker(IdempotentBroker):
+    """As aiokafka's producer batches (`MessageAccumulator.add_message`): records `send()` is
+    given for a partition while its last batch lingers go into that batch, up to the
+    producer's `max_batch_size`; and the broker checks `max.message.bytes` on a whole batch,
+    not on each record (Kafka's `LogValidator`, on the batch as written)."""
+
+    def __init__(self, limits: dict[str, int], batch_bytes: int) -> None:
+        super().__init__(limits)
+        self.batch_bytes = batch_bytes
+        self.biggest_batches: dict[str, int] = {}
+        self._lingering: dict[str, tuple[list[Any], list[asyncio.Future[Any]], list[int]]] = {}
+
+    def renewed(self) -> BatchingBroker:
+        fresh = BatchingBroker(self.limits, self.batch_bytes)
+        fresh.sent = self.sent
+        fresh.biggest_batches = self.biggest_batches
+        self.renewals.append(fresh)
+        return fresh
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None = None,
+        key: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> asyncio.Future[Any]:
+        if self.dead:
+            raise OutOfOrderSequenceNumber()
+        size = record_bytes(key, value, list(headers or []))
+        lingering = self._lingering.get(topic)
+        if lingering is None or lingering[2][0] + size > self.batch_bytes:
+            lingering = self._lingering[topic] = ([], [], [0])
+            # linger_ms: the batch goes once the senders of this turn of the loop are done.
+            asyncio.get_running_loop().call_later(0.005, self._drain, topic, lingering)
+        records, futures, total = lingering
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        records.append((topic, key, value, list(headers or [])))
+        futures.append(future)
+        total[0] += size
+        return future
+
+    def _drain(self, topic: str, lingering: Any) -> None:
+        if self._lingering.get(topic) is lingering:
+            del self._lingering[topic]
+        records, futures, _ = lingering
+        batch: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._deliver(batch, records)
+        refused = batch.exception()
+        for future in futures:
+            if refused is not None:
+                future.set_exception(refused)
+            else:
+                future.set_result(None)
+
+    def _deliver(self, delivery: asyncio.Future[Any], records: Any) -> None:
+        topic = records[0][0]
+        size = sum(record_bytes(k, v, h) for _, k, v, h in records)
+        self.biggest_batches[topic] = max(self.biggest_batches.get(topic, 0), size)
+        limit = self.limits.get(topic)
+        if not self.dead and limit is not None and size > limit:
+            self.refusals += 1
+            self.broken_topics.add(topic)
+            delivery.set_exception(MessageSizeTooLargeError())
+            return
+        super()._deliver(delivery, records)
+
+
+async def test_small_answers_to_a_reply_topic_with_a_smaller_limit_are_batched_to_fit_it():
+    # 40 results of about 3 KB for a reply topic of 100 KB, finishing together: batched up to
+    # the results topic's size (1 MiB), the broker refused the batch; sent again one by one,
+    # aiokafka batched them again, the second refusal was taken for a record too large, and
+    # every job was answered failed/result_too_large.
+    limit = 100_000
+    s = settings()
+    producer = BatchingBroker({REPLY: limit}, RecordLimits.from_topic_limits(s, {}).batch_bytes)
+
+    async def limit_of(topic: str) -> int | None:
+        return limit if topic == REPLY else None
+
+    engine = ScriptedEngine()
+    engine.on_start = lambda _: engine.release("all") if len(engine.started) == 40 else None
+    values = [_job(f"j{i}", 380, gate="all") for i in range(40)]
+    status, answered, _ = await _serve(
+        producer, values, limit_lookup=limit_of, engine=engine, max_in_flight=64
+    )
+    assert status == 0
+    assert sorted(answered) == sorted(f"j{i}" for i in range(40))
+    failed = [r for results in answered.values() for r in results if isinstance(r, Failed)]
+    assert failed == []
+    sizes = [len(v or b"") for t, _, v, _ in producer.sent if t == REPLY]
+    assert len(sizes) == 40 and min(sizes) > 2_500
+    assert producer.all_refusals == 0
+    assert 0 < producer.biggest_batches[REPLY] <= limit
+
+
+async def test_answers_a_reply_topic_refused_as_a_batch_are_sent_again_each_in_a_batch_of_its_own():
+    # The reply topic's limit is unknown (no DescribeConfigs): the batch is refused, and each
+    # answer is sent again alone, which must mean alone in its batch, not batched again by the
+    # producer: otherwise the second refusal is taken for a record too large.
+    s = settings()
+    producer = BatchingBroker({REPLY: 100_000}, RecordLimits.from_topic_limits(s, {}).batch_bytes)
+    engine = ScriptedEngine()
+    engine.on_start = lambda _: engine.release("all") if len(engine.started) == 40 else None
+    values = [_job(f"j{i}", 380, gate="all") for i in range(40)]
+    status, answered, _ = await _serve(producer, values, engine=engine, max_in_flight=64)
+    assert status == 0
+    assert producer.all_refusals >= 1
+    failed = [r for results in answered.values() for r in results if isinstance(r, Failed)]
+    assert failed == []
+    assert sorted(answered) == sorted(f"j{i}" for i in range(40))

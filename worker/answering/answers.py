@@ -67,6 +67,10 @@ class AnswerBuilder:
         store = open_payload_store(settings.payload_store) if settings.payload_store else None
         self._splitter = ResultSplitter(store, metrics)
 
+    def reply_topic_limit(self, topic: str) -> int | None:
+        """The `max.message.bytes` of reply topic `topic`, where it was found and read."""
+        return self._topics.limit_of(topic)
+
     async def answer(
         self,
         tp: TopicPartition,

@@ -8,6 +8,10 @@ public batch API) and gets one delivery future per batch.
 
 Records are partitioned as `send()` partitions them (aiokafka's default partitioner, the Java
 client's murmur2 of the key), so a record lands where it would have landed before.
+
+A batch is sized for its topic: the producer's `max_batch_size` fits the results and
+dead-letter topics, but a reply topic may take less (`max.message.bytes`, which the broker
+checks on the whole batch), and aiokafka never splits a batch the broker refuses.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any, Generic, TypeVar
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import DefaultPartitioner
+
+from worker.core.limits import record_bytes
 
 __all__ = ["Outbox", "Record"]
 
@@ -41,6 +47,9 @@ class Outbox(Generic[M]):
     One task submits; while aiokafka still holds an unsent batch for a partition, submitting the
     next one waits, and what arrives meanwhile goes into the batch after it. That is the same
     back-pressure `send()` applies.
+
+    `batch_bytes(topic)` is the most a batch for `topic` may hold (its records as aiokafka
+    measures them), or None where the producer's batch size fits it.
     """
 
     def __init__(
@@ -48,8 +57,10 @@ class Outbox(Generic[M]):
         producer: AIOKafkaProducer,
         on_submitted: Callable[[list[M], asyncio.Future[Any]], None],
         on_crash: Callable[[BaseException], None],
+        batch_bytes: Callable[[str], int | None] = lambda _: None,
     ) -> None:
         self._producer = producer
+        self._batch_bytes = batch_bytes
         self._on_submitted = on_submitted
         self._on_crash = on_crash
         self._queued: list[Record[M]] = []
@@ -179,11 +190,17 @@ class Outbox(Generic[M]):
     ) -> None:
         """Hand `records` (one partition's, in order) to the producer in as many batches as
         they fill, leaving out those taken back meanwhile."""
+        room = self._batch_bytes(slot[0])
         # What is not handed yet is in `_in_lot` unless it was taken back.
         while records := [r for r in records if id(r[4]) in self._in_lot]:
             builder = self._producer.create_batch()
-            count = 0
+            count = filled = 0
             for _, key, value, headers, _ in records:
+                if room is not None:
+                    size = record_bytes(key, value, headers)
+                    if count and filled + size > room:
+                        break
+                    filled += size
                 # A batch always takes its first record.
                 if builder.append(timestamp=None, key=key, value=value, headers=headers) is None:
                     break
@@ -214,6 +231,29 @@ class Outbox(Generic[M]):
             return True
         self._handed(members, delivery)
         return True
+
+    async def send_alone(
+        self, topic: str, key: bytes | None, value: bytes | None, headers: Headers
+    ) -> asyncio.Future[Any]:
+        """Hand one record to the producer in a batch of its own, partitioned as `send()`
+        partitions it; the future of its acknowledgement. `send()` would append it to
+        whatever batch of its partition still lingers, so a refusal of that batch for its
+        size would not say the record is too large; alone, it does."""
+        all_partitions = sorted(await self._producer.partitions_for(topic))
+        if not all_partitions:
+            raise UnknownTopicOrPartitionError(f"{topic} has no partitions")
+        partition = (
+            all_partitions[0]
+            if len(all_partitions) == 1
+            else self._partitioner(key, all_partitions, all_partitions)
+        )
+        builder = self._producer.create_batch()
+        builder.append(timestamp=None, key=key, value=value, headers=headers)
+        builder.close()
+        delivery: asyncio.Future[Any] = await self._producer.send_batch(
+            builder, topic, partition=partition
+        )
+        return delivery
 
     def _fail(self, members: list[M], exc: BaseException) -> None:
         failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

@@ -30,7 +30,7 @@ from worker.answering.records import Answer, OutRecord
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.core.failpoints import crash_point
-from worker.core.limits import RecordLimits
+from worker.core.limits import RecordLimits, producer_batch_bytes
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import Outbox
@@ -75,7 +75,9 @@ class Delivery:
     A producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
     sequence (`worker.delivery.renewal`); any other stops the worker then.
     `answer_stays(tp, partition)` says, once a rebalance has decided, whether an answer of a
-    partition handed over as running (parked) may still go out (see `park`). `on_free` is
+    partition handed over as running (parked) may still go out (see `park`).
+    `topic_limit(topic)` is an answer topic's `max.message.bytes` where known (a reply topic's
+    is read after start): batches for it are sized to fit. `on_free` is
     called when records leave the outbox (slots free up); `on_acknowledged` when the broker
     acknowledged answers (their offsets are finished); `on_fatal` when an answer cannot be
     delivered at all.
@@ -94,6 +96,7 @@ class Delivery:
         on_fatal: Callable[[FatalError], None],
         on_acknowledged: Callable[[], None] = lambda: None,
         answer_stays: Callable[[TopicPartition, PartitionOffsets], Awaitable[bool]] | None = None,
+        topic_limit: Callable[[str], int | None] | None = None,
     ) -> None:
         self._producer = producer
         self._publish_timeout_s = settings.publish_timeout_s
@@ -113,7 +116,10 @@ class Delivery:
         # Unacknowledged deliveries: when each was sent (oldest first) and whose records it has.
         self._deliveries: dict[asyncio.Future[Any], tuple[float, list[_Member]]] = {}
         self._resends: dict[asyncio.Task[None], Ticket] = {}
-        self._outbox: Outbox[_Member] = Outbox(producer, self._watch, self._outbox_crashed)
+        self._topic_limit = topic_limit
+        self._outbox: Outbox[_Member] = Outbox(
+            producer, self._watch, self._outbox_crashed, self._batch_bytes
+        )
         # Records taken back from the outbox when their partition was parked, until the verdict
         # (`park`); one the producer took after all is struck off as it is submitted.
         self._taken_back: set[_Member] = set()
@@ -324,6 +330,14 @@ class Delivery:
             ticket.answer.metric_labels(), time.perf_counter() - ticket.started
         )
 
+    def _batch_bytes(self, topic: str) -> int | None:
+        """The most a batch of `topic` may hold: a reply topic may take less than the results
+        topic, which the producer's batch size was chosen for."""
+        limit = self._limits.topic_bytes.get(topic)
+        if limit is None and self._topic_limit is not None:
+            limit = self._topic_limit(topic)
+        return None if limit is None else producer_batch_bytes([limit])
+
     def _outbox_crashed(self, exc: BaseException) -> None:
         self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))
 
@@ -390,19 +404,22 @@ class Delivery:
     async def _enqueue_fitting(
         self, ticket: Ticket, index: int, backoff: _Backoff | None = None
     ) -> tuple[asyncio.Future[Any], int]:
-        """Append record `index` to the producer's batches, shrinking it while the producer
-        refuses it for its size; return the future of its acknowledgement, and the generation
-        of the producer it went to."""
+        """Hand record `index` to the producer in a batch of its own (a refusal for its size is
+        then the record's alone), shrinking it while it is over the producer's limit; return
+        the future of its acknowledgement, and the generation of the producer it went to."""
         backoff = backoff or _Backoff(self._publish_timeout_s)
         while True:
             record = ticket.answer.records[index]
             generation = self._generation()
             try:
-                # One task at a time appends to the producer's batches: with hundreds of jobs
-                # finishing together, unserialised sends thrash waiting for full batches.
+                if record.size > self._limits.request_bytes:
+                    # What `send()` checks on the record; a batch of one is not checked.
+                    raise MessageSizeTooLargeError(record.size)  # noqa: TRY301
+                # One task at a time hands records to the producer: with hundreds of jobs
+                # finishing together, unserialised sends thrash waiting for their partition.
                 async with self._send_lock:
-                    delivery: asyncio.Future[Any] = await self._producer.send(
-                        record.topic, value=record.value, key=record.key, headers=record.headers
+                    delivery: asyncio.Future[Any] = await self._outbox.send_alone(
+                        record.topic, record.key, record.value, record.headers
                     )
             except MessageSizeTooLargeError:
                 self._shrink(

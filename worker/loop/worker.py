@@ -158,6 +158,7 @@ class Worker:
             on_fatal=lambda exc: self._fail(exc, "delivery"),
             on_acknowledged=self._wake_breaker,
             answer_stays=self._answer_stays,
+            topic_limit=self._answers.reply_topic_limit,
         )
         self._watchdog = Watchdog(settings, engine, self._delivery)
         self._rebalances = Rebalances(
