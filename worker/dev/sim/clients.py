@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import random
 import zlib
@@ -687,10 +688,30 @@ class _ProducerClient:
         return await self._producer.process.request(metadata)
 
 
+class _Lingering:
+    """A batch that `send()` appends records to until the sender takes it (aiokafka's
+    `MessageBatch` with an open builder), and each record's future."""
+
+    __slots__ = ("created", "futures", "open", "records", "size")
+
+    def __init__(self, created: float) -> None:
+        self.created = created
+        self.records: list[tuple[bytes | None, bytes | None, Headers]] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.size = BATCH_OVERHEAD_BYTES
+        self.open = True
+
+
 class SimProducer:
     """aiokafka's AIOKafkaProducer as the worker uses it: `send`, the batch API, and
     idempotence (`enable_idempotence`: a batch refused by the broker breaks the partition's
-    sequence, so every later batch there fails, until the producer is rebuilt)."""
+    sequence, so every later batch there fails, until the producer is rebuilt).
+
+    `send()` batches as aiokafka's `MessageAccumulator.add_message` does: a record joins its
+    partition's last batch while the sender has not taken it (it lingers `linger_ms`, or waits
+    behind the batch in flight) and it has room (`max_batch_size`; its first record always
+    fits). The broker checks `max.message.bytes` on the whole batch, so records each small
+    enough can be refused together."""
 
     def __init__(
         self,
@@ -701,6 +722,7 @@ class SimProducer:
         max_request_size: int = 1_048_576,
         max_batch_size: int = 16_384,
         request_timeout_ms: int = 40_000,
+        linger_ms: int = 0,
     ) -> None:
         self.process = process
         self.client_id = client_id
@@ -708,6 +730,11 @@ class SimProducer:
         self._max_request_size = max_request_size
         self._max_batch_size = max_batch_size
         self._request_timeout_s = request_timeout_ms / 1000
+        self._linger_s = linger_ms / 1000
+        # Per partition, the batch `send()` appends to until the sender takes it.
+        self._lingering: dict[TopicPartition, _Lingering] = {}
+        # Partitions per topic, as the producer's metadata knows them.
+        self._partition_counts: dict[str, int] = {}
         self._producer_id: int | None = None
         self._locks: dict[TopicPartition, asyncio.Lock] = {}
         # Batches waiting for their partition's batch in flight, and the event set whenever a
@@ -766,23 +793,40 @@ class SimProducer:
             # Checked client side on the record (aiokafka's _serialize).
             raise MessageSizeTooLargeError("larger than max_request_size")
         if partition is None:
-            count = len(await self.partitions_for(topic))
+            # aiokafka asks the cluster only for a topic it has no metadata for: later sends
+            # append at once, so sends made together batch together.
+            count = self._partition_counts.get(topic) or len(await self.partitions_for(topic))
+            self._partition_counts[topic] = count
             if key is not None:
                 partition = zlib.crc32(key) % count
             else:
                 partition, self._round_robin = self._round_robin % count, self._round_robin + 1
-        return self._submit(TopicPartition(topic, partition), [(key, value, headers)])
+        tp = TopicPartition(topic, partition)
+        size = _record_bytes(key, value, headers)
+        batch = self._lingering.get(tp)
+        if batch is None or not batch.open or batch.size + size > self._max_batch_size:
+            batch = self._lingering[tp] = _Lingering(self.process.now())
+            delivery = self._submit(tp, batch.records, batch)
+            delivery.add_done_callback(functools.partial(_settle_records, tp, batch.futures))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        batch.records.append((key, value, headers))
+        batch.futures.append(future)
+        batch.size += size
+        return future
 
     async def send_and_wait(self, topic: str, **kwargs: Any) -> Any:
         return await (await self.send(topic, **kwargs))
 
     def _submit(
-        self, tp: TopicPartition, records: list[tuple[bytes | None, bytes | None, Headers]]
+        self,
+        tp: TopicPartition,
+        records: list[tuple[bytes | None, bytes | None, Headers]],
+        lingering: _Lingering | None = None,
     ) -> asyncio.Future[Any]:
         delivery: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         submitted_ms = int(self.process.now() * 1000)
         self._undrained[tp] = self._undrained.get(tp, 0) + 1
-        task = asyncio.create_task(self._deliver(tp, records, delivery, submitted_ms))
+        task = asyncio.create_task(self._deliver(tp, records, delivery, submitted_ms, lingering))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return delivery
@@ -793,11 +837,19 @@ class SimProducer:
         records: list[tuple[bytes | None, bytes | None, Headers]],
         delivery: asyncio.Future[Any],
         submitted_ms: int,
+        lingering: _Lingering | None = None,
     ) -> None:
         process, cluster = self.process, self.process.cluster
         lock = self._locks.setdefault(tp, asyncio.Lock())
         # With idempotence, one batch per partition in flight: they land in order.
         async with lock:
+            if lingering is not None:
+                # Taken by the sender once its linger is over (at once, when the batch waited
+                # that long behind the one in flight): `send()` appends to it no more.
+                await asyncio.sleep(max(lingering.created + self._linger_s - process.now(), 0))
+                lingering.open = False
+                if self._lingering.get(tp) is lingering:
+                    del self._lingering[tp]
             self._undrained[tp] -= 1
             if not self._undrained[tp] and (drained := self._drained.get(tp)) is not None:
                 drained.set()
@@ -830,6 +882,24 @@ class SimProducer:
                 await process.hop()
                 _settle(delivery, RecordMetadata(tp.topic, tp.partition, tp, base, 0, -1, 0))
                 return
+
+
+def _settle_records(
+    tp: TopicPartition, futures: list[asyncio.Future[Any]], delivery: asyncio.Future[Any]
+) -> None:
+    """Settle each record of a `send()` batch as its batch was: its own offset, or the batch's
+    error (aiokafka's `MessageBatch.done` and `failure`)."""
+    if delivery.cancelled():
+        for future in futures:
+            future.cancel()
+        return
+    error = delivery.exception()
+    for index, future in enumerate(futures):
+        if error is not None:
+            _settle(future, copy.copy(error))
+        else:
+            base = delivery.result().offset
+            _settle(future, RecordMetadata(tp.topic, tp.partition, tp, base + index, 0, -1, 0))
 
 
 def _settle(delivery: asyncio.Future[Any], outcome: Any) -> None:
