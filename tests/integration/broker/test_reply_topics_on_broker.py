@@ -84,3 +84,44 @@ async def test_a_reply_topic_smaller_than_a_result_is_read_and_its_answer_fits_i
     assert "65536" in failed.error.detail  # the reply topic's own limit, read up front
     assert "refused" not in caplog.text  # shaped to fit before it was sent
     assert await run.stop() == 0
+
+
+@pytest.mark.broker
+async def test_small_answers_to_a_reply_topic_with_a_smaller_limit_are_all_completed(
+    kafka_bootstrap_servers, new_topic, start_worker
+):
+    # 40 results of about 3 KB finishing together, for a reply topic of 100 KB: batched for the
+    # results topic (1 MiB), the broker refused the batch; sent again one by one, aiokafka
+    # batched them again, and the second refusal was taken for records too large: every job
+    # was answered failed/result_too_large. Uncompressed, as the broker then checks the size
+    # aiokafka batched.
+    bs = kafka_bootstrap_servers
+    reply = await new_topic(1, configs={"max.message.bytes": "100000"})
+    topics = await make_topics(new_topic)
+    engine = ScriptedEngine()
+    engine.on_start = lambda _: engine.release("all") if len(engine.started) == 40 else None
+    run = await start_worker(
+        topics, engine, reply_topics=reply, compression_type="none", max_in_flight=64
+    )
+    await run.serving()
+    await produce(
+        bs,
+        topics.jobs,
+        [
+            job_record(
+                Job(
+                    job_id=f"j{i}",
+                    prompt="hi",
+                    sampling=SamplingSpec(max_tokens=380),
+                    reply_to=reply,
+                    metadata={"gate": "all"},
+                )
+            )
+            for i in range(40)
+        ],
+    )
+    answered = await results(bs, reply, 40)
+    assert sorted(answered) == sorted(f"j{i}" for i in range(40))
+    failed = {job_id: r for job_id, r in answered.items() if isinstance(r, Failed)}
+    assert failed == {}
+    assert await run.stop() == 0
