@@ -20,7 +20,7 @@ from aiokafka.errors import (
 from schemas import Completed, Failed, Job, Result, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.unit.test_loop import DLQ, P0, RESULTS, settings
-from worker.core.limits import RecordLimits, record_bytes
+from worker.core.limits import RecordLimits, ValueBudgets, record_bytes
 from worker.dev.harness.waiting import wait_for
 from worker.loop.worker import Worker
 
@@ -343,3 +343,21 @@ async def test_answers_a_reply_topic_refused_as_a_batch_are_sent_again_each_in_a
     failed = [r for results in answered.values() for r in results if isinstance(r, Failed)]
     assert failed == []
     assert sorted(answered) == sorted(f"j{i}" for i in range(40))
+
+
+def test_a_reply_topics_budget_follows_its_limit_when_the_topic_is_read_again():
+    # AnswerTopics reads a reply topic's max.message.bytes again once it forgot the topic
+    # (evicted, or refused and looked up again): unknown at first (no DescribeConfigs answer
+    # in time), then read. The budget was kept from the first read for good, so every later
+    # answer was sized for the producer's limit and refused by the broker.
+    s = settings()
+    read: dict[str, int | None] = {REPLY: None}
+    budgets = ValueBudgets(RecordLimits.from_topic_limits(s, {}), RESULTS, read.get)
+    unknown, why = budgets.of("j0", REPLY)
+    assert "max_request_size" in why or "max_result_bytes" in why
+    read[REPLY] = 2048
+    budget, why = budgets.of("j1", REPLY)
+    assert budget < 2048 < unknown
+    assert "2048" in why
+    read[REPLY] = 65536
+    assert 2048 < budgets.of("j2", REPLY)[0] < 65536

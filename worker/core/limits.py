@@ -111,13 +111,16 @@ class RecordLimits(msgspec.Struct, frozen=True, kw_only=True):
 
 # A record's value length is a varint: up to this many bytes more than for an empty value.
 _VALUE_LENGTH_VARINT_BYTES: Final = 5
+# Fits remembered at once: as many as AnswerTopics remembers reply topics found, twice over.
+_MAX_FITS: Final = 2048
 
 
 class ValueBudgets:
     """The largest result value a record may carry on each answer topic, and the limit that
     sets it: `max_result_bytes`, or the topic's (or the producer's) limit less the key, the
-    headers and the framing. The limit is found once per topic; the framing is measured per
-    record (aiokafka's own C function)."""
+    headers and the framing. The fit is worked out once per topic and limit (a reply topic's
+    limit may be read again later, and differ); the framing is measured per record (aiokafka's
+    own C function)."""
 
     def __init__(
         self,
@@ -135,27 +138,31 @@ class ValueBudgets:
             for limit in (limits.topic_bytes.get(results_topic), limits.request_bytes)
             if limit is not None
         )
-        # Per topic: the largest record that fits it, and the limit that sets that size.
-        self._fits: dict[str, tuple[int, str]] = {}
+        # Per topic and its limit as read (None for the results topic, whose limits are
+        # known from the start): the largest record that fits, and the limit that sets it.
+        self._fits: dict[tuple[str, int | None], tuple[int, str]] = {}
 
     def of(self, job_id: str, topic: str, headers: Headers | None = None) -> tuple[int, str]:
         """(bytes, what sets them) for a value keyed `job_id` on `topic`, with `headers`."""
         framing = record_bytes(job_id.encode(), b"", headers or []) + _VALUE_LENGTH_VARINT_BYTES
-        fit = self._fits.get(topic)
+        # A reply topic's limit as read now: read again after AnswerTopics forgot the topic
+        # (unknown at first, or the topic made anew), it replaces the one first read.
+        topic_limit = None if topic == self._results_topic else self._reply_limit(topic)
+        fit = self._fits.get((topic, topic_limit))
         if fit is None:
-            fit = self._fits[topic] = self._fit(topic)
+            if len(self._fits) >= _MAX_FITS:
+                self._fits.clear()  # reply topics come and go; the fits are cheap to find again
+            fit = self._fits[topic, topic_limit] = self._fit(topic, topic_limit)
         budget = self._limits.max_result_bytes
         if fit[0] - framing >= budget:
             return budget, f"max_result_bytes ({budget})"
         return fit[0] - framing, fit[1]
 
-    def _fit(self, topic: str) -> tuple[int, str]:
+    def _fit(self, topic: str, topic_limit: int | None) -> tuple[int, str]:
         fit = self._results_fit
-        topic_limit = None
         if topic != self._results_topic:
             # A reply topic's limit is read when a job first names it; where it cannot be,
             # the producer's bounds it, and a broker refusal is answered after all.
-            topic_limit = self._reply_limit(topic)
             fit = self._limits.request_bytes
             if topic_limit is not None:
                 fit = min(fit, topic_limit)
