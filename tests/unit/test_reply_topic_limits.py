@@ -361,3 +361,53 @@ def test_a_reply_topics_budget_follows_its_limit_when_the_topic_is_read_again():
     assert "2048" in why
     read[REPLY] = 65536
     assert 2048 < budgets.of("j2", REPLY)[0] < 65536
+
+
+class _VanishingReply(IdempotentBroker):
+    """The reply topic is deleted once `vanish()` is called: the producer's metadata wait for
+    it ends, after `request_timeout_s`, with UnknownTopicOrPartitionError (aiokafka's
+    `AIOKafkaClient._wait_on_metadata`), and `send_batch` waits for it first. `landed` is when
+    each job's answer was appended."""
+
+    request_timeout_s = 3.0
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.landed: dict[bytes | None, float] = {}
+
+    def vanish(self) -> None:
+        del self.partitions[REPLY]
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        if topic not in self.partitions:
+            await asyncio.sleep(self.request_timeout_s)
+        return await super().partitions_for(topic)
+
+    async def send_batch(self, batch: Any, topic: str, *, partition: int) -> Any:
+        await self.partitions_for(topic)
+        return await super().send_batch(batch, topic, partition=partition)
+
+    def _deliver(self, delivery: asyncio.Future[Any], records: Any) -> None:
+        super()._deliver(delivery, records)
+        for _, key, _, _ in records:
+            self.landed.setdefault(key, asyncio.get_running_loop().time())
+
+
+async def test_a_reply_topic_deleted_after_it_was_found_costs_its_jobs_not_the_worker():
+    # The topic was found when its first job named it, then deleted: the answer's metadata
+    # wait held every answer behind it in the outbox for the producer's request timeout, and
+    # each try to send it again waited as long, until --publish-timeout-s stopped the worker.
+    # It is answered as a job naming a topic the broker does not have: on the results topic.
+    producer = _VanishingReply()
+    engine = ScriptedEngine()
+    engine.on_start = lambda job: producer.vanish() if job.job_id == "gone" else None
+    values = [_job("gone", 2, delay_s="0.1"), _job("plain", 2, None, delay_s="0.2")]
+    started = asyncio.get_running_loop().time()
+    status, answered, _ = await _serve(producer, values, engine=engine, publish_timeout_s=6)
+    assert status == 0
+    (gone,) = answered["gone"]
+    assert isinstance(gone, Failed) and gone.error.code == "invalid_job", gone
+    assert REPLY in gone.error.detail
+    assert isinstance(answered["plain"][0], Completed)
+    # Behind it, "plain" does not wait out the producer's metadata wait for the topic.
+    assert producer.landed[b"plain"] - started < 2.0

@@ -24,6 +24,7 @@ from aiokafka.errors import (
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
     TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
 )
 
 from worker.answering.records import Answer, OutRecord
@@ -432,6 +433,18 @@ class Delivery:
             except TopicAuthorizationFailedError as exc:
                 # Refused before anything was sent (the topic's metadata): no sequence broke.
                 self._redirect(ticket, index, f"the broker refuses this worker's writes ({exc})")
+            except UnknownTopicOrPartitionError as exc:
+                if record.topic in self._limits.topic_bytes:
+                    await backoff.after(exc, f"sending to {record.topic}")
+                else:
+                    # A reply topic found when its first job named it, deleted since: the
+                    # producer waited out its metadata (request_timeout_ms). Waiting longer
+                    # would only stop the worker at publish_timeout_s.
+                    self._redirect(ticket, index, "the broker no longer has this topic")
+            except KafkaTimeoutError as exc:
+                # Its partition's previous batch did not drain in request_timeout_ms (a broker
+                # or a leader away): publish_timeout_s bounds the patience, as for a delivery.
+                await backoff.after(exc, f"sending to {record.topic}", transient=True)
             except KafkaError as exc:
                 await backoff.after(exc, f"sending to {record.topic}")
             else:
