@@ -1017,6 +1017,18 @@ FOUND_DEFECTS = {
     "version as the continuation finished, before the joined output was built, and the result "
     "was stamped with that version though its last tokens came from the one before "
     "(wrong_weights)": _hostile_with_updates(700028, 3),
+    "a batch refused as a whole was sent again record by record, each in a batch of its own; "
+    "one waited past request_timeout_ms for its partition's batch before it to drain (a broker "
+    "away), and the KafkaTimeoutError stopped the worker (exit 1) at once": Scenario(
+        seed=800155,
+        workers=1,
+        partitions=8,
+        jobs_per_s=4,
+        hostile=HOSTILE_SHARES,
+        weight_update_every_s=8,
+        bad_update_share=0.2,
+        engine_killing_update_share=0.3,
+    ),
 }
 
 
