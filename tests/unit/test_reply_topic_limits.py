@@ -9,8 +9,11 @@ and from then on the producer fails everything."""
 from __future__ import annotations
 
 import asyncio
+import functools
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from aiokafka.errors import (
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
@@ -20,6 +23,9 @@ from aiokafka.errors import (
 from schemas import Completed, Failed, Job, Result, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
 from tests.unit.test_loop import DLQ, P0, RESULTS, settings
+from worker.answering import topics as topics_module
+from worker.answering.topics import AnswerTopics
+from worker.core import kafka
 from worker.core.limits import RecordLimits, ValueBudgets, record_bytes
 from worker.dev.harness.waiting import wait_for
 from worker.loop.worker import Worker
@@ -411,3 +417,70 @@ async def test_a_reply_topic_deleted_after_it_was_found_costs_its_jobs_not_the_w
     assert isinstance(answered["plain"][0], Completed)
     # Behind it, "plain" does not wait out the producer's metadata wait for the topic.
     assert producer.landed[b"plain"] - started < 2.0
+
+
+class _CountedAdmin:
+    """aiokafka's admin client as `topics_max_message_bytes` uses it, counting the clients
+    made (each one a bootstrap connection and a metadata request before its request)."""
+
+    made = 0
+
+    def __init__(self, **_: Any) -> None:
+        type(self).made += 1
+
+    async def start(self) -> None:
+        return
+
+    async def close(self) -> None:
+        return
+
+    async def describe_configs(self, resources: list[Any]) -> list[Any]:
+        return [
+            SimpleNamespace(resources=[(0, "", 2, r.name, [("max.message.bytes", "65536")])])
+            for r in resources
+        ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="each reply topic found has its max.message.bytes read by an admin client of its "
+    "own (worker.core.kafka.topic_max_message_bytes), started and closed for that one request",
+)
+async def test_reply_topics_found_one_after_another_share_one_admin_client(monkeypatch):
+    monkeypatch.setattr(kafka, "AIOKafkaAdminClient", _CountedAdmin)
+    _CountedAdmin.made = 0
+    s = settings(reply_topics="trainer-.*")
+
+    async def present(topic: str) -> bool:
+        return True
+
+    topics = AnswerTopics(
+        s, present, limit_lookup=functools.partial(kafka.topic_max_message_bytes, s)
+    )
+    await topics.check("trainer-a")
+    await topics.check("trainer-b")
+    assert topics.limit_of("trainer-a") == topics.limit_of("trainer-b") == 65536
+    assert _CountedAdmin.made == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the metadata lookup and the max.message.bytes read each get REPLY_TOPIC_CHECK_S, "
+    "one after the other: a job's first answer to a reply topic can wait twice the bound",
+)
+async def test_a_reply_topics_check_waits_at_most_its_bound_in_all(monkeypatch):
+    monkeypatch.setattr(topics_module, "REPLY_TOPIC_CHECK_S", 0.5)
+    s = settings(reply_topics="trainer-.*")
+
+    async def slow_present(topic: str) -> bool:
+        await asyncio.sleep(0.4)
+        return True
+
+    async def slow_limit(topic: str) -> int | None:
+        await asyncio.sleep(0.4)
+        return 65536
+
+    topics = AnswerTopics(s, slow_present, limit_lookup=slow_limit)
+    started = asyncio.get_running_loop().time()
+    await topics.check(REPLY)
+    assert asyncio.get_running_loop().time() - started <= 0.5 + 0.05
