@@ -19,10 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer
-from aiokafka.errors import KafkaError, KafkaTimeoutError, UnknownTopicOrPartitionError
+from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 from aiokafka.partitioner import DefaultPartitioner
 
 from worker.core.limits import record_bytes
@@ -32,10 +32,6 @@ __all__ = ["Outbox", "Record"]
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
-
-#: The longest a lot waits for one topic's metadata; a known topic's is there at once, a new
-#: one's takes a round trip.
-METADATA_WAIT_S: Final = 1.0
 
 Headers = list[tuple[str, bytes]]
 #: One queued record: topic, key, value, headers and its member.
@@ -168,20 +164,9 @@ class Outbox(Generic[M]):
             all_partitions = partitions.get(topic)
             if all_partitions is None:
                 try:
-                    # aiokafka waits up to request_timeout_ms for a topic its metadata lacks
-                    # (a reply topic deleted since it was found): every record behind it
-                    # would wait as long. Its records go the way of a failed delivery, sent
-                    # again one by one apart from the others.
-                    async with asyncio.timeout(METADATA_WAIT_S):
-                        all_partitions = sorted(await producer.partitions_for(topic))
+                    all_partitions = sorted(await producer.partitions_for(topic))
                     if not all_partitions:
                         raise UnknownTopicOrPartitionError(f"{topic} has no partitions")
-                except TimeoutError:
-                    self._fail(
-                        [r[4] for r in records if r[0] == topic],
-                        KafkaTimeoutError(f"no metadata for {topic} in {METADATA_WAIT_S}s"),
-                    )
-                    all_partitions = []
                 except KafkaError as exc:
                     # An unknown topic or no metadata: every record for it fails the same way.
                     self._fail([r[4] for r in records if r[0] == topic], exc)
