@@ -320,7 +320,7 @@ def queued_answers_kept_at_revoke() -> Iterator[None]:
         if partitions is None:
             await real(self, partitions, deadline)
             return
-        with mock.patch.object(Outbox, "drop", lambda self, whose: 0):
+        with mock.patch.object(Outbox, "drop", lambda self, whose: []):
             await real(self, partitions, deadline)
 
     with mock.patch.object(Delivery, "settle", settle):

@@ -192,7 +192,7 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         (RefusedHandOvers, "refused", after("hand_overs_refused", lambda _s, a, _r: len(a[0]))),
         (Inheritance, "_await_hand_overs", before_async("hand_overs_awaited")),
         (PartitionOffsets, "overtaken", after("positions_taken_over", lambda *_: 1)),
-        (Outbox, "drop", after("answers_taken_back", lambda _s, _a, r: int(r))),
+        (Outbox, "drop", after("answers_taken_back", lambda _s, _a, r: len(r))),
         (Delivery, "_on_delivery", delivered),
         (Delivery, "_resend", before_async("resends")),
         (Delivery, "_shrink", after("shrunk", lambda *_: 1)),
