@@ -678,30 +678,30 @@ def test_fleet_under_faults_breaks_no_invariant(seed: int) -> None:
     assert outcome.violations == [], "\n".join(map(str, outcome.violations))
 
 
-#: Each planted defect (`worker.dev.sim.mutants.MUTANTS`) with the run of `bench/mutants.py
-#: --first-seed 700000` that first caught it (adopt_unchecked: `--first-seed 720000`): flag
-#: set, seed, fleet size, and an invariant the checker broke. The real worker passes each.
+#: Each planted defect (`worker.dev.sim.mutants.MUTANTS`) with a run of `bench/mutants.py
+#: --first-seed 700000` that caught it (re-recorded when a change of timeline lost the catch):
+#: flag set, seed, fleet size, and an invariant the checker broke. The real worker passes each.
 MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "commit_past_running": ("hostile", 700001, 3, "unanswered"),
-    "failed_send_finishes": ("hostile", 700049, 5, "unanswered"),
+    "failed_send_finishes": ("noida", 700053, 1, "unanswered"),
     "revoke_leaves_jobs_running": ("hostile", 700001, 3, "duplicates"),
-    "resent_after_hand_over": ("default", 700120, 5, "duplicates"),
-    "adopt_unchecked": ("hostile", 720004, 5, "suspect_not_alone"),
-    "parked_answers_sent_after_move": ("hostile", 700031, 5, "duplicates"),
-    "moved_jobs_run_on": ("hostile", 700004, 5, "duplicates"),
+    "resent_after_hand_over": ("default", 700030, 5, "duplicates"),
+    "adopt_unchecked": ("hostile", 700067, 5, "suspect_not_alone"),
+    "parked_answers_sent_after_move": ("hostile", 700046, 3, "duplicates"),
+    "moved_jobs_run_on": ("hostile", 700001, 3, "duplicates"),
     "inherited_map_ignored": ("hostile", 700001, 3, "duplicates"),
-    "hand_over_not_clean": ("hostile", 700004, 5, "wrongly_blamed"),
-    "no_final_hand_over": ("default", 700000, 3, "wrongly_blamed"),
-    "refused_hand_overs_dropped": ("noida", 700041, 5, "duplicates"),
-    "no_rewind_after_assignment": ("noida", 700002, 3, "commit_backwards"),
-    "no_write_ahead": ("hostile", 700001, 3, "unanswered"),
+    "hand_over_not_clean": ("hostile", 700010, 3, "suspect_not_alone"),
+    "no_final_hand_over": ("hostile", 700001, 3, "wrongly_blamed"),
+    "refused_hand_overs_dropped": ("noida", 700011, 3, "wrongly_blamed"),
+    "no_rewind_after_assignment": ("hostile", 700004, 5, "commit_backwards"),
+    "no_write_ahead": ("hostile", 700004, 5, "unanswered"),
     "deaths_counted_twice": ("hostile", 700001, 3, "wrongly_blamed"),
     "together_without_quiet": ("hostile", 700001, 3, "suspect_not_alone"),
-    "queued_answers_kept_at_revoke": ("default", 700024, 1, "duplicates"),
+    "queued_answers_kept_at_revoke": ("default", 700051, 1, "duplicates"),
     "refused_answer_not_shrunk": ("hostile", 700001, 3, "stalled"),
     "stale_weight_stamp": ("hostile", 700004, 5, "wrong_weights"),
-    "catch_up_takes_refused_updates": ("hostile", 700001, 3, "stalled"),
-    "map_run_ends_early": ("hostile", 700067, 5, "suspect_not_alone"),
+    "catch_up_takes_refused_updates": ("hostile", 700058, 5, "suspect_not_alone"),
+    "map_run_ends_early": ("noida", 700029, 3, "duplicates"),
 }
 
 
@@ -1019,7 +1019,15 @@ FOUND_DEFECTS = {
     "a `keep` update continued a long job on new weights; a `wait` update loaded the next "
     "version as the continuation finished, before the joined output was built, and the result "
     "was stamped with that version though its last tokens came from the one before "
-    "(wrong_weights)": _hostile_with_updates(700028, 3),
+    "(wrong_weights; seed 700028 of `_hostile_with_updates` reached it before the simulated "
+    "producer batched as aiokafka does, and no longer updates during a generation)": (
+        flag_set_scenario("hostile", 700016, 3)
+    ),
+    "a revoke parked jobs-7 with a job still running; the answer of another of its jobs, "
+    "finished at 41.5 s, waited in the outbox behind a results partition without a leader, "
+    "was handed to the producer 1 ms after the clean hand-over that named it running, before "
+    "the next assignment's verdict, and the partition's next owner answered the job again "
+    "(worker/loop/rebalance.py, worker/delivery/publish.py)": _hostile_with_updates(6, 5),
     "a batch refused as a whole was sent again record by record, each in a batch of its own; "
     "one waited past request_timeout_ms for its partition's batch before it to drain (a broker "
     "away), and the KafkaTimeoutError stopped the worker (exit 1) at once": Scenario(
@@ -1048,15 +1056,10 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
 OPEN_DEFECTS = {
-    "a revoke parked jobs-7 with a job still running; the answer of another of its jobs, "
-    "finished at 41.5 s, waited in the outbox behind a results partition without a leader, "
-    "was handed to the producer 1 ms after the clean hand-over that named it running, before "
-    "the next assignment's verdict, and the partition's next owner answered the job again "
-    "(worker/loop/rebalance.py, worker/delivery/publish.py)": _hostile_with_updates(6, 5),
-    "a suspect the landed map names in flight at two deaths generated while the worker started "
-    "an innocent job beside it, which the breaker's run-alone rule forbids (w2#13 started j399 "
-    "while j596 generated; about 3 in 100 seeds of the hostile flag set break it the same way; "
-    "worker/loop/breaker.py, worker/loop/worker.py)": flag_set_scenario("hostile", 910007, 5),
+    "a suspect of two deaths started while an innocent job generated, which the breaker's "
+    "run-alone rule forbids (w1#6 started j228 at two deaths while j241 generated; about 3 in "
+    "100 seeds of the hostile flag set break it the same way; worker/loop/breaker.py, "
+    "worker/loop/worker.py)": _hostile_with_updates(700028, 3),
 }
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
