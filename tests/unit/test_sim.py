@@ -1060,6 +1060,22 @@ OPEN_DEFECTS = {
     "run-alone rule forbids (w1#6 started j228 at two deaths while j241 generated; about 3 in "
     "100 seeds of the hostile flag set break it the same way; worker/loop/breaker.py, "
     "worker/loop/worker.py)": _hostile_with_updates(700028, 3),
+    "sim.jobs-36 without a commit for 70 s (committed 22, end 45) while workers crash-loop on "
+    "killer records; appeared with batches sized per reply topic and refused batches sent again "
+    "one record a batch (worker/delivery/publish.py, worker/delivery/outbox.py)": (
+        _hostile_with_updates(800109, 5)
+    ),
+    "sim.jobs-14 without a commit for 70 s (committed 2, end 31) while a static member "
+    "crash-loops on killer records; the worker before the batching change stalls the same way "
+    "once the simulated producer batches as aiokafka does (worker/loop/breaker.py)": Scenario(
+        seed=810057,
+        workers=2,
+        partitions=16,
+        jobs_per_s=8,
+        hostile={kind: HOSTILE_SHARES[kind] for kind in (Kind.INVALID, Kind.CRASH)},
+        flavour=Flavour.NOIDA,
+        static_members=True,
+    ),
 }
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
