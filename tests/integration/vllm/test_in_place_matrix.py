@@ -32,20 +32,23 @@ import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
 
-from schemas import Job, SamplingSpec
+from schemas import Completion, Job, SamplingSpec
 from tests.vllm_support import capture_environment
 from worker.core.errors import WeightsLostError, WeightUpdateError
 from worker.dev.harness.waiting import wait_for
 from worker.dev.tiny_model import TINY_MODEL_SPEC, build_tiny_model, tiny_model_engine_args
 from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_engine import VllmEngine, build_vllm_engine
+
+if TYPE_CHECKING:
+    from tests.hf_reference import Reference
 
 pytestmark = [
     pytest.mark.vllm,
@@ -214,21 +217,28 @@ def hf_differs(model: Path, out: EngineOutput) -> str | None:
     c = out.completions[0]
     fed = [*PROMPT, *c.token_ids[:-1]]
     ref = hf_reference(model, fed, SPEC.moe_layers, SPEC.num_layers, SPEC.top_k)
+    return completion_differs(c, ref, "")
+
+
+def completion_differs(c: Completion, ref: Reference, whose: str) -> str | None:
+    """What in `c` differs from HF's `ref` over the prompt and `c`'s tokens but the last:
+    tokens, logprobs within `LOGPROB_TOLERANCE`, routed experts from `START`; `whose` qualifies
+    the reference in the answer (" with the KV kept")."""
     first = len(PROMPT) - 1
-    expected = ref.greedy[first:]
-    if list(c.token_ids) != expected:
-        return f"tokens {list(c.token_ids)}, HF's {expected}"
+    tokens, expected = list(c.token_ids), ref.greedy[first:]
+    if tokens != expected:
+        return f"tokens {tokens}, HF's{whose} {expected}"
     assert c.logprobs is not None
     gaps = [
         abs(float(got or np.nan) - want)
         for got, want in zip(c.logprobs, ref.greedy_logprobs[first:], strict=True)
     ]
     if not max(gaps) <= LOGPROB_TOLERANCE:
-        return f"logprobs differ from HF's by up to {max(gaps):.2e}"
+        return f"logprobs differ from HF's{whose} by up to {max(gaps):.2e}"
     assert c.routed_experts is not None
     routed = c.routed_experts.to_array().astype(np.int64)
     if not np.array_equal(routed, ref.experts[START:]):
-        return "routed experts differ from HF's router top-k"
+        return f"routed experts differ from HF's router top-k{whose}"
     return None
 
 
@@ -270,20 +280,10 @@ def hf_kept_differs(first: Path, then: Path, out: EngineOutput, old: int, new: i
         num_layers=SPEC.num_layers,
         top_k=SPEC.top_k,
     )
-    first_out = len(PROMPT) - 1
-    if tokens != ref.greedy[first_out:]:
-        return f"tokens {tokens}, HF's with the KV kept {ref.greedy[first_out:]}"
+    if problem := completion_differs(c, ref, " with the KV kept"):
+        return problem
     assert c.logprobs is not None
-    gaps = [
-        abs(float(got or np.nan) - want)
-        for got, want in zip(c.logprobs, ref.greedy_logprobs[first_out:], strict=True)
-    ]
-    if not max(gaps) <= LOGPROB_TOLERANCE:
-        return f"logprobs differ from HF's with the KV kept by up to {max(gaps):.2e}"
-    assert c.routed_experts is not None
-    routed = c.routed_experts.to_array().astype(np.int64)
-    if not np.array_equal(routed, ref.experts[START:]):
-        return "routed experts differ from HF's router top-k with the KV kept"
+    first_out = len(PROMPT) - 1
     recomputed = hf_reference(then, fed, SPEC.moe_layers, SPEC.num_layers, SPEC.top_k)
     after = [
         abs(float(got or np.nan) - want)
