@@ -613,15 +613,14 @@ async def read_fleet(records: list[bytes | None], live: list[str]) -> None:
     partition = OnePartition(STATUS, fetch_max=7)
     for value in records:
         partition.add(value)
-    with (
-        mock.patch.object(fleet_module, "PacedConsumer", lambda *a, **k: partition),
-        mock.patch.object(fleet_module, "AIOKafkaProducer", NoProducer),
-    ):
-        async with fleet_module.Fleet({}, control_topic=CONTROL, status_topic=STATUS) as fleet:
-            found = await fleet.live_workers()
-            assert set(found) == set(live)
-            acks = await fleet.acks("cmd", live, {TopicPartition(STATUS, 0): 0}, timeout_s=10)
-            assert set(acks) == set(live)
+    clients = mock.Mock(consumer=lambda *a, **k: partition, producer=lambda **k: NoProducer())
+    async with fleet_module.Fleet(
+        {}, control_topic=CONTROL, status_topic=STATUS, kafka_clients=clients
+    ) as fleet:
+        found = await fleet.live_workers()
+        assert set(found) == set(live)
+        acks = await fleet.acks("cmd", live, {TopicPartition(STATUS, 0): 0}, timeout_s=10)
+        assert set(acks) == set(live)
 
 
 @STREAMS

@@ -13,8 +13,8 @@ import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 
 from worker.cli import control as control_cli
-from worker.client import fleet as fleet_module
 from worker.client.rollout import RolloutClient, RolloutError
+from worker.core.clients import AIOKafkaClients
 from worker.core.config import settings_from
 
 STATUS, CONTROL = "deadline.status", "deadline.control"
@@ -82,8 +82,8 @@ class Producer:
 @pytest.fixture
 def leaderless() -> Any:
     with (
-        mock.patch.object(fleet_module, "PacedConsumer", LeaderlessStatus),
-        mock.patch.object(fleet_module, "AIOKafkaProducer", Producer),
+        mock.patch.object(AIOKafkaClients, "consumer", lambda self, *a, **k: LeaderlessStatus()),
+        mock.patch.object(AIOKafkaClients, "producer", lambda self, **k: Producer()),
     ):
         yield
 

@@ -30,10 +30,10 @@ from schemas import (
     encode,
     sign_command,
 )
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.errors import BrokerError
 from worker.core.kafka import client_kwargs
-from worker.core.paced_consumer import PacedConsumer
 
 __all__ = ["Fleet", "aiokafka_quiet", "new_command_id", "start_clients"]
 
@@ -110,14 +110,17 @@ class Fleet:
         status_topic: str,
         control_hmac_key: str | None = None,
         quiet_start: bool = False,
+        kafka_clients: KafkaClients = AIOKAFKA,
     ) -> None:
         self._control_topic = control_topic
         self._quiet_start = quiet_start
         self._status_topic = status_topic
         self._key = None if control_hmac_key is None else control_hmac_key.encode()
         self._servers = str(connection.get("bootstrap_servers"))
-        self._producer = AIOKafkaProducer(**connection, acks="all")
-        self._consumer = PacedConsumer(**connection, group_id=None, enable_auto_commit=False)
+        self._producer = kafka_clients.producer(**connection, acks="all")
+        self._consumer = kafka_clients.consumer(
+            **connection, group_id=None, enable_auto_commit=False
+        )
         self._partitions: list[TopicPartition] = []
 
     @classmethod

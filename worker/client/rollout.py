@@ -44,8 +44,8 @@ from worker.client.conversation import Conversation
 from worker.client.fleet import start_clients
 from worker.client.inflight import RETRY_SEPARATOR, InFlight, Pending, RolloutError
 from worker.client.steering import Steering
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.errors import BrokerError
-from worker.core.paced_consumer import PacedConsumer
 from worker.core.tracing import current_trace_context, trace_context
 
 __all__ = ["RETRY_SEPARATOR", "RolloutClient", "RolloutError"]
@@ -75,6 +75,8 @@ class RolloutClient:
     security arguments (`security_protocol`, `ssl_context`, `sasl_*`, ...), given to every
     client it opens, those of `update_weights` and `status` too. `control_hmac_key`: the
     fleet's `--control-hmac-key`, which `update_weights` signs its commands with.
+    `kafka_clients`: where its Kafka clients come from (aiokafka's by default; a simulation or
+    a test passes its own).
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class RolloutClient:
         payload_root: str | Path | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         control_hmac_key: str | None = None,
+        kafka_clients: KafkaClients = AIOKAFKA,
         **client_options: Any,
     ) -> None:
         if timeout_s <= 0 or max_retries < 0:
@@ -114,7 +117,9 @@ class RolloutClient:
             status_topic=status_topic,
             group_id=group_id,
             control_hmac_key=control_hmac_key,
+            kafka_clients=kafka_clients,
         )
+        self._kafka_clients = kafka_clients
         self._inflight = InFlight(
             timeout_s=timeout_s,
             max_retries=max_retries,
@@ -139,8 +144,8 @@ class RolloutClient:
         await self.close()
 
     async def start(self) -> None:
-        self._producer = AIOKafkaProducer(**self._connection, acks="all", linger_ms=5)
-        self._consumer = PacedConsumer(
+        self._producer = self._kafka_clients.producer(**self._connection, acks="all", linger_ms=5)
+        self._consumer = self._kafka_clients.consumer(
             **self._connection,
             group_id=None,
             enable_auto_commit=False,

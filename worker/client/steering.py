@@ -14,6 +14,7 @@ from aiokafka.errors import KafkaError
 from schemas import CommandAck, InflightMode, Target, UpdateWeights, WorkerStatus
 from worker.client.fleet import Fleet, new_command_id
 from worker.client.inflight import RolloutError
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.errors import BrokerError
 
 __all__ = ["Steering"]
@@ -31,8 +32,10 @@ class Steering:
         status_topic: str,
         group_id: str,
         control_hmac_key: str | None,
+        kafka_clients: KafkaClients = AIOKAFKA,
     ) -> None:
         self._connection = connection
+        self._kafka_clients = kafka_clients
         self._control_topic = control_topic
         self._status_topic = status_topic
         self._group_id = group_id
@@ -96,6 +99,7 @@ class Steering:
             control_topic=self._control_topic,
             status_topic=self._status_topic,
             control_hmac_key=self._control_hmac_key,
+            kafka_clients=self._kafka_clients,
         )
         async with fleet:
             yield fleet
