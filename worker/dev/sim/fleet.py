@@ -65,6 +65,10 @@ class SimEngine(MockEngine):
             # The supervisor (Kubernetes, systemd) starts the process again after a back-off.
             fleet.restart_later(self._worker_id, fleet.rng.uniform(1.0, 5.0))
             await asyncio.get_running_loop().create_future()  # the process is gone
+        while self._worker_id in self._fleet.hung_engines:  # noqa: ASYNC110 - virtual time
+            # An engine that stopped answering (a wedged kernel, a lost device): the process
+            # lives on and nothing it runs ends.
+            await asyncio.sleep(1.0)
         return await super().generate(job, request_id, trace_headers=trace_headers)
 
     async def load_weights(self, path: str, version: int) -> None:
@@ -101,6 +105,8 @@ class Fleet:
         self._generation: dict[str, int] = {}
         #: The run is over: nothing is restarted any more.
         self.ended = False
+        #: Workers whose engine answers nothing until they leave the set (`SimEngine.generate`).
+        self.hung_engines: set[str] = set()
         self._starting: set[asyncio.Task[None]] = set()
 
     def settings_of(self, worker_id: str) -> Settings:

@@ -11,10 +11,10 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
@@ -128,6 +128,9 @@ class Scenario:
     engine_killing_update_share: float = 0.0
     #: A planted defect (`worker.dev.sim.mutants.MUTANTS`) to run instead of the real worker.
     mutant: str | None = None
+    #: Run beside the fleet from its start, with the fleet: a test's own sequence of faults
+    #: and observers (`worker.dev.sim.scrape`), on top of those drawn from the seed.
+    script: Callable[[Fleet], Coroutine[Any, Any, None]] | None = field(default=None, compare=False)
 
 
 #: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
@@ -327,6 +330,8 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
             asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
             asyncio.create_task(_control(scenario, cluster, rng), name="control"),
         ]
+        if scenario.script is not None:
+            background.append(asyncio.create_task(scenario.script(fleet), name="script"))
         await asyncio.sleep(faults_end)
         _heal(cluster, fleet)
         for worker_id in sorted(fleet.processes):
