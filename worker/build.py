@@ -14,6 +14,7 @@ from typing import Final
 from aiokafka import AIOKafkaProducer
 
 from worker.control.plane import ControlPlane
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import new_incarnation
@@ -116,6 +117,8 @@ async def build_worker(
     owns_engine: bool = True,
     built_on: str | None = None,
     passed_over: dict[str, str] | None = None,
+    kafka_clients: KafkaClients = AIOKAFKA,
+    incarnation: int | None = None,
 ) -> Service:
     """Build the worker `settings` describe around `engine`.
 
@@ -128,6 +131,8 @@ async def build_worker(
     control command whose checkpoint `engine` was built on (see
     `worker.control.catch_up.checkpoints_to_start_on`), acknowledged at catch-up without a load;
     `passed_over`: the fleet's newer checkpoints that did not start an engine, with why.
+    `kafka_clients`: where every Kafka client of the worker comes from (aiokafka's; the
+    simulation's). `incarnation`: this process's, drawn afresh when not given.
     """
     served: Engine = engine
     if steered:
@@ -144,15 +149,17 @@ async def build_worker(
     # The producer first: its settings can still be refused (a missing codec), and a client
     # built before that would be left unclosed.
     def new_producer() -> AIOKafkaProducer:
-        producer = make_producer(settings, limits)
+        producer = make_producer(settings, limits, kafka_clients=kafka_clients)
         return producer if wrap_producer is None else wrap_producer(producer)
 
     producer = new_producer()
-    read_committed = GroupOffsetsReader(settings)
-    incarnation = new_incarnation()
+    read_committed = GroupOffsetsReader(settings, kafka_clients)
+    incarnation = new_incarnation() if incarnation is None else incarnation
     worker = Worker(
         settings,
-        consumer=make_consumer(settings, limits, incarnation=incarnation),
+        consumer=make_consumer(
+            settings, limits, incarnation=incarnation, kafka_clients=kafka_clients
+        ),
         producer=producer,
         engine=served,
         limits=limits,
@@ -163,7 +170,15 @@ async def build_worker(
         producer_factory=new_producer,
     )
     control = (
-        ControlPlane(settings, served, metrics, worker, built_on=built_on, passed_over=passed_over)
+        ControlPlane(
+            settings,
+            served,
+            metrics,
+            worker,
+            built_on=built_on,
+            passed_over=passed_over,
+            kafka_clients=kafka_clients,
+        )
         if isinstance(served, SteerableEngine)
         else None
     )

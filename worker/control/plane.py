@@ -45,11 +45,11 @@ from worker.control.catch_up import (
 )
 from worker.control.commands import WorkerView, staleness
 from worker.control.status import StatusSender
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.errors import FatalError
 from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
 from worker.core.metrics import Metrics
-from worker.core.paced_consumer import PacedConsumer
 from worker.core.shutdown import bounded
 from worker.engines.steerable import SteerableEngine
 
@@ -82,6 +82,7 @@ class ControlPlane:
         clock: Callable[[], float] = time.time,
         built_on: str | None = None,
         passed_over: dict[str, str] | None = None,
+        kafka_clients: KafkaClients = AIOKAFKA,
     ) -> None:
         """`built_on`: the id of the update whose checkpoint the engine was built on
         (`worker.control.catch_up.checkpoints_to_start_on`): acknowledged, not loaded again.
@@ -92,6 +93,7 @@ class ControlPlane:
         self._built_on = built_on
         self._passed_over = passed_over or {}
         self._status_consumer = status_consumer
+        self._kafka_clients = kafka_clients
         self._engine = engine
         self._metrics = metrics
         self._clock = clock
@@ -117,14 +119,16 @@ class ControlPlane:
 
     async def start(self) -> None:
         consumer, producer = self._given
-        self._consumer = consumer or PacedConsumer(
+        self._consumer = consumer or self._kafka_clients.consumer(
             **client_kwargs(self._settings),
             group_id=None,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             consumer_timeout_ms=FETCHER_FALLBACK_WAKE_MS,
         )
-        self._producer = producer or AIOKafkaProducer(**client_kwargs(self._settings), acks="all")
+        self._producer = producer or self._kafka_clients.producer(
+            **client_kwargs(self._settings), acks="all"
+        )
         self._started_clients = True
         await self._producer.start()
         await self._consumer.start()
@@ -217,7 +221,7 @@ class ControlPlane:
         only; nothing (every command unanswered) when it cannot be read in time."""
         if not self._status_on:
             return FleetState()
-        consumer = self._status_consumer or PacedConsumer(
+        consumer = self._status_consumer or self._kafka_clients.consumer(
             **client_kwargs(self._settings),
             group_id=None,
             enable_auto_commit=False,

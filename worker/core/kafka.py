@@ -32,11 +32,11 @@ from aiokafka.protocol.types import Array, Int16, Int32, Schema, String
 from aiokafka.structs import TopicPartition
 from aiokafka.util import commit_structure_validate
 
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import incarnation_assignor
 from worker.core.limits import RECORD_OVERHEAD_BYTES, RecordLimits, record_size_limit
-from worker.core.paced_consumer import PacedConsumer
 
 # How often a stopping worker tries again to leave while the coordinator cannot be reached.
 _LEAVE_RETRY_S: Final = 0.5
@@ -147,6 +147,7 @@ def make_consumer(
     limits: RecordLimits | None = None,
     *,
     incarnation: int | None = None,
+    kafka_clients: KafkaClients = AIOKAFKA,
     **overrides: Any,
 ) -> AIOKafkaConsumer:
     """The jobs consumer: manual commits, fetches sized for the largest record; announcing
@@ -172,7 +173,7 @@ def make_consumer(
     if incarnation is not None:
         kwargs["partition_assignment_strategy"] = (incarnation_assignor(incarnation),)
     kwargs.update(overrides)
-    return PacedConsumer(**kwargs)
+    return kafka_clients.consumer(**kwargs)
 
 
 async def commit_handed_over(
@@ -362,7 +363,11 @@ def produce_request_timeout_ms(settings: Settings) -> int:
 
 
 def make_producer(
-    settings: Settings, limits: RecordLimits | None = None, **overrides: Any
+    settings: Settings,
+    limits: RecordLimits | None = None,
+    *,
+    kafka_clients: KafkaClients = AIOKAFKA,
+    **overrides: Any,
 ) -> AIOKafkaProducer:
     """The results producer: acks from all replicas, idempotent, sized for large results.
 
@@ -392,7 +397,7 @@ def make_producer(
         "request_timeout_ms": produce_request_timeout_ms(settings),
     }
     kwargs.update(overrides)
-    return AIOKafkaProducer(**kwargs)
+    return kafka_clients.producer(**kwargs)
 
 
 async def read_record_limits(settings: Settings) -> RecordLimits:

@@ -25,6 +25,7 @@ from aiokafka.errors import (
     OffsetMetadataTooLargeError,
 )
 
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
@@ -67,8 +68,8 @@ class GroupOffsetsReader:
     """Reads the group's committed offsets with their metadata (the offset maps) through the
     admin client: aiokafka's consumer returns committed offsets without their metadata."""
 
-    def __init__(self, settings: Settings) -> None:
-        self._admin = AIOKafkaAdminClient(**client_kwargs(settings))
+    def __init__(self, settings: Settings, kafka_clients: KafkaClients = AIOKAFKA) -> None:
+        self._admin = kafka_clients.admin(**client_kwargs(settings))
         self._group_id = settings.group_id
         self._started = False
 

@@ -207,8 +207,10 @@ class SimConsumer:
         heartbeat_interval_ms: int = 3_000,
         max_poll_interval_ms: int = 300_000,
         rebalance_timeout_ms: int | None = None,
-        metadata: bytes = b"",
+        assignor: Any = None,
     ) -> None:
+        """`assignor`: the group's partition assignor as aiokafka takes it; only the member
+        metadata it announces is used (the simulated coordinator assigns round robin)."""
         self.process = process
         self.cluster = process.cluster
         self.client_id = client_id
@@ -218,7 +220,8 @@ class SimConsumer:
         self._heartbeat_s = heartbeat_interval_ms / 1000
         self._max_poll_s = max_poll_interval_ms / 1000
         self._rebalance_s = (rebalance_timeout_ms or session_timeout_ms) / 1000
-        self._metadata = metadata
+        self._assignor = assignor
+        self._metadata = b""
         self.generation = -1
         self.member_id = ""
         self._topics: list[str] = []
@@ -253,6 +256,8 @@ class SimConsumer:
     def subscribe(self, topics: list[str], listener: Any = None) -> None:
         self._topics = list(topics)
         self._listener = listener
+        if self._assignor is not None:
+            self._metadata = self._assignor.metadata(self._topics).encode()
 
     async def start(self) -> None:
         await self.process.hop()

@@ -10,29 +10,22 @@ without letting it run anything more against the cluster.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
-from unittest import mock
 
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata  # noqa: F401
 
 from schemas import Job
-from worker import build as build_module
 from worker.build import Service, build_worker
-from worker.control import plane as plane_module
 from worker.core.config import Settings
 from worker.core.errors import EngineDeadError
-from worker.core.incarnation import incarnation_assignor
-from worker.core.kafka import produce_request_timeout_ms
-from worker.core.limits import RecordLimits
-from worker.delivery import commits as commits_module
-from worker.dev.sim.clients import Process, SimAdmin, SimConsumer, SimProducer
+from worker.dev.sim.clients import Process
 from worker.dev.sim.clock import REAL_MONOTONIC, REAL_TIME, VirtualClock
 from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.kafka_clients import SimKafkaClients
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
 
@@ -105,6 +98,8 @@ class Fleet:
         self._generation: dict[str, int] = {}
         #: The run is over: nothing is restarted any more.
         self.ended = False
+        #: Every worker's Kafka clients: simulated, of the process its client id names.
+        self.kafka_clients = SimKafkaClients(self.process_of, linger=False)
         #: Workers whose engine answers nothing until they leave the set (`SimEngine.generate`).
         self.hung_engines: set[str] = set()
         self._starting: set[asyncio.Task[None]] = set()
@@ -135,7 +130,13 @@ class Fleet:
             for name in (settings.results_topic, settings.dead_letter_topic)
             if name in self.cluster.topics
         }
-        service = await build_worker(settings, engine, topic_limits=dict(limits))
+        service = await build_worker(
+            settings,
+            engine,
+            topic_limits=dict(limits),
+            kafka_clients=self.kafka_clients,
+            incarnation=self.rng.getrandbits(48) or 1,
+        )
         rebind_clocks(service, self.clock)
         self.services[worker_id] = service
         self.stopping.discard(worker_id)
@@ -206,73 +207,6 @@ class Fleet:
                 self.kill(worker_id, why=f"still running {grace_s:.1f}s after SIGTERM")
 
         asyncio.get_running_loop().call_later(grace_s, overdue)
-
-    @contextlib.contextmanager
-    def clients(self) -> Iterator[None]:
-        """While inside, the worker's code builds simulated clients and incarnations."""
-        fleet = self
-
-        def consumer(
-            settings: Settings,
-            limits: RecordLimits | None = None,
-            *,
-            incarnation: int | None = None,
-            **_: Any,
-        ) -> SimConsumer:
-            metadata = b""
-            if incarnation is not None:
-                assignor = incarnation_assignor(incarnation)
-                metadata = assignor.metadata([settings.jobs_topic]).encode()
-            return SimConsumer(
-                fleet.processes[settings.worker_id],
-                client_id=CLIENT_PREFIX + settings.worker_id,
-                group_id=settings.group_id,
-                group_instance_id=settings.group_instance_id,
-                session_timeout_ms=settings.session_timeout_ms,
-                heartbeat_interval_ms=settings.heartbeat_interval_ms,
-                max_poll_interval_ms=settings.max_poll_interval_ms,
-                rebalance_timeout_ms=settings.rebalance_timeout_ms,
-                metadata=metadata,
-            )
-
-        def producer(settings: Settings, limits: RecordLimits | None = None, **_: Any) -> Any:
-            limits = limits or RecordLimits.from_topic_limits(settings, {})
-            return SimProducer(
-                fleet.processes[settings.worker_id],
-                client_id=CLIENT_PREFIX + settings.worker_id,
-                enable_idempotence=settings.enable_idempotence,
-                max_request_size=limits.request_bytes,
-                max_batch_size=limits.batch_bytes,
-                request_timeout_ms=produce_request_timeout_ms(settings),
-            )
-
-        def admin(**kwargs: Any) -> SimAdmin:
-            return SimAdmin(fleet.process_of(kwargs["client_id"]))
-
-        def plain_consumer(**kwargs: Any) -> SimConsumer:
-            return SimConsumer(
-                fleet.process_of(kwargs["client_id"]),
-                client_id=kwargs["client_id"],
-                group_id=None,
-            )
-
-        def plain_producer(**kwargs: Any) -> SimProducer:
-            return SimProducer(fleet.process_of(kwargs["client_id"]), client_id=kwargs["client_id"])
-
-        def incarnation() -> int:
-            return fleet.rng.getrandbits(48) or 1
-
-        with contextlib.ExitStack() as stack:
-            for target, name, value in (
-                (build_module, "make_consumer", consumer),
-                (build_module, "make_producer", producer),
-                (build_module, "new_incarnation", incarnation),
-                (commits_module, "AIOKafkaAdminClient", admin),
-                (plane_module, "PacedConsumer", plain_consumer),
-                (plane_module, "AIOKafkaProducer", plain_producer),
-            ):
-                stack.enter_context(mock.patch.object(target, name, value))
-            yield
 
 
 def _replace(settings: Settings, **fields: Any) -> Settings:

@@ -314,38 +314,37 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
     fleet = Fleet(cluster, rng, clock, settings, engine)
     ledger = Ledger()
     faults_end = scenario.duration_s
-    with fleet.clients():
-        history.add(
-            "scenario",
-            seed=scenario.seed,
-            workers=scenario.workers,
-            offset_map_max_bytes=scenario.offset_map_max_bytes,
-        )
-        for index in range(scenario.workers):
-            await fleet.start(f"w{index}")
-        background = [
-            asyncio.create_task(_trainer(scenario, cluster, rng, ledger), name="trainer"),
-            asyncio.create_task(_faults(scenario, fleet, rng), name="faults"),
-            asyncio.create_task(_coordinator_timers(cluster), name="coordinator"),
-            asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
-            asyncio.create_task(_control(scenario, cluster, rng), name="control"),
-        ]
-        if scenario.script is not None:
-            background.append(asyncio.create_task(scenario.script(fleet), name="script"))
-        await asyncio.sleep(faults_end)
-        _heal(cluster, fleet)
-        for worker_id in sorted(fleet.processes):
-            if not fleet.processes[worker_id].alive and worker_id not in fleet.stopping:
-                await fleet.start(worker_id)
-        if not fleet.alive():
-            await fleet.start("w0")
-        history.add("faults_end")
-        end = await _settle(scenario, history, clock)
-        for task in background:
-            task.cancel()
-        for result in await asyncio.gather(*background, return_exceptions=True):
-            if isinstance(result, Exception):
-                raise result  # a bug of the simulation itself, not a finding
+    history.add(
+        "scenario",
+        seed=scenario.seed,
+        workers=scenario.workers,
+        offset_map_max_bytes=scenario.offset_map_max_bytes,
+    )
+    for index in range(scenario.workers):
+        await fleet.start(f"w{index}")
+    background = [
+        asyncio.create_task(_trainer(scenario, cluster, rng, ledger), name="trainer"),
+        asyncio.create_task(_faults(scenario, fleet, rng), name="faults"),
+        asyncio.create_task(_coordinator_timers(cluster), name="coordinator"),
+        asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
+        asyncio.create_task(_control(scenario, cluster, rng), name="control"),
+    ]
+    if scenario.script is not None:
+        background.append(asyncio.create_task(scenario.script(fleet), name="script"))
+    await asyncio.sleep(faults_end)
+    _heal(cluster, fleet)
+    for worker_id in sorted(fleet.processes):
+        if not fleet.processes[worker_id].alive and worker_id not in fleet.stopping:
+            await fleet.start(worker_id)
+    if not fleet.alive():
+        await fleet.start("w0")
+    history.add("faults_end")
+    end = await _settle(scenario, history, clock)
+    for task in background:
+        task.cancel()
+    for result in await asyncio.gather(*background, return_exceptions=True):
+        if isinstance(result, Exception):
+            raise result  # a bug of the simulation itself, not a finding
     bounds = Bounds(
         faults_end=faults_end,
         end=end,
