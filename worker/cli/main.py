@@ -33,6 +33,7 @@ from worker import __version__
 from worker.answering.encoder import encode_result
 from worker.cli.control import add_control_parsers, run_control, run_status
 from worker.cli.replay_out import ReplayWriter
+from worker.cli.routing_view import RoutingView
 from worker.client.fleet import aiokafka_quiet, start_clients
 from worker.core.config import Settings, add_settings_arguments, settings_from
 from worker.core.errors import BrokerError, ConfigError, FatalError, WorkerError
@@ -141,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --replay: the model's expert count, for records that do not carry it",
     )
+    results.add_argument(
+        "--routing",
+        action="store_true",
+        help=(
+            "check every completion's routed experts (repeated ids within a top-k, all-zero "
+            "layers, rows that do not match the tokens) and print the load per layer"
+        ),
+    )
+    results.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="with the --routing checks, draw the expert load per layer as a heatmap (needs "
+        "the plot extra)",
+    )
     add_settings_arguments(
         results, (*CONNECTION_SETTINGS, "results_topic", "max_result_bytes", "payload_store")
     )
@@ -212,6 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return asyncio.run(_submit_and_wait(settings, args))
             return asyncio.run(_submit(settings, args.file, progress=not args.no_progress))
         replay = _replay_writer(args, settings)
+        routing = _routing_view(args, settings)
         return asyncio.run(
             _results(
                 settings,
@@ -221,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 quiet=args.quiet,
                 raw=args.raw,
                 replay=replay,
+                routing=routing,
             )
         )
     except ConfigError as exc:
@@ -525,7 +543,13 @@ class _ResultsReport:
     """What `results` prints and writes: whole results (reassembled), or every record (`raw`)."""
 
     def __init__(
-        self, *, quiet: bool, raw: bool, sink: IO[bytes] | None, replay: ReplayWriter | None
+        self,
+        *,
+        quiet: bool,
+        raw: bool,
+        sink: IO[bytes] | None,
+        replay: ReplayWriter | None,
+        routing: RoutingView | None = None,
     ) -> None:
         self.counts = {"completed": 0, "failed": 0, "undecodable": 0}
         self.shown = 0
@@ -533,6 +557,7 @@ class _ResultsReport:
         self._raw = raw
         self._sink = sink
         self._replay = replay
+        self._routing = routing
         self._assembler = ResultAssembler()
 
     def take(self, record: Any) -> None:
@@ -556,6 +581,8 @@ class _ResultsReport:
             self._sink.write((value or b"") + b"\n")
         if self._replay is not None and isinstance(shown, Completed):
             self._replay.add(shown)
+        if self._routing is not None and isinstance(shown, Completed):
+            self._routing.add(shown)
 
     def finish(self) -> int:
         """Print the totals (and write the replay arrays); returns the exit status."""
@@ -573,9 +600,9 @@ class _ResultsReport:
             + tail,
             file=sys.stderr,
         )
-        if self._replay is not None and self._replay.finish():
-            return EXIT_FATAL
-        return EXIT_OK
+        replay_refused = self._replay is not None and self._replay.finish()
+        routing_flagged = self._routing is not None and self._routing.finish(sys.stdout, sys.stderr)
+        return EXIT_FATAL if replay_refused or routing_flagged else EXIT_OK
 
 
 async def _results(
@@ -587,6 +614,7 @@ async def _results(
     quiet: bool,
     raw: bool,
     replay: ReplayWriter | None = None,
+    routing: RoutingView | None = None,
 ) -> int:
     from aiokafka import TopicPartition  # noqa: PLC0415
 
@@ -599,7 +627,7 @@ async def _results(
     )
     with contextlib.ExitStack() as stack:
         sink = stack.enter_context(out.open("wb")) if out is not None else None
-        report = _ResultsReport(quiet=quiet, raw=raw, sink=sink, replay=replay)
+        report = _ResultsReport(quiet=quiet, raw=raw, sink=sink, replay=replay, routing=routing)
         try:
             partitions = consumer.partitions_for_topic(settings.results_topic) or set()
             if not partitions:
@@ -636,3 +664,17 @@ def _replay_writer(args: argparse.Namespace, settings: Settings) -> ReplayWriter
     if args.follow:
         raise ConfigError("--replay writes its file once all results are read: leave out --follow")
     return ReplayWriter(args.replay, args.out, args.num_experts, settings.payload_store)
+
+
+def _routing_view(args: argparse.Namespace, settings: Settings) -> RoutingView | None:
+    """`results --routing` / `--plot`'s view, once its flags are known to fit together (and
+    matplotlib is there for `--plot`, before any record is read)."""
+    if not args.routing and args.plot is None:
+        return None
+    if args.raw:
+        raise ConfigError("--routing and --plot take whole results: leave out --raw")
+    if args.follow:
+        raise ConfigError(
+            "--routing and --plot report once all results are read: leave out --follow"
+        )
+    return RoutingView(args.plot, settings.payload_store)
