@@ -1,4 +1,5 @@
-"""The wire contract in `schemas/`: round trips, limits, schema evolution and README examples."""
+"""The wire contract in `schemas/`: round trips, limits, schema evolution and the examples of
+the wire-format page (`docs/trainer/wire-format.md`)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from schemas.jobs import (
 )
 from tests.hypothesis_profiles import examples
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+WIRE_FORMAT_PAGE = Path(__file__).resolve().parents[2] / "docs" / "trainer" / "wire-format.md"
 
 # Modest example counts keep the whole file to a few seconds on a busy 2-core machine.
 PROPERTY_SETTINGS = settings(
@@ -1069,25 +1070,27 @@ def test_decode_result_rejects_an_invalid_result_and_names_its_path(data: bytes,
     assert info.value.path == path
 
 
-# --- README examples ---------------------------------------------------------------------------
+# --- the wire-format page's examples ------------------------------------------------------------
 
 
-_README_BLOCK = re.compile(
-    r"^[ \t]*```json[ \t]+(?P<kind>job|result)[ \t]*\n(?P<body>.*?)^[ \t]*```[ \t]*$",
+_EXAMPLE_BLOCK = re.compile(
+    r'^[ \t]*```json[ \t]+title="(?P<kind>job|result)"[ \t]*\n(?P<body>.*?)^[ \t]*```[ \t]*$',
     re.MULTILINE | re.DOTALL,
 )
 
 
-def test_readme_json_examples_decode_as_jobs_and_results() -> None:
-    assert README.is_file(), f"{README} is missing; it must show an example job and result"
-    text = README.read_text(encoding="utf-8")
+def test_wire_format_json_examples_decode_as_jobs_and_results() -> None:
+    page = WIRE_FORMAT_PAGE
+    assert page.is_file(), f"{page} is missing; it must show an example job and result"
+    text = page.read_text(encoding="utf-8")
     blocks = [
         (m["kind"], m["body"], text.count("\n", 0, m.start()) + 1)
-        for m in _README_BLOCK.finditer(text)
+        for m in _EXAMPLE_BLOCK.finditer(text)
     ]
     kinds = {kind for kind, _, _ in blocks}
     assert kinds == {"job", "result"}, (
-        f"README.md needs at least one ```json job and one ```json result block; found {kinds or 'none'}"
+        f'{page.name} needs at least one ```json title="job" and one ```json title="result" '
+        f"block; found {kinds or 'none'}"
     )
 
     decoded_kinds = []
@@ -1106,7 +1109,7 @@ def test_readme_json_examples_decode_as_jobs_and_results() -> None:
                 if r.is_reference:
                     assert r.nbytes == int(np.prod(r.shape)) * np.dtype(r.dtype).itemsize
         except SchemaError as exc:
-            pytest.fail(f"README.md line {line}: the ```json {kind} block does not decode: {exc}")
+            pytest.fail(f"{page.name} line {line}: the ```json {kind} block does not decode: {exc}")
         assert all(a.ndim == 3 for a in arrays)
         decoded_kinds.append("job" if isinstance(decoded, Job) else "result")
 
