@@ -116,8 +116,9 @@ def rollout(
     ids_below: int = 8,
     num_experts: int | None = 8,
 ) -> Rollout:
-    """Turns chained as the README says: each prompt = the previous sequence plus `user` new
-    tokens, `tokens` out, `routed_experts_prompt_start` = len(previous sequence) - 1."""
+    """Turns chained as `docs/trainer/wire-format.md` says: each prompt = the previous sequence
+    plus `user` new tokens, `tokens` out, `routed_experts_prompt_start` = len(previous
+    sequence) - 1."""
     turns: list[Turn] = []
     sequence = list(range(1, first_prompt + 1))
     start = first_start

@@ -1,7 +1,7 @@
 """A broker nothing answers at: every command says in one line what it tried and exits 1 (the
-README's "CLI": broker unreachable is a fatal error), with no traceback and no aiokafka client
-left unclosed; the trainer's client raises `RolloutError` only. The broker is a local port
-nothing listens on, so each attempt fails at once."""
+command line, `docs/getting-started.md`: broker unreachable is a fatal error), with no
+traceback and no aiokafka client left unclosed; the trainer's client raises `RolloutError`
+only. The broker is a local port nothing listens on, so each attempt fails at once."""
 
 from __future__ import annotations
 

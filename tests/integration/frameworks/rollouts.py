@@ -3,7 +3,7 @@
 A `Model` routes every absolute position the same way whichever request prefills it (as vLLM
 does: NOTES §1, chained turns' rows equal a fresh full run), with `top_k` distinct ids in each
 MoE layer and an all-zero dense first layer, as vLLM reports one. Turns are chained as the
-README says: turn k's `routed_experts_prompt_start` = len(turn k-1's prompt + output) - 1, the
+wire-format page says: turn k's `routed_experts_prompt_start` = len(turn k-1's prompt + output) - 1, the
 rows each turn returns cut from the model's routes and encoded by the worker's own encoder
 (`RoutedExperts.from_array(..., num_experts=...)`: uint8 up to 256 experts, uint16 above).
 """
