@@ -268,3 +268,49 @@ def test_results_plot_without_matplotlib_says_which_extra_in_one_line_and_exits_
 def test_results_routing_refuses_flags_it_cannot_honour(capsys, flags, message):
     assert main(["results", *flags, "--bootstrap-servers", "127.0.0.1:1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def _forged(job_id: str, routed: np.ndarray, num_experts: int | None = None) -> Completed:
+    """A result whose routing no worker wrote (any producer may write the results topic),
+    with as many tokens as its rows need."""
+    record = RoutedExperts.from_array(routed)
+    if num_experts is not None:
+        record = RoutedExperts(
+            data=record.data, shape=record.shape, dtype=record.dtype, num_experts=num_experts
+        )
+    completion = Completion(
+        index=0,
+        token_ids=list(range(routed.shape[0] + 1 - 5)),
+        text="",
+        finish_reason="length",
+        routed_experts=record,
+    )
+    decoded = decode_result(
+        encode(Completed(job_id=job_id, completions=[completion], prompt_token_count=5))
+    )
+    assert isinstance(decoded, Completed)
+    return decoded
+
+
+def test_forged_records_claiming_huge_ids_or_layers_are_flagged_not_counted():
+    huge_ids = _routing(6, 10).astype(np.int64)
+    huge_ids[2, 1] = [1 << 40, 3]  # counting it would allocate 8 TiB
+    claims = _routing(6, 11)  # real ids, a claimed expert count no model has
+    many_layers = np.ones((6, 5000, 1), dtype=np.uint8)
+    forged = [
+        _forged("ids", huge_ids),
+        _forged("claims", claims, num_experts=10**12),
+        _forged("layers", many_layers),
+    ]
+
+    view = _view([*_healthy_run(), *forged])
+
+    assert [(f.job_id, f.problem) for f in view.flags()] == [
+        ("layers", "implausible shape"),
+        ("ids", "ids out of range"),
+        ("claims", "implausible shape"),
+    ]
+    assert view.flags()[1].detail == f"ids up to {1 << 40}, past the 65536 experts this view counts"
+    # The claimed count widens nothing: the load is the healthy run's and the real ids'.
+    assert view.load.shape == (LAYERS, EXPERTS)
+    assert view.load.sum() == (9 + 12 + 7 + 6) * (LAYERS - 1) * TOP_K

@@ -12,7 +12,9 @@ one row per position from `start` on, up to but not including the last sampled t
   that is all zeros everywhere is shown as dense, not flagged; when no layer routes at all,
   every completion is flagged (nothing was captured).
 - **rows**: the rows held are not `prompt_token_count + len(token_ids) - 1 - start`.
-- **ids out of range**: an id at or above the record's `num_experts`.
+- **ids out of range**: an id at or above the record's `num_experts` (or `MAX_EXPERTS`).
+- **implausible shape**: more layers or experts than any model has (`MAX_LAYERS`,
+  `MAX_EXPERTS`).
 - **unreadable**: the array does not decode, or its payload cannot be read from the store.
 
 The checks print as a table; the heatmap (layers x experts, routed tokens per cell) needs
@@ -47,6 +49,11 @@ PLOT_EXTRA_HINT: Final = (
 )
 #: Resolution of the heatmap; its size in pixels is `figure_size_in` times this.
 PLOT_DPI: Final = 100
+#: What the load counts at most. The largest MoE models have about a hundred layers and a few
+#: hundred experts; a record past these bounds is broken or forged, and counting it would
+#: allocate whatever size it claims. It is flagged and left out of the load.
+MAX_LAYERS: Final = 1024
+MAX_EXPERTS: Final = 1 << 16
 
 
 def plot_available() -> bool:
@@ -99,7 +106,7 @@ class RoutingView:
         except PayloadError as exc:
             raise ConfigError(f"--payload-store: {exc}") from None
         self._seen: list[_Seen] = []
-        self._unreadable: list[RoutingFlag] = []
+        self._unreadable: list[RoutingFlag] = []  # and implausible shapes: no layer stats
         self._load: npt.NDArray[np.int64] = np.zeros((0, 0), dtype=np.int64)
         self._tokens = 0
         self._jobs: set[str] = set()
@@ -142,6 +149,17 @@ class RoutingView:
         routed: npt.NDArray[np.integer],
     ) -> None:
         rows, layers, top_k = routed.shape
+        if layers > MAX_LAYERS:
+            self._unreadable.append(
+                RoutingFlag(
+                    result.job_id,
+                    completion.index,
+                    None,
+                    "implausible shape",
+                    f"{layers} layers, past the {MAX_LAYERS} this view counts",
+                )
+            )
+            return
         seen = _Seen(result.job_id, completion.index, np.asarray(routed.any(axis=(0, 2))))
         flag = seen.flags.append
         expected_rows = result.prompt_token_count + len(completion.token_ids) - 1 - meta.start
@@ -157,14 +175,32 @@ class RoutingView:
                 )
             )
         num_experts = meta.num_experts if isinstance(meta.num_experts, int) else None
-        if num_experts is not None and routed.size and int(routed.max()) >= num_experts:
+        if num_experts is not None and num_experts > MAX_EXPERTS:
+            flag(
+                RoutingFlag(
+                    result.job_id,
+                    completion.index,
+                    None,
+                    "implausible shape",
+                    f"num_experts {num_experts}, past the {MAX_EXPERTS} this view counts",
+                )
+            )
+            num_experts = None  # its ids are still counted, as far as they go
+        highest = int(routed.max()) if routed.size else -1
+        countable = highest < min(num_experts or MAX_EXPERTS, MAX_EXPERTS)
+        if not countable:
+            bound = (
+                f"the model has {num_experts} experts"
+                if num_experts is not None and highest >= num_experts
+                else f"past the {MAX_EXPERTS} experts this view counts"
+            )
             flag(
                 RoutingFlag(
                     result.job_id,
                     completion.index,
                     None,
                     "ids out of range",
-                    f"ids up to {int(routed.max())}, the model has {num_experts} experts",
+                    f"ids up to {highest}, {bound}",
                 )
             )
         if top_k > 1 and rows:
@@ -187,7 +223,8 @@ class RoutingView:
                 )
         self._seen.append(seen)
         self._tokens += rows
-        self._count(routed, num_experts)
+        if countable:
+            self._count(routed, num_experts)
 
     def _count(self, routed: npt.NDArray[np.integer], num_experts: int | None) -> None:
         layers = routed.shape[1]
