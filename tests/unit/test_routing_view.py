@@ -202,7 +202,7 @@ def test_a_payload_reference_without_a_store_is_named_unreadable_and_the_rest_is
 
 
 def test_plot_renders_the_heatmap_and_marks_the_planted_layer(tmp_path):
-    pytest.importorskip("matplotlib")
+    # No skip without matplotlib: `make setup` installs the plot extra with the test tools.
     image = tmp_path / "load.png"
     view = _view([*_healthy_run(), _with_repeated_ids_in_layer_2()], plot=image)
     out, err = io.StringIO(), io.StringIO()
