@@ -609,6 +609,26 @@ def test_a_suspect_of_two_deaths_generates_alone_or_with_its_like(
     assert ("suspect_not_alone" in invariants) is flagged
 
 
+@pytest.mark.parametrize(("ran", "flagged"), [("jobs-0@1", False), ("jobs-0@2", True)])
+def test_a_job_appended_twice_is_judged_by_the_record_that_ran(ran: str, flagged: bool) -> None:
+    """The trainer appends a job again when its acknowledgement was lost; the ledger holds
+    only the copy whose append it saw. A worker running the first copy, a suspect of two
+    deaths, beside another of as many, was reported as running a job of no deaths beside
+    them (seeds 700002, 700028 and 700084 of the hostile flag set): the generation names the
+    record it ran (`worker.dev.sim.paths`), and that record's deaths are what count."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 1)
+    # j1's first copy, at offset 1, was appended unacknowledged; the trainer saw offset 2.
+    ledger = Ledger({("jobs-0", 0): (Kind.VALID, "j0"), ("jobs-0", 2): (Kind.VALID, "j1")})
+    _committed(history, "w0", encode_offset_map(0, (), running=(), deaths={0: 2, 1: 2}))
+    history.add("generating", worker="w0#1", job="j0", record="jobs-0@0")
+    history.add("generating", worker="w0#1", job="j1", record=ran)
+    invariants = {v.invariant for v in check(history, cluster, ledger, BOUNDS)}
+    assert ("suspect_not_alone" in invariants) is flagged
+
+
 def test_invalid_records_that_name_one_job_id_are_not_duplicates_of_each_other() -> None:
     """Hostile records may all carry `{"job_id": "x"}`: each is answered once, as invalid,
     under the id it names. Those answers are not one job answered twice (seeds 41050, 41241,
@@ -1040,6 +1060,10 @@ FOUND_DEFECTS = {
         bad_update_share=0.2,
         engine_killing_update_share=0.3,
     ),
+    "the checker's own gap: a suspect of two deaths ran together with another of as many, "
+    "whose job the trainer had appended again after its acknowledgement was lost; judged by "
+    "the copy the trainer saw (no deaths), not the record that ran, it was reported running "
+    "beside an innocent job": _hostile_with_updates(700028, 3),
 }
 
 
@@ -1056,10 +1080,6 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
 OPEN_DEFECTS = {
-    "a suspect of two deaths started while an innocent job generated, which the breaker's "
-    "run-alone rule forbids (w1#6 started j228 at two deaths while j241 generated; about 3 in "
-    "100 seeds of the hostile flag set break it the same way; worker/loop/breaker.py, "
-    "worker/loop/worker.py)": _hostile_with_updates(700028, 3),
     "sim.jobs-36 without a commit for 70 s (committed 22, end 45) while workers crash-loop on "
     "killer records; appeared with batches sized per reply topic and refused batches sent again "
     "one record a batch (worker/delivery/publish.py, worker/delivery/outbox.py)": (

@@ -632,7 +632,10 @@ def _suspects_not_alone(
         if event.kind == "commit" and id(event) in by_map:
             deaths_now[fields["tp"]] = by_map[id(event)]
         elif event.kind == "generating":
-            source = where.get(fields["job"])
+            # The record the worker ran, not the job id's: a job the trainer appended again
+            # after its acknowledgement was lost has two records, and the first is not in the
+            # ledger (seeds 700002, 700028, 700084 of the hostile flag set).
+            source = _place(fields.get("record")) or where.get(fields["job"])
             deaths = deaths_now.get(source[0], {}).get(source[1], 0) if source else 0
             beside = running.setdefault(fields["worker"], {})
             others = [job for job in beside if job != fields["job"]]
@@ -656,6 +659,13 @@ def _suspects_not_alone(
         elif event.kind == "generation_over":
             running.get(fields["worker"], {}).pop(fields["job"], None)
     return []
+
+
+def _place(record: str | None) -> tuple[str, int] | None:
+    """`(topic-partition, offset)` of a record named `topic-partition@offset`; None when it
+    is not so named."""
+    tp, _, offset = (record or "").rpartition("@")
+    return (tp, int(offset)) if tp and offset.isdigit() else None
 
 
 def _committed_maps(history: History, bounds: Bounds) -> Iterator[tuple[Event, str, OffsetMap]]:

@@ -145,7 +145,12 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         async def recorded(self: SimEngine, job: Any, request_id: str, **kwargs: Any) -> Any:
             began = _process_of(self)
             if began is not None:
-                history.add("generating", worker=began, job=job.job_id)
+                history.add(
+                    "generating",
+                    worker=began,
+                    job=job.job_id,
+                    record=_record_of(job.job_id, request_id),
+                )
             try:
                 output = await real(self, job, request_id, **kwargs)
             finally:
@@ -202,6 +207,14 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         (SimEngine, "generate", generate),
         (SimEngine, "load_weights", load),
     ]
+
+
+def _record_of(job_id: str, request_id: str) -> str:
+    """The place (`topic-partition@offset`) of the record an engine request runs, from the
+    request id the job runner gives it (`worker.answering.runner`: `job_id@place`, and
+    `/index` after it for a continuation). A job id names no record: the trainer appends a job
+    again when its acknowledgement was lost, and a worker may run either copy."""
+    return request_id.removeprefix(f"{job_id}@").split("/", 1)[0]
 
 
 def _process_of(engine: SimEngine) -> str | None:
