@@ -318,6 +318,29 @@ def test_the_suspect_that_ran_alone_counts_until_a_commit_past_it_lands():
     assert breaker.held() == set()
 
 
+def test_suspects_running_together_take_on_no_partition_assigned_beside_them():
+    """Seed 700098 of the simulation's hostile flag set, one worker: suspects of two deaths
+    ran together as a rebalance assigned the worker more partitions. Deciding what to hold
+    around them looked each new partition up in the tracker, which took it on as held; the
+    assignment then skipped reading its committed map, as for a partition kept through the
+    rebalance, so its records ran as if never seen and the hold put on it until that read
+    was never lifted: four partitions went unfetched for the rest of the run."""
+    tracker = OffsetTracker()
+    twice = encode_offset_map(0, [], running=[], deaths={0: 2, 1: 2})
+    tracker.assigned(P0, decode_offset_map(0, twice), anchor=0)
+    assignment = {P0}
+    breaker = CrashLoopBreaker(5, Metrics(), tracker, lambda: assignment)
+    records = [ConsumerRecord(JOBS, 0, o, 0, 0, b"k", job(f"j{o}"), None, 1, 1, ()) for o in (0, 1)]
+    taken = breaker.take(P0, tracker.partition(P0), records)
+    assert [r.offset for r in taken.run] == [0, 1]
+    breaker.confirmed(landed=True)
+
+    assignment.add(P1)  # assigned beside them: its committed map is not read yet
+    assert breaker.held() == {P1}
+    assert breaker.blocks(P1)
+    assert not tracker.holds(P1)
+
+
 async def test_after_a_suspect_ran_alone_the_commit_past_it_does_not_wait_for_the_interval():
     # Every partition is held until that commit lands: at the interval's tick, a minute here.
     lives = Lives({P0: [job("suspect"), job("next")], P1: [job("other")]})

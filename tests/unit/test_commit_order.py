@@ -197,3 +197,22 @@ async def test_an_adopted_partition_whose_hand_over_landed_late_names_its_job_ru
     assert consumer.commits[-1] == {TP: 1}
     assert not held.clean
     assert held.running == {1}
+
+
+async def test_an_assigned_partition_held_already_is_not_held_for_a_read_that_never_comes():
+    """`adopt` holds every assigned partition until `assigned` reads its map, and `assigned`
+    reads only those the tracker does not hold yet. One it held already (taken on by a look
+    at its deaths before the read: seed 700098 of the simulation's hostile flag set) stayed
+    held for ever, and the worker never fetched it again."""
+    consumer = FakeConsumer()
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics(), read_committed=reads_commits_of(consumer))
+    committer.partition(TP).start(0)
+    committer.tracker.park({TP})  # revoked with its job running
+    other = TopicPartition("jobs", 1)
+    committer.partition(other)  # held already as it is assigned
+
+    assert await committer.adopt({other}) == set()
+    assert committer.held() == {other}  # until its map is read
+    await committer.assigned({other})
+    assert committer.held() == set()

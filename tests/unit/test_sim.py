@@ -1064,6 +1064,13 @@ FOUND_DEFECTS = {
     "whose job the trainer had appended again after its acknowledgement was lost; judged by "
     "the copy the trainer saw (no deaths), not the record that ran, it was reported running "
     "beside an innocent job": _hostile_with_updates(700028, 3),
+    "suspects of two deaths ran together as a rebalance assigned the worker more partitions; "
+    "deciding what to hold around them took each new partition on in the tracker, its "
+    "committed map went unread as if kept through the rebalance, and the hold put on it until "
+    "that read was never lifted: four partitions went unfetched to the end of the run "
+    "(worker/loop/breaker.py, worker/delivery/inheritance.py)": flag_set_scenario(
+        "hostile", 700098, 1
+    ),
 }
 
 

@@ -138,11 +138,12 @@ class Inheritance:
         # Partitions kept through the rebalance (an incremental one) are known here already:
         # their committed map is this worker's own, and reading it back would blame its own
         # jobs in flight for a death that did not happen.
-        partitions = {tp for tp in partitions if not self._tracker.holds(tp)}
-        self.reading |= partitions
+        unread = {tp for tp in partitions if not self._tracker.holds(tp)}
+        self.reading |= unread
         try:
-            return await self._inherit(partitions)
+            return await self._inherit(unread)
         finally:
+            # Every one assigned: `Committer.adopt` holds them all until they are read here.
             self.reading -= partitions
 
     async def _inherit(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:

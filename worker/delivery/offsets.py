@@ -415,6 +415,17 @@ class OffsetTracker:
             partition = self._partitions[tp] = PartitionOffsets()
         return partition
 
+    def deaths(self, tp: TopicPartition) -> Mapping[int, int]:
+        """The deaths `tp`'s records were in flight at, as held now (or as parked); none for
+        a partition not held. Unlike `partition`, it takes nothing on: a partition just
+        assigned must stay unheld until its committed map is read, or the read is skipped as
+        for a partition kept through the rebalance, and the records that map names answered
+        or suspect run again as new."""
+        partition = self._partitions.get(tp)
+        if partition is None:
+            partition = self._parked.get(tp)
+        return {} if partition is None else partition.deaths
+
     def park(self, partitions: set[TopicPartition]) -> None:
         """`partitions` were revoked with jobs still running, and handed over: kept aside,
         neither held nor committed, until the next assignment adopts them (`unpark`) or

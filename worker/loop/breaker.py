@@ -243,7 +243,7 @@ class CrashLoopBreaker:
         and `tp` has no suspect that might join them (`take` decides for one that has)."""
         if not self._chosen:
             return False
-        return not (self._together() and self._tracker.partition(tp).deaths)
+        return not (self._together() and self._tracker.deaths(tp))
 
     def chosen(self) -> list[Suspect]:
         """The suspects chosen to run alone or together whose commit has not landed yet, in
@@ -291,7 +291,7 @@ class CrashLoopBreaker:
             return assigned - {
                 tp
                 for tp in assigned - self._passed
-                if any(map(self.runs_together, self._tracker.partition(tp).deaths.values()))
+                if any(map(self.runs_together, self._tracker.deaths(tp).values()))
             }
         if self._retrying and self._clock() >= self._retry_beside_at:
             self._retrying = set()
@@ -300,7 +300,7 @@ class CrashLoopBreaker:
             self._waiting = {
                 tp: deaths
                 for tp, deaths in self._waiting.items()
-                if tp in assigned and self._tracker.partition(tp).deaths
+                if tp in assigned and self._tracker.deaths(tp)
             }
         if not self._waiting:
             return self._retrying & self._assignment()
