@@ -629,6 +629,60 @@ def test_a_job_appended_twice_is_judged_by_the_record_that_ran(ran: str, flagged
     assert ("suspect_not_alone" in invariants) is flagged
 
 
+@pytest.mark.parametrize(
+    ("finished", "killers", "waited_s", "flagged"),
+    [
+        (True, 0, 74.0, False),
+        (False, 0, 74.0, True),
+        (False, 5, 74.0, False),
+        (False, 6, 77.0, True),
+    ],
+    ids=["alone-run-finished", "alone-run-cut-short", "killer-deaths", "past-the-limit"],
+)
+def test_a_stall_counts_no_time_the_breaker_s_rule_spends(
+    finished: bool, killers: int, waited_s: float, flagged: bool
+) -> None:
+    """A partition may wait on its owner past `progress_bound_s` for as long as the crash-loop
+    breaker's documented costs take (README, "Jobs that kill the worker"): a suspect of three
+    deaths running alone to its end, and each of a killer's first `--max-crash-attempts`
+    deaths until the owner joins again. A run cut short, or a death past the limit, is not the
+    rule's: its time counts (seeds 800109 and 810057 waited 70 s and 100 s by the rule)."""
+    now = [0.0]
+    history = History(lambda: now[0])
+    cluster = Cluster(history)
+    cluster.create_topic("jobs", 2)
+    ledger = Ledger({("jobs-1", 0): (Kind.LONG, "j1")})
+
+    def at(t: float, kind: str, **fields: Any) -> None:
+        now[0] = t
+        history.add(kind, **fields)
+
+    joined = {"client": "w0", "member": "m", "generation": 1, "tps": ["jobs-0", "jobs-1"]}
+    at(1.0, "joined", process="w0#1", **joined)
+    metadata = encode_offset_map(0, (), running=(), deaths={0: 3})
+    at(
+        20.0,
+        "commit",
+        client="w0",
+        tp="jobs-1",
+        offset=0,
+        previous=None,
+        metadata=metadata,
+        metadata_bytes=len(metadata),
+    )
+    at(25.0, "generating", worker="w0#1", job="j1", record="jobs-1@0")
+    at(40.0, "generation_over", worker="w0#1", job="j1")
+    if finished:
+        at(40.0, "generated", worker="w0#1", job="j1", version=0, interrupted=False)
+    for life in range(killers):
+        at(41.0 + 3 * life, "kill", worker=f"w0#{life + 1}", why="job j9 crashes the engine")
+        at(44.0 + 3 * life, "joined", process=f"w0#{life + 2}", **joined)
+    # 15 s of the breaker's time: the run alone, or five deaths of 3 s (the sixth's counts).
+    at(20.0 + waited_s, "stall", tp="jobs-0", for_s=waited_s, committed=0, end=5)
+    invariants = {v.invariant for v in check(history, cluster, ledger, BOUNDS)}
+    assert ("stalled" in invariants) is flagged
+
+
 def test_invalid_records_that_name_one_job_id_are_not_duplicates_of_each_other() -> None:
     """Hostile records may all carry `{"job_id": "x"}`: each is answered once, as invalid,
     under the id it names. Those answers are not one job answered twice (seeds 41050, 41241,
@@ -1071,6 +1125,22 @@ FOUND_DEFECTS = {
     "(worker/loop/breaker.py, worker/delivery/inheritance.py)": flag_set_scenario(
         "hostile", 700098, 1
     ),
+    "the checker's own gap: three long rollouts in flight at a killer's first three deaths "
+    "ran alone one after another, as the breaker's rule has them, and the killer's partition "
+    "waited 70 s for its turn; the stall bound counted that time against it": (
+        _hostile_with_updates(800109, 5)
+    ),
+    "the checker's own gap: seven killer records on the one worker left took 35 deaths, as the "
+    "breaker's limit has them, and a partition the short lives between them never reached "
+    "waited 100 s; the stall bound counted the restarts against it": Scenario(
+        seed=810057,
+        workers=2,
+        partitions=16,
+        jobs_per_s=8,
+        hostile={kind: HOSTILE_SHARES[kind] for kind in (Kind.INVALID, Kind.CRASH)},
+        flavour=Flavour.NOIDA,
+        static_members=True,
+    ),
 }
 
 
@@ -1086,24 +1156,7 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: Seeds on which the real worker breaks an invariant the checker holds at the README's word:
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
-OPEN_DEFECTS = {
-    "sim.jobs-36 without a commit for 70 s (committed 22, end 45) while workers crash-loop on "
-    "killer records; appeared with batches sized per reply topic and refused batches sent again "
-    "one record a batch (worker/delivery/publish.py, worker/delivery/outbox.py)": (
-        _hostile_with_updates(800109, 5)
-    ),
-    "sim.jobs-14 without a commit for 70 s (committed 2, end 31) while a static member "
-    "crash-loops on killer records; the worker before the batching change stalls the same way "
-    "once the simulated producer batches as aiokafka does (worker/loop/breaker.py)": Scenario(
-        seed=810057,
-        workers=2,
-        partitions=16,
-        jobs_per_s=8,
-        hostile={kind: HOSTILE_SHARES[kind] for kind in (Kind.INVALID, Kind.CRASH)},
-        flavour=Flavour.NOIDA,
-        static_members=True,
-    ),
-}
+OPEN_DEFECTS: dict[str, Scenario] = {}
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
 #: seed that breaks only these reports an expected failure with its replay command rather than

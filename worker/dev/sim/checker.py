@@ -118,6 +118,8 @@ class Bounds:
     #: The workers' producers are idempotent: a batch retried after a slow acknowledgement is
     #: not appended twice (tansu has no idempotent producer).
     idempotent: bool = True
+    #: The workers' `--max-crash-attempts`: the deaths a record that kills the process costs.
+    max_crash_attempts: int = 5
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def check(history: History, cluster: Cluster, ledger: Ledger, bounds: Bounds) ->
                     bounds.end,
                 )
             )
-    return violations + (_stalled(history, bounds) if live else [])
+    return violations + (_stalled(history, bounds, maps) if live else [])
 
 
 def _unanswered(ledger: Ledger, answers: Counter[str], bounds: Bounds) -> list[Violation]:
@@ -194,19 +196,117 @@ def _unanswered(ledger: Ledger, answers: Counter[str], bounds: Bounds) -> list[V
     ]
 
 
-def _stalled(history: History, bounds: Bounds) -> list[Violation]:
-    """The first partition, after the faults, without a commit for longer than the bound."""
-    for event in history.of("stall"):
-        if event.at >= bounds.faults_end and event.fields["for_s"] > bounds.progress_bound_s:
+def _stalled(
+    history: History, bounds: Bounds, maps: list[tuple[Event, str, OffsetMap]]
+) -> list[Violation]:
+    """The first partition, after the faults, without a commit for longer than the bound.
+
+    `progress_bound_s` bounds the wait of a partition whose owner is up and runs what it
+    fetches. The crash-loop breaker's documented costs come on top of it (README, "Jobs that
+    kill the worker"; worker/loop/breaker.py): a record that kills the process is answered
+    only at `--max-crash-attempts` deaths, each of which leaves every partition of its owner
+    unserved until the restarted process has joined again (a restart takes 1 s to 5 s here,
+    `worker.dev.sim.fleet`); and what was in flight beside it at its first three deaths then
+    runs one job at a time with nothing else beside it, a long rollout's whole length each
+    (`long_tokens` * `per_token_ms`: 20 s). Neither is counted against the partition
+    (`_BreakerTime`). Seed 800109 of `_hostile_with_updates` (five workers): three long
+    rollouts, in flight at a killer's first three deaths, ran alone one after another, and the
+    killer's partition waited 70 s for its turn. Seed 810057 (`--flavour noida --static`, one
+    worker left): seven killer records on one worker took 35 deaths, and a partition the short
+    lives between them never reached waited 100 s."""
+    breaker = _BreakerTime(maps, bounds.max_crash_attempts)
+    owner: dict[str, str] = {}
+    for event in history.events:
+        breaker.see(event)
+        fields = event.fields
+        if event.kind == "joined":
+            owner.update(dict.fromkeys(fields["tps"], _worker(fields["process"])))
+        if event.kind != "stall" or event.at < bounds.faults_end:
+            continue
+        waited = fields["for_s"]
+        if (worker := owner.get(fields["tp"])) is not None:
+            waited -= breaker.spent(worker, event.at - fields["for_s"], event.at)
+        if waited > bounds.progress_bound_s:
             return [
                 Violation(
                     "stalled",
-                    f"{event.fields['tp']} without a commit for {event.fields['for_s']:.1f}s "
-                    f"(committed {event.fields['committed']}, end {event.fields['end']})",
+                    f"{fields['tp']} without a commit for {fields['for_s']:.1f}s "
+                    f"(committed {fields['committed']}, end {fields['end']})",
                     event.at,
                 )
             ]
     return []
+
+
+class _BreakerTime:
+    """Per worker (its id, across restarts), the spans its partitions waited on the crash-loop
+    breaker's documented costs, read event by event: from each of the first
+    `max_crash_attempts` deaths a job caused to the worker's next join, and the finished runs
+    of suspects of three deaths or more. Suspects of two deaths run together once, a drain and
+    the longest of them, within the bound; a run cut short (a rebalance) is time lost, not the
+    breaker's."""
+
+    def __init__(self, maps: list[tuple[Event, str, OffsetMap]], max_crash_attempts: int) -> None:
+        self._by_map = {id(event): offset_map.deaths for event, _, offset_map in maps}
+        self._max_crash_attempts = max_crash_attempts
+        self._deaths_now: dict[str, Mapping[int, int]] = {}
+        self._killed: Counter[str] = Counter()
+        self._spans: dict[str, list[tuple[float, float]]] = {}
+        self._dead_since: dict[str, float] = {}
+        self._alone_since: dict[tuple[str, str], float] = {}
+        # Runs alone that ended, until their generation is known to have finished.
+        self._ended: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def see(self, event: Event) -> None:
+        fields = event.fields
+        key = (fields.get("worker", ""), fields.get("job", ""))
+        if event.kind == "commit" and id(event) in self._by_map:
+            self._deaths_now[fields["tp"]] = self._by_map[id(event)]
+        elif event.kind == "joined":
+            worker = _worker(fields["process"])
+            if (died := self._dead_since.pop(worker, None)) is not None:
+                self._spans.setdefault(worker, []).append((died, event.at))
+        elif event.kind == "kill" and (killer := _killer(fields.get("why"))) is not None:
+            self._killed[killer] += 1
+            if self._killed[killer] <= self._max_crash_attempts:
+                self._dead_since.setdefault(_worker(fields["worker"]), event.at)
+        elif event.kind == "generating":
+            source = _place(fields.get("record"))
+            if source and self._deaths_now.get(source[0], {}).get(source[1], 0) >= _ALONE_FROM:
+                self._alone_since[key] = event.at
+        elif event.kind == "generation_over" and key in self._alone_since:
+            self._ended[key] = (self._alone_since.pop(key), event.at)
+        elif event.kind == "generated" and key in self._ended:
+            self._spans.setdefault(_worker(key[0]), []).append(self._ended.pop(key))
+
+    def spent(self, worker: str, since: float, until: float) -> float:
+        """How long, between `since` and `until`, `worker` spent on the breaker's costs."""
+        spans = list(self._spans.get(worker, []))
+        if (died := self._dead_since.get(worker)) is not None:
+            spans.append((died, until))
+        spans += [(at, until) for (p, _), at in self._alone_since.items() if _worker(p) == worker]
+        total, reached = 0.0, since
+        for began, ended in sorted(spans):
+            begin, end = max(began, reached), min(ended, until)
+            if end > begin:
+                total += end - begin
+                reached = end
+        return total
+
+
+#: Deaths from which the crash-loop breaker runs a suspect alone (`worker.loop.breaker`).
+_ALONE_FROM = 3
+
+
+def _killer(why: object) -> str | None:
+    """The job a kill names as having crashed the engine (`worker.dev.sim.fleet`)."""
+    words = str(why or "").split()
+    return words[1] if words[:1] == ["job"] and words[2:] == ["crashes", "the", "engine"] else None
+
+
+def _worker(process: str) -> str:
+    """The worker a process (`w1#3`) is a life of (`w1`)."""
+    return process.split("#", 1)[0]
 
 
 #: How much earlier than its leave budget a worker may give up leaving: it tries again every

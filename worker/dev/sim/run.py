@@ -369,6 +369,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         never_evicts=scenario.flavour is Flavour.NOIDA,
         leave_budget_s=settings.shutdown_grace_s + settings.close_timeout_s / 2,
         idempotent=settings.enable_idempotence,
+        max_crash_attempts=settings.max_crash_attempts,
     )
     for worker_id in fleet.alive():
         history.add(
