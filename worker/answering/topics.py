@@ -150,8 +150,10 @@ class AnswerTopics:
 
     async def _look_up(self, topic: str) -> None:
         assert self._lookup is not None  # noqa: S101 - check() returns first without one
+        # One bound for the whole check: the limit's read gets what the lookup left of it.
+        deadline = asyncio.get_running_loop().time() + REPLY_TOPIC_CHECK_S
         try:
-            async with asyncio.timeout(REPLY_TOPIC_CHECK_S):
+            async with asyncio.timeout_at(deadline):
                 present = await self._lookup(topic)
         except TimeoutError:
             self._refuse(topic, f"no metadata for it within {REPLY_TOPIC_CHECK_S:.0f}s")
@@ -164,7 +166,7 @@ class AnswerTopics:
             self._refuse(topic, f"its metadata could not be read ({type(exc).__name__})")
             return
         if present:
-            limit = await self._read_limit(topic)
+            limit = await self._read_limit(topic, deadline)
             if len(self._limits) >= _MAX_PRESENT:
                 # The topic found first is looked up again when a job next names it.
                 del self._limits[next(iter(self._limits))]
@@ -177,13 +179,14 @@ class AnswerTopics:
         else:
             self._refuse(topic, "the broker has no such topic (and does not create it)")
 
-    async def _read_limit(self, topic: str) -> int | None:
-        """The topic's `max.message.bytes`, or None when it cannot be read in time (its
-        records are then bounded by the producer's limit, and a refusal is answered)."""
+    async def _read_limit(self, topic: str, deadline: float) -> int | None:
+        """The topic's `max.message.bytes`, or None when it cannot be read by `deadline` (the
+        loop's time; its records are then bounded by the producer's limit, and a refusal is
+        answered)."""
         if self._limit_lookup is None:
             return None
         try:
-            async with asyncio.timeout(REPLY_TOPIC_CHECK_S):
+            async with asyncio.timeout_at(deadline):
                 return await self._limit_lookup(topic)
         except Exception as exc:  # noqa: BLE001 - an unknown limit is what a failed lookup means
             logger.warning("cannot read max.message.bytes of reply topic %s: %r", topic, exc)
