@@ -9,7 +9,6 @@ and from then on the producer fails everything."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -455,12 +454,9 @@ class _CountedAdmin:
         ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each reply topic found has its max.message.bytes read by an admin client of its "
-    "own (worker.core.kafka.topic_max_message_bytes), started and closed for that one request",
-)
 async def test_reply_topics_found_one_after_another_share_one_admin_client(monkeypatch):
+    # Each reply topic found had its max.message.bytes read by an admin client of its own,
+    # started and closed for that one request.
     monkeypatch.setattr(kafka, "AIOKafkaAdminClient", _CountedAdmin)
     _CountedAdmin.made = 0
     s = settings(reply_topics="trainer-.*")
@@ -468,11 +464,11 @@ async def test_reply_topics_found_one_after_another_share_one_admin_client(monke
     async def present(topic: str) -> bool:
         return True
 
-    topics = AnswerTopics(
-        s, present, limit_lookup=functools.partial(kafka.topic_max_message_bytes, s)
-    )
+    configs = kafka.TopicConfigReader(s)
+    topics = AnswerTopics(s, present, limit_lookup=configs.max_message_bytes_of)
     await topics.check("trainer-a")
     await topics.check("trainer-b")
+    await configs.close()
     assert topics.limit_of("trainer-a") == topics.limit_of("trainer-b") == 65536
     assert _CountedAdmin.made == 1
 

@@ -45,6 +45,7 @@ __all__ = [
     "CONTROL_TOPIC_CONFIGS",
     "RECORD_OVERHEAD_BYTES",
     "LeaveGroupByInstanceId",
+    "TopicConfigReader",
     "broker_has_topic",
     "client_kwargs",
     "commit_handed_over",
@@ -58,7 +59,6 @@ __all__ = [
     "read_record_limits",
     "record_size_limit",
     "rejoining",
-    "topic_max_message_bytes",
     "topics_max_message_bytes",
 ]
 
@@ -483,35 +483,71 @@ async def create_topics(settings: Settings) -> list[str]:
     )
 
 
-async def topic_max_message_bytes(settings: Settings, topic: str) -> int | None:
-    """`max.message.bytes` of one topic (a job's reply topic), None when it cannot be read."""
-    return (await topics_max_message_bytes(settings, [topic]))[topic]
-
-
 async def topics_max_message_bytes(
     settings: Settings, topics: Sequence[str]
 ) -> dict[str, int | None]:
     """`max.message.bytes` of each topic (None where it cannot be read), in one request."""
-    limits: dict[str, int | None] = dict.fromkeys(topics)
-    admin = AIOKafkaAdminClient(**client_kwargs(settings))
+    reader = TopicConfigReader(settings)
     try:
-        await admin.start()
-        responses = await admin.describe_configs(
-            [
-                ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})
-                for topic in limits
-            ]
-        )
-    except KafkaError as exc:
-        logger.warning("cannot read max.message.bytes of %s: %r", ", ".join(limits), exc)
-        return limits
+        return await reader.max_message_bytes(topics)
     finally:
-        await admin.close()
-    for response in responses:
-        for error_code, _, _, name, entries in response.resources:
-            if error_code or name not in limits:
-                continue
-            for config, value, *_ in entries:
-                if config == "max.message.bytes" and value is not None:
-                    limits[name] = int(value)
-    return limits
+        await reader.close()
+
+
+class TopicConfigReader:
+    """Reads topics' `max.message.bytes` through one admin client, started at the first read
+    and kept for the next: each reply topic a worker finds costs one DescribeConfigs request,
+    not a client of its own (a bootstrap connection and a metadata request before it). A
+    client whose start or request failed is closed, and the next read makes another."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._admin: AIOKafkaAdminClient | None = None
+        self._starting = asyncio.Lock()
+
+    async def max_message_bytes_of(self, topic: str) -> int | None:
+        """`max.message.bytes` of one topic (a job's reply topic), None when it cannot be
+        read."""
+        return (await self.max_message_bytes([topic]))[topic]
+
+    async def max_message_bytes(self, topics: Sequence[str]) -> dict[str, int | None]:
+        """`max.message.bytes` of each topic (None where it cannot be read), in one request."""
+        limits: dict[str, int | None] = dict.fromkeys(topics)
+        try:
+            admin = await self._started()
+            responses = await admin.describe_configs(
+                [
+                    ConfigResource(ConfigResourceType.TOPIC, topic, {"max.message.bytes": None})
+                    for topic in limits
+                ]
+            )
+        except KafkaError as exc:
+            logger.warning("cannot read max.message.bytes of %s: %r", ", ".join(limits), exc)
+            await self.close()
+            return limits
+        for response in responses:
+            for error_code, _, _, name, entries in response.resources:
+                if error_code or name not in limits:
+                    continue
+                for config, value, *_ in entries:
+                    if config == "max.message.bytes" and value is not None:
+                        limits[name] = int(value)
+        return limits
+
+    async def close(self) -> None:
+        """Close the admin client, if one is open; a later read opens another."""
+        admin, self._admin = self._admin, None
+        if admin is not None:
+            await admin.close()
+
+    async def _started(self) -> AIOKafkaAdminClient:
+        async with self._starting:
+            if self._admin is None:
+                admin = AIOKafkaAdminClient(**client_kwargs(self._settings))
+                try:
+                    await admin.start()
+                except BaseException:
+                    await admin.close()
+                    raise
+                self._admin = admin
+            return self._admin

@@ -24,7 +24,7 @@ from worker.answering.answers import AnswerBuilder
 from worker.answering.topics import TopicLimitLookup, TopicLookup
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
-from worker.core.kafka import broker_has_topic, topic_max_message_bytes
+from worker.core.kafka import TopicConfigReader, broker_has_topic
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.core.shutdown import bounded
@@ -61,7 +61,8 @@ class Worker:
     is started and closed by its owner; `topic_lookup` says whether the broker has a job's
     `reply_to` (default: one metadata request on the producer's connections; tests of
     reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
-    (default, with the default `topic_lookup`: one DescribeConfigs request).
+    (default, with the default `topic_lookup`: one DescribeConfigs request on an admin client
+    kept open for the next).
     `producer_factory` makes a producer like `producer`, to take over when a refused record
     broke its idempotent sequence (without it, the worker stops then). `run()` starts
     the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
@@ -104,11 +105,13 @@ class Worker:
         #: When the stop's grace ends (`time.monotonic()`), once a drain has begun.
         self._grace_ends = 0.0
         self._serving = False
+        # Owned here when made here: closed with the other clients.
+        self._topic_configs: TopicConfigReader | None = None
         if topic_lookup is None:
             topic_lookup = functools.partial(broker_has_topic, producer)
-            topic_limit_lookup = topic_limit_lookup or functools.partial(
-                topic_max_message_bytes, settings
-            )
+            if topic_limit_lookup is None:
+                self._topic_configs = TopicConfigReader(settings)
+                topic_limit_lookup = self._topic_configs.max_message_bytes_of
         self._answers = AnswerBuilder(
             settings,
             engine,
@@ -441,6 +444,8 @@ class Worker:
         )
         await bounded(stop, "consumer stop", leave_within_s + close_s / 2)
         await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)
+        if self._topic_configs is not None:
+            await bounded(self._topic_configs.close, "admin client close", close_s)
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions this worker holds now."""
