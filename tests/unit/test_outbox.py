@@ -175,3 +175,71 @@ async def test_close_reports_what_was_never_submitted(
     await outbox.close()
     assert recorder.batches == []
     assert "1 answers were never handed to the producer" in caplog.text
+
+
+class _SlowMetadata(BatchProducer):
+    """The producer's metadata for "reply" comes only once `known` is set, or fails."""
+
+    def __init__(self) -> None:
+        super().__init__({"results": 1, "reply": 1})
+        self.known = asyncio.Event()
+        self.gone = False
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        if topic == "reply":
+            await self.known.wait()
+            if self.gone:
+                raise UnknownTopicOrPartitionError()
+        return await super().partitions_for(topic)
+
+
+async def _aside(recorder: Recorder) -> tuple[_SlowMetadata, Outbox[str]]:
+    """An outbox whose "reply" record waits aside for its metadata, behind which a "results"
+    record went out."""
+    producer = _SlowMetadata()
+    outbox: Outbox[str] = Outbox(
+        producer, recorder.submitted, recorder.crashed, metadata_wait_s=lambda _: 0.05
+    )
+    outbox.start()
+    outbox.add("reply", None, b"answer", [], "to-reply")
+    await asyncio.sleep(0.1)
+    outbox.add("results", None, b"answer", [], "to-results")
+    await asyncio.sleep(0.01)
+    assert [members for members, _ in recorder.batches] == [["to-results"]]
+    assert outbox.pending == 1
+    return producer, outbox
+
+
+async def test_a_record_set_aside_for_its_topics_metadata_goes_out_once_it_comes(
+    recorder: Recorder,
+) -> None:
+    producer, outbox = await _aside(recorder)
+    outbox.add("reply", None, b"later", [], "to-reply-later")
+    producer.known.set()
+    await outbox.flush()
+    assert [members for members, _ in recorder.batches][1:] == [["to-reply", "to-reply-later"]]
+    assert outbox.pending == 0
+    await outbox.close()
+
+
+async def test_a_record_set_aside_fails_with_its_topics_metadata(recorder: Recorder) -> None:
+    producer, outbox = await _aside(recorder)
+    producer.gone = True
+    producer.known.set()
+    await outbox.flush()
+    members, delivery = recorder.batches[1]
+    assert members == ["to-reply"]
+    assert isinstance(delivery.exception(), UnknownTopicOrPartitionError)
+    assert outbox.pending == 0
+    await outbox.close()
+
+
+async def test_a_record_set_aside_can_be_taken_back(recorder: Recorder) -> None:
+    producer, outbox = await _aside(recorder)
+    taken = outbox.drop(lambda member: member == "to-reply")
+    assert [record[4] for record in taken] == ["to-reply"]
+    assert outbox.pending == 0
+    producer.known.set()
+    await outbox.flush()
+    assert [members for members, _ in recorder.batches] == [["to-results"]]
+    await outbox.close()

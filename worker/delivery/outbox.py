@@ -12,6 +12,11 @@ client's murmur2 of the key), so a record lands where it would have landed befor
 A batch is sized for its topic: the producer's `max_batch_size` fits the results and
 dead-letter topics, but a reply topic may take less (`max.message.bytes`, which the broker
 checks on the whole batch), and aiokafka never splits a batch the broker refuses.
+
+A reply topic deleted after its check leaves the producer waiting `request_timeout_ms` for its
+metadata. A lot waits for a topic's metadata at most `metadata_wait_s(topic)`; past it, that
+topic's records wait aside for the producer's answer while every other answer goes on, and
+go out (or fail) with it.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
@@ -37,6 +42,10 @@ Headers = list[tuple[str, bytes]]
 #: One queued record: topic, key, value, headers and its member.
 Record = tuple[str, bytes | None, bytes | None, Headers, M]
 
+#: The longest a lot waits for a reply topic's metadata before its records wait aside: the
+#: producer has it at hand, or one metadata request away.
+REPLY_METADATA_WAIT_S: Final = 0.5
+
 
 class Outbox(Generic[M]):
     """Collects records, each with a member `M` that says whose it is, and submits them in
@@ -49,7 +58,8 @@ class Outbox(Generic[M]):
     back-pressure `send()` applies.
 
     `batch_bytes(topic)` is the most a batch for `topic` may hold (its records as aiokafka
-    measures them), or None where the producer's batch size fits it.
+    measures them), or None where the producer's batch size fits it. `metadata_wait_s(topic)`
+    is the longest a lot waits for `topic`'s metadata (None: as long as the producer does).
     """
 
     def __init__(
@@ -58,9 +68,11 @@ class Outbox(Generic[M]):
         on_submitted: Callable[[list[M], asyncio.Future[Any]], None],
         on_crash: Callable[[BaseException], None],
         batch_bytes: Callable[[str], int | None] = lambda _: None,
+        metadata_wait_s: Callable[[str], float | None] = lambda _: None,
     ) -> None:
         self._producer = producer
         self._batch_bytes = batch_bytes
+        self._metadata_wait_s = metadata_wait_s
         self._on_submitted = on_submitted
         self._on_crash = on_crash
         self._queued: list[Record[M]] = []
@@ -75,6 +87,10 @@ class Outbox(Generic[M]):
         self._in_lot: dict[int, M] = {}
         self._lot_records: dict[int, Record[M]] = {}
         self._waiting: tuple[asyncio.Future[Any], list[M]] | None = None
+        # Records of topics whose metadata a lot did not get in time, each topic's in order,
+        # and the producer's wait for that metadata.
+        self._aside: dict[str, list[Record[M]]] = {}
+        self._lookups: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="outbox")
@@ -82,9 +98,10 @@ class Outbox(Generic[M]):
 
     async def close(self) -> None:
         """Stop submitting. Records still queued are dropped: their offsets stay unanswered."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._lookups.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._pending:
             logger.warning("%d answers were never handed to the producer", self._pending)
 
@@ -110,6 +127,9 @@ class Outbox(Generic[M]):
         still submitted (`on_submitted` names it)."""
         taken = [record for record in self._queued if whose(record[4])]
         self._queued = [record for record in self._queued if not whose(record[4])]
+        for topic, aside in self._aside.items():
+            taken += [record for record in aside if whose(record[4])]
+            self._aside[topic] = [record for record in aside if not whose(record[4])]
         in_lot = [key for key, member in self._in_lot.items() if whose(member)]
         taken += [self._lot_records[key] for key in in_lot]
         for key in in_lot:
@@ -143,7 +163,8 @@ class Outbox(Generic[M]):
             while self._queued:
                 records, self._queued = self._queued, []
                 await self._submit(records)
-            self._idle.set()
+            if not self._lookups:
+                self._idle.set()
 
     async def _submit(self, records: Sequence[Record[M]]) -> None:
         self._in_lot = {id(record[4]): record[4] for record in records}
@@ -162,16 +183,26 @@ class Outbox(Generic[M]):
         for record in records:
             topic, key = record[0], record[1]
             all_partitions = partitions.get(topic)
-            if all_partitions is None:
+            if all_partitions is None and topic not in self._lookups:
                 try:
-                    all_partitions = sorted(await producer.partitions_for(topic))
+                    async with asyncio.timeout(self._metadata_wait_s(topic)):
+                        all_partitions = sorted(await producer.partitions_for(topic))
                     if not all_partitions:
                         raise UnknownTopicOrPartitionError(f"{topic} has no partitions")
+                except TimeoutError:
+                    self._await_aside(topic)
                 except KafkaError as exc:
                     # An unknown topic or no metadata: every record for it fails the same way.
                     self._fail([r[4] for r in records if r[0] == topic], exc)
-                    all_partitions = []
-                partitions[topic] = all_partitions
+                    partitions[topic] = []
+                else:
+                    partitions[topic] = all_partitions
+            if topic in self._lookups:
+                # Its metadata is awaited aside: it goes out (or fails) with the others there,
+                # unless it was taken back meanwhile.
+                if self._in_lot.pop(id(record[4]), None) is not None:
+                    self._aside[topic].append(record)
+                continue
             if not all_partitions:
                 continue  # failed above
             partition = (
@@ -231,6 +262,36 @@ class Outbox(Generic[M]):
             return True
         self._handed(members, delivery)
         return True
+
+    def _await_aside(self, topic: str) -> None:
+        """`topic`'s metadata did not come in time: its records wait aside for the producer's
+        answer, and the lot goes on without them."""
+        self._aside[topic] = []
+        self._lookups[topic] = asyncio.create_task(
+            self._await_metadata(topic), name=f"metadata {topic}"
+        )
+        self._lookups[topic].add_done_callback(self._task_done)
+
+    async def _await_metadata(self, topic: str) -> None:
+        """Wait as long as the producer does for `topic`'s metadata, then queue its records
+        set aside again, ahead of the rest; or fail them as a lot fails an unknown topic."""
+        failure: KafkaError | None = None
+        try:
+            if not await self._producer.partitions_for(topic):
+                failure = UnknownTopicOrPartitionError(f"{topic} has no partitions")
+        except KafkaError as exc:
+            failure = exc
+        del self._lookups[topic]
+        records = self._aside.pop(topic, [])
+        if failure is not None:
+            self._pending -= len(records)
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(failure)
+            self._on_submitted([r[4] for r in records], failed)
+        else:
+            self._queued[:0] = records
+        self._idle.clear()
+        self._wake.set()
 
     async def send_alone(
         self, topic: str, key: bytes | None, value: bytes | None, headers: Headers

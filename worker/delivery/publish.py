@@ -34,7 +34,7 @@ from worker.core.failpoints import crash_point
 from worker.core.limits import RecordLimits, producer_batch_bytes
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
-from worker.delivery.outbox import Outbox
+from worker.delivery.outbox import REPLY_METADATA_WAIT_S, Outbox
 from worker.delivery.renewal import RenewableProducer
 
 __all__ = ["Delivery", "Ticket"]
@@ -119,7 +119,11 @@ class Delivery:
         self._resends: dict[asyncio.Task[None], Ticket] = {}
         self._topic_limit = topic_limit
         self._outbox: Outbox[_Member] = Outbox(
-            producer, self._watch, self._outbox_crashed, self._batch_bytes
+            producer,
+            self._watch,
+            self._outbox_crashed,
+            self._batch_bytes,
+            metadata_wait_s=self._metadata_wait_s,
         )
         # Records taken back from the outbox when their partition was parked, until the verdict
         # (`park`); one the producer took after all is struck off as it is submitted.
@@ -338,6 +342,12 @@ class Delivery:
         if limit is None and self._topic_limit is not None:
             limit = self._topic_limit(topic)
         return None if limit is None else producer_batch_bytes([limit])
+
+    def _metadata_wait_s(self, topic: str) -> float | None:
+        """The longest a lot of answers waits for `topic`'s metadata: a reply topic, named by
+        jobs and maybe deleted since its check, `REPLY_METADATA_WAIT_S`; the worker's own
+        topics as long as the producer waits."""
+        return None if topic in self._limits.topic_bytes else REPLY_METADATA_WAIT_S
 
     def _outbox_crashed(self, exc: BaseException) -> None:
         self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))
