@@ -760,11 +760,11 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "failed_send_finishes": ("noida", 700053, 1, "unanswered"),
     "revoke_leaves_jobs_running": ("hostile", 700001, 3, "duplicates"),
     "resent_after_hand_over": ("default", 700030, 5, "duplicates"),
-    "adopt_unchecked": ("hostile", 700067, 5, "suspect_not_alone"),
+    "adopt_unchecked": ("hostile", 700103, 5, "unanswered"),
     "parked_answers_sent_after_move": ("hostile", 700046, 3, "duplicates"),
     "moved_jobs_run_on": ("hostile", 700001, 3, "duplicates"),
     "inherited_map_ignored": ("hostile", 700001, 3, "duplicates"),
-    "hand_over_not_clean": ("hostile", 700010, 3, "suspect_not_alone"),
+    "hand_over_not_clean": ("noida", 700014, 5, "wrongly_blamed"),
     "no_final_hand_over": ("hostile", 700001, 3, "wrongly_blamed"),
     "refused_hand_overs_dropped": ("noida", 700011, 3, "wrongly_blamed"),
     "no_rewind_after_assignment": ("hostile", 700004, 5, "commit_backwards"),
@@ -774,7 +774,6 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "queued_answers_kept_at_revoke": ("default", 700051, 1, "duplicates"),
     "refused_answer_not_shrunk": ("hostile", 700001, 3, "stalled"),
     "stale_weight_stamp": ("hostile", 700004, 5, "wrong_weights"),
-    "catch_up_takes_refused_updates": ("hostile", 700058, 5, "suspect_not_alone"),
     "map_run_ends_early": ("noida", 700029, 3, "duplicates"),
 }
 
@@ -792,7 +791,10 @@ def test_the_checker_catches_each_planted_defect_on_its_recorded_seed(mutant: st
 #: Planted defects no run of `bench/mutants.py` has caught yet: each is a hole in the net (a
 #: fault the schedule does not draw often enough, or an invariant the checker lacks) until a
 #: seed is recorded for it above.
-NOT_YET_CAUGHT: frozenset[str] = frozenset()
+#: `catch_up_takes_refused_updates` was recorded as caught by `suspect_not_alone` on a seed
+#: where that report came from the checker's own gap (a job appended twice judged by the wrong
+#: copy); no search since has found a seed where it serves weights the fleet refused.
+NOT_YET_CAUGHT: frozenset[str] = frozenset({"catch_up_takes_refused_updates"})
 
 
 def test_every_planted_defect_has_a_recorded_catch() -> None:
@@ -1161,7 +1163,7 @@ OPEN_DEFECTS: dict[str, Scenario] = {}
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
 #: seed that breaks only these reports an expected failure with its replay command rather than
 #: failing every commit whose hash happens to draw one. Any other violation fails.
-OPEN_DEFECT_INVARIANTS = frozenset({"suspect_not_alone"})
+OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset()
 
 
 @pytest.mark.parametrize(
