@@ -1166,20 +1166,23 @@ OPEN_DEFECTS: dict[str, Scenario] = {}
 OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset()
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        pytest.param(
-            scenario,
-            id=f"seed{scenario.seed}",
-            marks=pytest.mark.xfail(strict=True, reason=what),
-        )
-        for what, scenario in OPEN_DEFECTS.items()
-    ],
-)
-def test_seeds_of_open_defects_break_no_invariant(scenario: Scenario) -> None:
-    outcome = run(scenario)
-    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+# Defined only while a defect is open: an empty parameter set would be reported skipped.
+if OPEN_DEFECTS:
+
+    @pytest.mark.parametrize(
+        "scenario",
+        [
+            pytest.param(
+                scenario,
+                id=f"seed{scenario.seed}",
+                marks=pytest.mark.xfail(strict=True, reason=what),
+            )
+            for what, scenario in OPEN_DEFECTS.items()
+        ],
+    )
+    def test_seeds_of_open_defects_break_no_invariant(scenario: Scenario) -> None:
+        outcome = run(scenario)
+        assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
 @pytest.mark.parametrize(
