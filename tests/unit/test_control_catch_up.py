@@ -271,6 +271,79 @@ def test_a_command_for_a_worker_that_answered_it_is_not_applied_again(root):
     assert got.sent.acks()["p"].offset == 0
 
 
+def test_a_command_for_a_worker_that_was_down_yields_to_the_fleets_newer_transfer(root):
+    # An update for w2 alone (6) was sent while w2 was down; the fleet then applied a transfer
+    # (7). A following worker would have taken 6, then 7. The restarted w2 took the fleet's
+    # state first (lacking 7), then applied 6 as unanswered, which ended the needs_weights
+    # hold: it served 6, weights the fleet had left, and said nothing of 7. Seed 1 of the
+    # simulation's control flag set (3 workers).
+    u6, t7 = update(root, 6, target=Target(workers=["w2"])), transfer(7)
+    status: list[StatusMessage] = [ack(t7, 1, worker="w1"), heartbeat("w1", control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(u6), encode(t7)], status, worker="w2", version=5)
+
+    got = asyncio.run(run())
+    beat = got.plane.status()
+    assert got.loads == []
+    assert (beat.needs_weights, beat.needs_weights_command_id) == (True, "t7")
+    assert (got.engine.weight_version, got.engine.paused) == (5, True)
+    overtaken = got.sent.acks()["u6"]
+    assert (overtaken.outcome, overtaken.offset) == ("failed", 0)
+    assert "t7" in overtaken.detail
+
+
+def test_a_rollback_for_a_worker_that_was_down_yields_to_the_fleets_newer_update(root):
+    # A forced rollback to 3 for w2 alone, sent while it was down, then the fleet's update to
+    # 7: applied after the fleet's state, the rollback left w2 on 3 while the fleet served 7.
+    rollback = update(root, 3, command_id="r3", force=True, target=Target(workers=["w2"]))
+    u7 = update(root, 7)
+    status: list[StatusMessage] = [ack(u7, 1, worker="w1"), heartbeat("w1", control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(rollback), encode(u7)], status, worker="w2", version=5)
+
+    got = asyncio.run(run())
+    assert got.loads == [(str(root / "v7"), 7)]
+    assert got.plane.status().weights_command_id == "u7"
+    assert got.sent.acks()["r3"].outcome == "failed"
+
+
+def test_a_pause_for_a_worker_that_was_down_yields_to_the_fleets_newer_resume(root):
+    # A pause for w2 alone, sent while it was down; the fleet then paused and resumed. The
+    # restarted w2 resumed with the fleet, then applied its own older pause and stayed paused.
+    mine = Pause(command_id="p1", target=Target(workers=["w2"]), issued_at=ISSUED_AT)
+    pause = Pause(command_id="p2", issued_at=ISSUED_AT)
+    resume = Resume(command_id="r", issued_at=ISSUED_AT)
+    status: list[StatusMessage] = [
+        ack(pause, 1, worker="w1"),
+        ack(resume, 2, worker="w1"),
+        heartbeat("w1", control_offset=3),
+    ]
+
+    async def run() -> Started:
+        control = [encode(mine), encode(pause), encode(resume)]
+        return await start(root, control, status, worker="w2")
+
+    got = asyncio.run(run())
+    assert not got.engine.paused
+    assert got.plane.status().pause_command_id is None
+    assert got.sent.acks()["p1"].outcome == "failed"
+
+
+def test_a_command_for_a_worker_that_was_down_sent_after_the_fleets_state_is_applied(root):
+    u6 = update(root, 6)
+    u7 = update(root, 7, target=Target(workers=["w2"]))
+    status: list[StatusMessage] = [ack(u6, 0, worker="w1"), heartbeat("w1", control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(u6), encode(u7)], status, worker="w2", version=5)
+
+    got = asyncio.run(run())
+    assert got.loads == [(str(root / "v6"), 6), (str(root / "v7"), 7)]
+    assert got.sent.acks()["u7"].outcome == "ok"
+
+
 # ---- rollbacks below the start version -------------------------------------------------------
 
 

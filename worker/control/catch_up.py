@@ -21,7 +21,9 @@ So the state comes from the fleet's own answers:
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
   there to apply them, e.g. one naming a worker that was down): the worker applies them itself,
   in order, as it would live, with every check (freshness among them, so an old record nobody
-  answered is not obeyed now).
+  answered is not obeyed now). One sent before the newest update (or pause or resume) the
+  fleet's state holds is overtaken by it: a worker that had followed the topic would have
+  ended past it, so it is acknowledged `failed`, not applied after that state.
 
 A command id is taken once, at its first record, as a following worker takes it: a later
 record under the same id (a signed command produced again byte for byte) is a duplicate here
@@ -160,6 +162,11 @@ class CatchUpPlan:
     pause: Pause | Resume | None = None
     #: Commands no worker they address has answered: applied now, in order, as live.
     unanswered: list[tuple[int, Command]] = field(default_factory=list)
+    #: Unanswered commands the fleet's state has overtaken (an update, a pause or a resume
+    #: sent before the newest of its kind the fleet applied), with the id of that newer one:
+    #: acknowledged `failed`, not applied, as a worker that had followed the topic would have
+    #: ended past them.
+    superseded: list[tuple[int, Command, str]] = field(default_factory=list)
     #: Ids of the commands for this worker answered already: none is applied again.
     seen: set[str] = field(default_factory=set)
     #: The offset the plan was read up to.
@@ -171,24 +178,37 @@ def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> Cat
     plan = CatchUpPlan(end=log.end)
     updates: list[UpdateWeights] = []
     floor = start_version
+    unanswered: list[tuple[int, Command]] = []
+    # Offsets of the newest update and the newest pause or resume the plan takes.
+    newest: dict[type, tuple[int, str]] = {}
     for offset, command in log.addressed:
         if not state.answered(offset, command.target):
-            plan.unanswered.append((offset, command))
+            unanswered.append((offset, command))
             continue
         plan.seen.add(command.command_id)
         if command.command_id not in state.applied:
             continue  # the fleet refused it, or it was never the fleet's to apply
         if isinstance(command, Pause | Resume):
             plan.pause = command
+            newest[Pause] = (offset, command.command_id)
         elif isinstance(command, UpdateWeights):
             if command.version >= floor:
                 updates.append(command)
+                newest[UpdateWeights] = (offset, command.command_id)
             elif command.force and (updates or command.command_id in state.served_now):
                 # It rolls back from weights of this run (an update before it, or the start-up
                 # weights of a fleet that serves it now, not an earlier run's): the trainer's
                 # state, and what it sends next counts from its version on.
                 updates.append(command)
+                newest[UpdateWeights] = (offset, command.command_id)
                 floor = command.version
+    for offset, command in unanswered:
+        kind = Pause if isinstance(command, Pause | Resume) else type(command)
+        overtaken = newest.get(kind)
+        if overtaken is not None and overtaken[0] > offset:
+            plan.superseded.append((offset, command, overtaken[1]))
+        else:
+            plan.unanswered.append((offset, command))
     if updates and updates[-1].backend != "checkpoint":
         plan.transfer = updates[-1]
     plan.checkpoints = [u for u in reversed(updates) if u.backend == "checkpoint"]

@@ -193,6 +193,9 @@ class ControlPlane:
                 plan.transfer.backend,
                 "jobs are held" if hold else f"serving version {self._engine.weight_version}",
             )
+        for offset, command, newer in plan.superseded:
+            detail = f"superseded: the fleet applied {newer}, sent after it"
+            await commands.acknowledge(command, "failed", detail, 0.0, offset)
         stale = 0
         for offset, command in plan.unanswered:
             if staleness(command, self._clock(), self._settings) is not None:
