@@ -63,7 +63,7 @@ def update(root: Path, version: int, **kwargs: Any) -> UpdateWeights:
         command_id=kwargs.pop("command_id", f"u{version}"),
         version=version,
         path=str(root / f"v{version}"),
-        issued_at=ISSUED_AT,
+        issued_at=kwargs.pop("issued_at", ISSUED_AT),
         **kwargs,
     )
 
@@ -377,15 +377,16 @@ def test_a_rollback_between_the_engine_build_and_the_catch_up_is_taken(root):
     assert (got.engine.weight_version, got.loads) == (3, [(str(root / "v3"), 3)])
 
 
-@pytest.mark.parametrize(("beat_age_s", "served"), [(0.0, 3), (3600.0, 5)])
+@pytest.mark.parametrize(("beat_age_s", "served"), [(0.0, 3), (7200.0, 5)])
 def test_a_rollback_of_the_start_up_weights_counts_while_the_fleet_serves_it(
     root, beat_age_s, served
 ):
     # Started on 5 like the fleet, which was then rolled back (force) to 3 with no update
     # before: nothing of this run precedes the rollback, so the worker started on 5 while the
     # fleet served 3. A fleet serving it now (a heartbeat within three intervals) says it is
-    # this run's; an hour-old heartbeat is an earlier run's fleet, and 5 stands.
-    rollback = update(root, 3, command_id="r3", force=True)
+    # this run's; a rollback and a heartbeat two hours old (past --command-max-age-s and its
+    # clock skew) are an earlier run's, and 5 stands.
+    rollback = update(root, 3, command_id="r3", force=True, issued_at=ISSUED_AT - beat_age_s)
     beat = heartbeat(weights_command_id="r3", control_offset=1)
     status: list[StatusMessage] = [
         ack(rollback, 0),
@@ -397,6 +398,31 @@ def test_a_rollback_of_the_start_up_weights_counts_while_the_fleet_serves_it(
 
     got = asyncio.run(run())
     assert got.engine.weight_version == served
+
+
+def test_a_fresh_rollback_below_the_start_version_counts_after_the_whole_fleet_stopped(root):
+    # Started on 10 like the fleet, which was rolled back (force) to 7, moved on to a
+    # transfer of 9, then stopped, all of it for longer than three heartbeat intervals. The
+    # rollback, issued minutes ago, counted neither by an update before it nor by a fleet
+    # serving it now: the restarted worker served its start-up 10, with no word of the
+    # transfer it lacked. Seed 6 of the simulation's control flag set (3 workers).
+    rollback = update(root, 7, command_id="r7", force=True, issued_at=ISSUED_AT - 300.0)
+    t9 = transfer(9)
+    beat = heartbeat(weights_command_id="t9", control_offset=2)
+    status: list[StatusMessage] = [
+        ack(rollback, 0),
+        ack(t9, 1),
+        msgspec.structs.replace(beat, at=ISSUED_AT - 60.0),
+    ]
+
+    async def run() -> Started:
+        return await start(root, [encode(rollback), encode(t9)], status, version=10)
+
+    got = asyncio.run(run())
+    beat = got.plane.status()
+    assert got.loads == [(str(root / "v7"), 7)]
+    assert (beat.needs_weights, beat.needs_weights_command_id) == (True, "t9")
+    assert got.engine.paused
 
 
 def test_updates_after_a_rollback_below_the_start_version_count_from_its_version():

@@ -13,9 +13,11 @@ So the state comes from the fleet's own answers:
   the newest of those, in topic order, is the state, the older ones the fallbacks when it no
   longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
   version the worker starts with counts (an update from an earlier run on the same topic),
-  except a forced rollback from an update that counts, or one a worker of the group serves
-  now (a heartbeat within three of its intervals): it undoes this run's weights, and the
-  updates after it count from its version on.
+  except a forced rollback from an update that counts, one a worker of the group serves
+  now (a heartbeat within three of its intervals), or one issued within
+  `--command-max-age-s` (it would be obeyed were it sent now; the fleet that applied it may
+  all have stopped since): it undoes this run's weights, and the updates after it count from
+  its version on.
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
@@ -63,6 +65,7 @@ from schemas import (
     decode_status,
     signature_problem,
 )
+from worker.control.commands import staleness
 from worker.control.policy import WeightsPolicy
 from worker.core.config import Settings
 from worker.core.errors import ConfigError, WeightUpdateError
@@ -173,8 +176,15 @@ class CatchUpPlan:
     end: int = 0
 
 
-def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> CatchUpPlan:
-    """The plan for a worker that starts on `start_version` (see the module's docstring)."""
+def plan_catch_up(
+    log: ControlLog,
+    state: FleetState,
+    start_version: int,
+    *,
+    fresh: Callable[[Command], bool] = lambda _: False,
+) -> CatchUpPlan:
+    """The plan for a worker that starts on `start_version` (see the module's docstring);
+    `fresh`: whether a command would be obeyed were it sent now (`staleness`)."""
     plan = CatchUpPlan(end=log.end)
     updates: list[UpdateWeights] = []
     floor = start_version
@@ -195,10 +205,13 @@ def plan_catch_up(log: ControlLog, state: FleetState, start_version: int) -> Cat
             if command.version >= floor:
                 updates.append(command)
                 newest[UpdateWeights] = (offset, command.command_id)
-            elif command.force and (updates or command.command_id in state.served_now):
+            elif command.force and (
+                updates or command.command_id in state.served_now or fresh(command)
+            ):
                 # It rolls back from weights of this run (an update before it, or the start-up
-                # weights of a fleet that serves it now, not an earlier run's): the trainer's
-                # state, and what it sends next counts from its version on.
+                # weights of a fleet that serves it now, or of one that stopped serving it too
+                # recently for an earlier run's: it would be obeyed were it sent now): the
+                # trainer's state, and what it sends next counts from its version on.
                 updates.append(command)
                 newest[UpdateWeights] = (offset, command.command_id)
                 floor = command.version
@@ -349,7 +362,9 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
             if log.addressed:
                 async with _reader(settings) as consumer:
                     state = await read_fleet_state(consumer, settings)
-        return plan_catch_up(log, state, start_version)
+        return plan_catch_up(
+            log, state, start_version, fresh=lambda c: staleness(c, time.time(), settings) is None
+        )
     except TimeoutError:
         logger.warning(
             "the control and status topics could not be read in %.0f s: starting on the "

@@ -168,7 +168,12 @@ class ControlPlane:
         log = await read_control_topic(self._consumer, self._settings, on_dropped=self._status.drop)
         # No command for this worker: nothing the fleet's answers could say about it.
         state = await self._fleet_state() if log.addressed else FleetState()
-        plan = plan_catch_up(log, state, self._engine.weight_version)
+        plan = plan_catch_up(
+            log,
+            state,
+            self._engine.weight_version,
+            fresh=lambda c: staleness(c, self._clock(), self._settings) is None,
+        )
         # Every id in the log is taken, as by a worker that followed it: a later copy is a
         # duplicate, whoever it addresses.
         commands.applied |= log.ids.keys()

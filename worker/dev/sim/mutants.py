@@ -380,11 +380,11 @@ def catch_up_takes_refused_updates() -> Iterator[None]:
     fleet refused: it loads weights the rest of the fleet does not serve."""
     real = catch_up.plan_catch_up
 
-    def plan_catch_up(log: Any, state: Any, start_version: int) -> Any:
+    def plan_catch_up(log: Any, state: Any, start_version: int, **kwargs: Any) -> Any:
         everything = dataclasses.replace(
             state, applied=state.applied | {command.command_id for _, command in log.addressed}
         )
-        return real(log, everything, start_version)
+        return real(log, everything, start_version, **kwargs)
 
     with mock.patch.object(plane, "plan_catch_up", plan_catch_up):
         yield
