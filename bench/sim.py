@@ -53,6 +53,7 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         static_members=args.static or args.flavour == "noida",
         offset_metadata_max_bytes=args.offset_metadata_max_bytes,
         mutant=args.mutant,
+        control=args.control,
     )
 
 
@@ -119,6 +120,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--flavour", choices=[f.value for f in Flavour], default="kafka")
     parser.add_argument("--static", action="store_true", help="static group members")
     parser.add_argument("--offset-metadata-max-bytes", type=int, default=4096)
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="the trainer's whole control plane and its faults (worker/dev/sim/control.py)",
+    )
     parser.add_argument(
         "--processes", type=int, default=1, help="seeds run side by side, one per process"
     )

@@ -495,8 +495,9 @@ class SimConsumer:
     async def beginning_offsets(
         self, partitions: list[TopicPartition]
     ) -> dict[TopicPartition, int]:
-        # The simulated cluster keeps every record: each log begins at 0.
-        return await self.process.request(lambda: dict.fromkeys(partitions, 0))
+        return await self.process.request(
+            lambda: {tp: self.cluster.beginning_offset(tp) for tp in partitions}
+        )
 
     async def topics(self) -> set[str]:
         return await self.process.request(lambda: set(self.cluster.topics))
@@ -559,7 +560,7 @@ class SimConsumer:
                 )
                 for r in stored
             ]
-            self._positions[tp] = position + len(stored)
+            self._positions[tp] = stored[-1].offset + 1
             budget -= len(stored)
         return out
 

@@ -172,6 +172,10 @@ class Cluster:
         self._member_ids = itertools.count(1)
         self._producer_ids = itertools.count(1000)
         self._wakers: list[Callable[[TopicPartition], None]] = []
+        #: Each partition's log start offset, moved by `retain` (absent: 0). The records below
+        #: it stay in `Topic.logs` for the checker, which judges the whole history; clients
+        #: read from it on.
+        self.log_start: dict[TopicPartition, int] = {}
 
     # -- topics ---------------------------------------------------------------------------
 
@@ -200,11 +204,29 @@ class Cluster:
     def end_offset(self, tp: TopicPartition) -> int:
         return len(self.topic(tp.topic).logs[tp.partition])
 
+    def beginning_offset(self, tp: TopicPartition) -> int:
+        return self.log_start.get(tp, 0)
+
     def read(self, tp: TopicPartition, offset: int, limit: int) -> list[StoredRecord]:
         if self.broker_down or tp in self.leaderless:
             return []  # the fetch fails; the consumer retries it in the background
         log = self.topic(tp.topic).logs[tp.partition]
+        # Below the log start, a fetch resets to it (OffsetOutOfRange under
+        # auto.offset.reset=earliest, which every reader of a retained topic uses).
+        offset = max(offset, self.beginning_offset(tp))
         return log[offset : offset + limit]
+
+    def retain(self, topic: str, older_than_ms: int) -> None:
+        """Delete the records of `topic` appended before `older_than_ms`, as `retention.ms`
+        does (from the oldest on; a log start never moves back)."""
+        for partition, log in enumerate(self.topic(topic).logs):
+            tp = TopicPartition(topic, partition)
+            start = self.beginning_offset(tp)
+            while start < len(log) and log[start].timestamp_ms < older_than_ms:
+                start += 1
+            if start != self.beginning_offset(tp):
+                self.log_start[tp] = start
+                self.history.add("retained", tp=_tp(tp), start=start)
 
     def subscribe_appends(self, wake: Callable[[TopicPartition], None]) -> Callable[[], None]:
         """Call `wake(partition)` after every append; returns the function that stops it."""

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -21,7 +22,7 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberMetadata  # noqa
 from schemas import Job
 from worker.build import Service, build_worker
 from worker.core.config import Settings
-from worker.core.errors import EngineDeadError
+from worker.core.errors import EngineDeadError, WeightUpdateError
 from worker.dev.sim.clients import Process
 from worker.dev.sim.clock import REAL_MONOTONIC, REAL_TIME, VirtualClock
 from worker.dev.sim.cluster import Cluster
@@ -72,6 +73,30 @@ class SimEngine(MockEngine):
             raise EngineDeadError(f"the engine died loading {path}")
         await super().load_weights(path, version)
 
+    async def transfer_weights(
+        self,
+        backend: str,
+        init_info: dict[str, Any] | None,
+        update_info: dict[str, Any],
+        version: int,
+    ) -> None:
+        """Weights the trainer streams: taken while its rendezvous is open (`Fleet.transfers`),
+        refused after, as a real transfer fails once the trainer has left the group it named.
+        A worker started later cannot take them."""
+        rendezvous = str(update_info.get("rendezvous", ""))
+        closes = self._fleet.transfers.get(rendezvous)
+        if closes is None or self._fleet.clock.now >= closes:
+            raise WeightUpdateError(f"{backend} rendezvous {rendezvous!r} is not open")
+        if self._running and not self._settings.in_place_updates:
+            raise WeightUpdateError(
+                f"{len(self._running)} requests are running; this engine loads weights idle"
+            )
+        self._weights_seed = zlib.crc32(rendezvous.encode())
+        self._version = version
+        process = self._fleet.processes.get(self._worker_id)
+        if process is not None:
+            self._fleet.history.add("transferred", worker=process.name, version=version)
+
 
 class Fleet:
     """Worker processes by worker id; at most one process alive per id."""
@@ -103,6 +128,8 @@ class Fleet:
         #: Workers whose engine answers nothing until they leave the set (`SimEngine.generate`).
         self.hung_engines: set[str] = set()
         self._starting: set[asyncio.Task[None]] = set()
+        #: Weight transfers the trainer streams: rendezvous name -> when it closes.
+        self.transfers: dict[str, float] = {}
 
     def settings_of(self, worker_id: str) -> Settings:
         fields: dict[str, Any] = {"worker_id": worker_id}

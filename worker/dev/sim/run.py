@@ -20,13 +20,15 @@ from typing import Any, Final
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
-from schemas import Job, SamplingSpec, UpdateWeights, encode
+from schemas import Job, SamplingSpec, encode
 from worker.core.config import Settings
 from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check, wedged_from
 from worker.dev.sim.clients import Process, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster, Flavour, GroupState
-from worker.dev.sim.fleet import KILLS_ENGINE, Fleet
+from worker.dev.sim.control import CONTROL_KEY, START_VERSION, Trainer, weight_updates
+from worker.dev.sim.control_checks import ControlBounds, check_control
+from worker.dev.sim.fleet import Fleet
 from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import observed
@@ -132,6 +134,9 @@ class Scenario:
     #: Run beside the fleet from its start, with the fleet: a test's own sequence of faults
     #: and observers (`worker.dev.sim.scrape`), on top of those drawn from the seed.
     script: Callable[[Fleet], Coroutine[Any, Any, None]] | None = field(default=None, compare=False)
+    #: The trainer's whole control plane and its faults (`worker.dev.sim.control.Trainer`)
+    #: instead of forward updates only; judged by `worker.dev.sim.control_checks`.
+    control: bool = False
 
 
 #: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
@@ -152,6 +157,7 @@ FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
         "0.3",
     ),
     "noida": ("--slow-jobs", str(SLOW_SHARE), "--flavour", "noida", "--static"),
+    "control": ("--slow-jobs", str(SLOW_SHARE), "--control"),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -179,6 +185,7 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         flavour=Flavour.NOIDA if flags == "noida" else Flavour.KAFKA,
         static_members=flags == "noida",
         mutant=mutant,
+        control=flags == "control",
     )
 
 
@@ -221,6 +228,19 @@ class Outcome:
 
 
 def settings_for(scenario: Scenario) -> Settings:
+    # The control flag set's workers: signed commands, transfers taken, a start version for
+    # rollbacks to go below, and heartbeats at the default interval (the status topic's
+    # tail is then mostly heartbeats, which retention deletes as it would).
+    control: dict[str, object] = (
+        {
+            "control_hmac_key": CONTROL_KEY,
+            "allow_weight_transfer": True,
+            "weight_version": START_VERSION,
+            "status_interval_s": 5.0,
+        }
+        if scenario.control
+        else {"status_interval_s": 3600.0}
+    )
     return Settings(
         bootstrap_servers="sim:9092",
         jobs_topic=JOBS,
@@ -252,8 +272,8 @@ def settings_for(scenario: Scenario) -> Settings:
         publish_timeout_s=30.0,
         shutdown_grace_s=10.0,
         revoke_grace_s=3.0,
-        status_interval_s=3600.0,
         metrics_port=0,
+        **control,  # type: ignore[arg-type]
     )
 
 
@@ -321,6 +341,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         top_k=2,
         num_experts=8,
         crash_token_id=CRASH_TOKEN,
+        weight_version=settings.weight_version,
     )
     fleet = Fleet(cluster, rng, clock, settings, engine)
     ledger = Ledger()
@@ -338,7 +359,12 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         asyncio.create_task(_faults(scenario, fleet, rng), name="faults"),
         asyncio.create_task(_coordinator_timers(cluster), name="coordinator"),
         asyncio.create_task(_progress(cluster, settings, fleet), name="progress"),
-        asyncio.create_task(_control(scenario, cluster, rng), name="control"),
+        asyncio.create_task(
+            Trainer(scenario, fleet, _checkpoint, CONTROL, STATUS, settings.group_id).run()
+            if scenario.control
+            else weight_updates(scenario, cluster, rng, _checkpoint, CONTROL),
+            name="control",
+        ),
     ]
     if scenario.script is not None:
         background.append(asyncio.create_task(scenario.script(fleet), name="script"))
@@ -370,6 +396,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         leave_budget_s=settings.shutdown_grace_s + settings.close_timeout_s / 2,
         idempotent=settings.enable_idempotence,
         max_crash_attempts=settings.max_crash_attempts,
+        weights_judged_elsewhere=scenario.control,
     )
     for worker_id in fleet.alive():
         history.add(
@@ -377,9 +404,19 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
             worker=fleet.processes[worker_id].name,
             weight_version=fleet.services[worker_id].engine.weight_version,
         )
+        if scenario.control:
+            _control_state(history, fleet, worker_id)
     history.closed = True
     fleet.ended = True
     violations = check(history, cluster, ledger, bounds)
+    if scenario.control:
+        violations += check_control(
+            history,
+            cluster,
+            ControlBounds(
+                CONTROL, STATUS, settings.group_id, end, settings.stale_weights_at_start == "hold"
+            ),
+        )
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
     return Outcome(
         scenario,
@@ -605,51 +642,20 @@ def _checkpoint(name: str) -> str:
     return str(directory)
 
 
-async def _control(scenario: Scenario, cluster: Cluster, rng: random.Random) -> None:
-    """The trainer's weight updates, to the whole fleet, each version above the last; some
-    name a checkpoint no worker can load, some one whose load kills the engine."""
-    if not scenario.weight_update_every_s:
-        return
-    process = Process("trainer-control", cluster, rng)
-    producer = SimProducer(process, client_id="trainer")
-    version = 0
-    while True:
-        await asyncio.sleep(rng.expovariate(1 / scenario.weight_update_every_s))
-        if process.now() >= scenario.duration_s:
-            # As an operator would after a bad update: one that loads, above every other.
-            version += 1
-            await _send_update(producer, cluster, version, f"v{version}", "wait")
-            return
-        version += 1
-        draw = rng.random()
-        if draw < scenario.engine_killing_update_share:
-            name = f"v{version}-{KILLS_ENGINE}"
-        elif draw < scenario.engine_killing_update_share + scenario.bad_update_share:
-            name = f"other-architecture-v{version}"
-        else:
-            name = f"v{version}"
-        await _send_update(
-            producer, cluster, version, name, rng.choice(["wait", "keep", "abort", "restart"])
-        )
-
-
-async def _send_update(
-    producer: SimProducer, cluster: Cluster, version: int, name: str, on_inflight: str
-) -> None:
-    command = UpdateWeights(
-        command_id=f"update-{version}",
-        version=version,
-        path=_checkpoint(name),
-        on_inflight=on_inflight,  # type: ignore[arg-type]
+def _control_state(history: History, fleet: Fleet, worker_id: str) -> None:
+    """What a live worker's control plane holds at the end (the control flag set's
+    convergence)."""
+    service = fleet.services[worker_id]
+    control = service.control
+    applier = None if control is None else control._commands
+    history.add(
+        "control_state",
+        worker=fleet.processes[worker_id].name,
+        weight_version=service.engine.weight_version,
+        weights_command_id=None if applier is None else applier.weights_command_id,
+        paused=service.steerable.paused,
+        needs_weights=applier is not None and applier.needs_weights,
     )
-    cluster.history.add("weight_update", version=version, checkpoint=name)
-    while True:
-        try:
-            await (await producer.send(CONTROL, value=encode(command), key=b"update"))
-        except KafkaError:
-            await asyncio.sleep(1.0)
-            continue
-        return
 
 
 def _coordinator_back(fleet: Fleet) -> None:
