@@ -5,8 +5,10 @@ invariants judged on a run (`worker.dev.sim.control_checks`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +17,9 @@ from aiokafka.structs import TopicPartition
 from schemas import (
     Command,
     CommandAck,
+    Job,
     Pause,
+    SamplingSpec,
     StatusMessage,
     Target,
     UpdateWeights,
@@ -32,7 +36,8 @@ from worker.dev.sim.control_checks import ControlBounds, check_control
 from worker.dev.sim.fleet import Fleet, SimEngine
 from worker.dev.sim.history import Event, History
 from worker.dev.sim.run import flag_set_scenario, run, settings_for
-from worker.engines.mock import MockEngineSettings
+from worker.engines.mock import MockEngine, MockEngineSettings
+from worker.engines.steerable import SteerableEngine
 
 CONTROL = "c"
 STATUS = "s"
@@ -158,6 +163,31 @@ def test_the_mock_engine_takes_a_transfer_only_while_its_rendezvous_is_open() ->
     finally:
         loop.close()
     assert engine.weight_version == 11
+
+
+def test_a_job_continued_across_a_forced_rollback_names_the_weights_it_finished_on(
+    tmp_path: Path,
+) -> None:
+    """A `keep` rollback continues a running job on the older weights: the result named the
+    higher version it began on, though its last tokens came from the rollback (wrong_weights
+    in the control flag set's runs)."""
+    (tmp_path / "config.json").write_text(json.dumps({"name": "v3"}))
+    settings = MockEngineSettings(per_token_latency_ms=10.0, weight_version=5)
+    engine = SteerableEngine(MockEngine(settings))
+    job = Job(job_id="j", prompt_token_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=40))
+
+    async def body() -> tuple[int, list[int]]:
+        running = asyncio.create_task(engine.generate(job, "r"))
+        await asyncio.sleep(0.1)
+        await engine.load_checkpoint(str(tmp_path), 3, "keep")
+        output = await running
+        spans = output.completions[0].weight_versions
+        assert isinstance(spans, list)
+        return output.weight_version, [span.version for span in spans]
+
+    version, spans = asyncio.run(body())
+    assert spans == [5, 3]
+    assert version == 3
 
 
 # ---- the trainer's program -------------------------------------------------------------------

@@ -265,7 +265,9 @@ class SteerableEngine:
         return EngineOutput(
             prompt_token_ids=prompt,
             completions=list(completions),
-            weight_version=max(versions),
+            # The weights of the part that finished last: a forced rollback continues a job
+            # on a version lower than the one it began on.
+            weight_version=versions[-1],
             # The prompt's own prefill was the first run's; continuations feed forward more.
             cached_prompt_tokens=first.cached_prompt_tokens,
         )
