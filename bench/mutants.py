@@ -1,14 +1,15 @@
 """The net's own test: run each planted defect (`worker.dev.sim.mutants.MUTANTS`) on fresh
 seeds until the checker flags it, and print how many seeds each took.
 
-Run `python bench/mutants.py [--first-seed S] [--cap 200] [--processes P] [NAME ...]`: run k of
-a mutant's search takes seed S + k, flag set k mod 3 (`worker.dev.sim.run.FLAG_SETS`: the
-default fleet; hostile records with weight updates that kill the engine; static members on
-noida-db) and fleet size (3, 5, 1)[k // 3 mod 3]. A seed counts as a catch only where the real
-worker passes it. A row per mutant: the seeds it took to the first catch, the invariants that
-caught it, the flag set and the command that replays it. A mutant not caught within the cap is
-a hole in the net (a fault no schedule draws, or an invariant the checker lacks): the exit
-status is then 1.
+Run `python bench/mutants.py [--first-seed S] [--cap 200] [--processes P] [--flags SET]
+[NAME ...]`: run k of a mutant's search takes seed S + k, flag set k mod 4
+(`worker.dev.sim.run.FLAG_SETS`: the default fleet; hostile records with weight updates that
+kill the engine; static members on noida-db; the trainer's whole control plane) and fleet size
+(3, 5, 1)[k // 4 mod 3]; with `--flags SET`, that set only and fleet size (3, 5, 1)[k mod 3].
+A seed counts as a catch only where the real worker passes it. A row per mutant: the seeds it
+took to the first catch, the invariants that caught it, the flag set and the command that
+replays it. A mutant not caught within the cap is a hole in the net (a fault no schedule draws,
+or an invariant the checker lacks): the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sim
 
 from worker.dev.sim.mutants import MUTANTS
-from worker.dev.sim.run import FLAG_SETS, drawn, replay_command, run
+from worker.dev.sim.run import FLAG_SETS, FLEET_SIZES, drawn, replay_command, run
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,11 @@ class Caught:
         return replay_command(self.flags, self.seed, self.workers, self.mutant)
 
 
-def search(mutant: str, first_seed: int, cap: int) -> Caught:
-    """Run `mutant` on seeds from `first_seed` until the checker flags one, at most `cap`."""
+def search(mutant: str, first_seed: int, cap: int, only: str | None = None) -> Caught:
+    """Run `mutant` on seeds from `first_seed` until the checker flags one, at most `cap`;
+    `only`: that flag set's runs alone, its fleet sizes in turn."""
     for k in range(cap):
-        flags, workers = drawn(k)
+        flags, workers = drawn(k) if only is None else (only, FLEET_SIZES[k % len(FLEET_SIZES)])
         seed = first_seed + k
         args = sim.parser().parse_args([*FLAG_SETS[flags], "--mutant", mutant])
         outcome = run(sim.scenario(args, seed, workers))
@@ -88,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-seed", type=int, default=700_000)
     parser.add_argument("--cap", type=int, default=200, help="seeds per mutant at most")
     parser.add_argument("--processes", type=int, default=1, help="mutants searched side by side")
+    parser.add_argument(
+        "--flags",
+        choices=sorted(FLAG_SETS),
+        help="search this flag set only (default: each in turn)",
+    )
     args = parser.parse_args(argv)
     names = args.names or list(MUTANTS)
     unknown = sorted(set(names) - set(MUTANTS))
@@ -95,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no such mutant: {', '.join(unknown)} (known: {', '.join(MUTANTS)})")
     rows: list[Caught] = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.processes) as pool:
-        futures = [pool.submit(search, name, args.first_seed, args.cap) for name in names]
+        futures = [
+            pool.submit(search, name, args.first_seed, args.cap, args.flags) for name in names
+        ]
         for future in concurrent.futures.as_completed(futures):
             caught = future.result()
             rows.append(caught)

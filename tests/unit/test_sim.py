@@ -775,6 +775,12 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "refused_answer_not_shrunk": ("hostile", 700001, 3, "stalled"),
     "stale_weight_stamp": ("hostile", 700004, 5, "wrong_weights"),
     "map_run_ends_early": ("noida", 700029, 3, "duplicates"),
+    # `bench/mutants.py --flags control --first-seed 700000`.
+    "catch_up_keeps_the_last_record_of_an_id": ("control", 700000, 3, "replay_obeyed"),
+    "rollback_below_start_version_dropped": ("control", 700000, 3, "stale_start"),
+    "needs_weights_left_out_of_heartbeats": ("control", 700004, 5, "needs_weights_unsaid"),
+    "replayed_record_obeyed": ("control", 700000, 3, "replay_obeyed"),
+    "unanswered_applied_after_the_fleets_state": ("control", 700012, 3, "stale_start"),
 }
 
 
@@ -1143,6 +1149,11 @@ FOUND_DEFECTS = {
         flavour=Flavour.NOIDA,
         static_members=True,
     ),
+    "a command for w1 alone, sent while it was down, was applied at its restart after the "
+    "fleet's newer transfer and lifted the needs_weights hold: w1 served weights the fleet had "
+    "left, said nothing of the transfer, and generated on them (stale_start; fixed in "
+    "worker/control/catch_up.py, plan_catch_up: an unanswered command older than the fleet's "
+    "state is overtaken)": flag_set_scenario("control", 1, 3),
 }
 
 

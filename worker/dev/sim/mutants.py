@@ -390,6 +390,95 @@ def catch_up_takes_refused_updates() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def catch_up_keeps_the_last_record_of_an_id() -> Iterator[None]:
+    """A starting worker's reading of the control topic keeps the last record of each command
+    id, not the first: a replayed copy takes the original's place in topic order, so an old
+    update replayed after newer ones reads as the fleet's newest."""
+
+    def take(self: catch_up.ControlLog, offset: int, command: Any, *, addressed: bool) -> bool:
+        self.ids[command.command_id] = offset
+        self.addressed = [(o, c) for o, c in self.addressed if c.command_id != command.command_id]
+        if addressed:
+            self.addressed.append((offset, command))
+        return True
+
+    with mock.patch.object(catch_up.ControlLog, "take", take):
+        yield
+
+
+@contextlib.contextmanager
+def rollback_below_start_version_dropped() -> Iterator[None]:
+    """A starting worker's catch-up drops every update below the version it starts on, forced
+    rollbacks too: a fleet rolled back below `--weight-version` gets its restarted workers back
+    on weights the trainer left."""
+    real = catch_up.plan_catch_up
+
+    def plan_catch_up(log: Any, state: Any, start_version: int, **kwargs: Any) -> Any:
+        plan = real(log, state, start_version, **kwargs)
+        plan.checkpoints = [u for u in plan.checkpoints if u.version >= start_version]
+        if plan.transfer is not None and plan.transfer.version < start_version:
+            plan.transfer = None
+        return plan
+
+    with mock.patch.object(plane, "plan_catch_up", plan_catch_up):
+        yield
+
+
+@contextlib.contextmanager
+def needs_weights_left_out_of_heartbeats() -> Iterator[None]:
+    """Heartbeats leave out that the worker lacks the fleet's transfer: the trainer cannot see
+    it, and a worker starting once the transfer's acknowledgements left the status tail serves
+    older weights as if they were the fleet's."""
+    real = plane.ControlPlane.status
+
+    def status(self: plane.ControlPlane, *, engine_healthy: bool = True) -> Any:
+        return msgspec.structs.replace(
+            real(self, engine_healthy=engine_healthy),
+            needs_weights=False,
+            needs_weights_command_id=None,
+        )
+
+    with mock.patch.object(plane.ControlPlane, "status", status):
+        yield
+
+
+@contextlib.contextmanager
+def replayed_record_obeyed() -> Iterator[None]:
+    """A following worker applies every signed record addressed to it, a copy of one it took
+    before included: a replayed update, pause or rollback is obeyed again."""
+
+    async def take(self: plane.ControlPlane, record: Any) -> None:
+        command, reason, detail = catch_up.take_command(record.value or b"", self._key)
+        if command is None:
+            self._status.drop(record, reason, detail)
+            return
+        self._commands.applied.add(command.command_id)
+        if self._commands.addressed(command):
+            await self._commands.apply(command, offset=record.offset)
+
+    with mock.patch.object(plane.ControlPlane, "_take", take):
+        yield
+
+
+@contextlib.contextmanager
+def unanswered_applied_after_the_fleets_state() -> Iterator[None]:
+    """A starting worker applies every command nobody answered after the fleet's state,
+    whatever their order in the topic: a command for it sent while it was down, older than
+    the fleet's newest update or resume, undoes it."""
+    real = catch_up.plan_catch_up
+
+    def plan_catch_up(log: Any, state: Any, start_version: int, **kwargs: Any) -> Any:
+        plan = real(log, state, start_version, **kwargs)
+        overtaken = [(offset, command) for offset, command, _ in plan.superseded]
+        plan.unanswered = sorted(plan.unanswered + overtaken, key=lambda pair: pair[0])
+        plan.superseded = []
+        return plan
+
+    with mock.patch.object(plane, "plan_catch_up", plan_catch_up):
+        yield
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "commit_before_ack": commit_before_ack,
     "skip_record": skip_record,
@@ -413,4 +502,9 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "refused_answer_not_shrunk": refused_answer_not_shrunk,
     "stale_weight_stamp": stale_weight_stamp,
     "catch_up_takes_refused_updates": catch_up_takes_refused_updates,
+    "catch_up_keeps_the_last_record_of_an_id": catch_up_keeps_the_last_record_of_an_id,
+    "rollback_below_start_version_dropped": rollback_below_start_version_dropped,
+    "needs_weights_left_out_of_heartbeats": needs_weights_left_out_of_heartbeats,
+    "replayed_record_obeyed": replayed_record_obeyed,
+    "unanswered_applied_after_the_fleets_state": unanswered_applied_after_the_fleets_state,
 }
