@@ -425,6 +425,23 @@ def test_a_fresh_rollback_below_the_start_version_counts_after_the_whole_fleet_s
     assert got.engine.paused
 
 
+def test_an_update_below_the_start_version_the_fleet_serves_now_counts(root):
+    # Started on 10 like the fleet, rolled back (force) to 6, then updated to 7. Retention
+    # deleted the rollback's acknowledgements; the live fleet's heartbeats name 7. The
+    # rollback no longer counted as applied, so 7 lay below the start version and the
+    # restarted worker served 10 (seed 3069 of the control flag set, 3 workers).
+    rollback = update(root, 6, command_id="r6", force=True)
+    u7 = update(root, 7)
+    status: list[StatusMessage] = [heartbeat("w1", weights_command_id="u7", control_offset=2)]
+
+    async def run() -> Started:
+        return await start(root, [encode(rollback), encode(u7)], status, version=10)
+
+    got = asyncio.run(run())
+    assert got.loads == [(str(root / "v7"), 7)]
+    assert got.plane.status().weights_command_id == "u7"
+
+
 def test_updates_after_a_rollback_below_the_start_version_count_from_its_version():
     def versions(start: int, *commands: UpdateWeights) -> list[int]:
         log = ControlLog(end=len(commands))

@@ -1154,6 +1154,12 @@ FOUND_DEFECTS = {
     "left, said nothing of the transfer, and generated on them (stale_start; fixed in "
     "worker/control/catch_up.py, plan_catch_up: an unanswered command older than the fleet's "
     "state is overtaken)": flag_set_scenario("control", 1, 3),
+    "the fleet was rolled back below the start version and updated; retention deleted the "
+    "rollback's acknowledgements, and w2, restarted after, took the fleet's update (below its "
+    "start version) for an earlier run's and served its start-up weights (stale_start; fixed "
+    "in worker/control/catch_up.py, plan_catch_up: an update the fleet serves now counts)": (
+        flag_set_scenario("control", 3069, 3)
+    ),
 }
 
 

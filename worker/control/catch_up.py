@@ -13,11 +13,11 @@ So the state comes from the fleet's own answers:
   the newest of those, in topic order, is the state, the older ones the fallbacks when it no
   longer loads. Likewise the latest pause or resume the fleet applied. Nothing older than the
   version the worker starts with counts (an update from an earlier run on the same topic),
-  except a forced rollback from an update that counts, one a worker of the group serves
-  now (a heartbeat within three of its intervals), or one issued within
+  except an update a worker of the group serves now (a heartbeat within three of its
+  intervals), and a forced rollback from an update that counts or issued within
   `--command-max-age-s` (it would be obeyed were it sent now; the fleet that applied it may
-  all have stopped since): it undoes this run's weights, and the updates after it count from
-  its version on.
+  all have stopped since): it is this run's state, and the updates after it count from its
+  version on.
   A `nccl` / `ipc` transfer cannot be repeated: when the newest applied update was one, the
   plan says so (`transfer`) and the worker reports `needs_weights`.
 - **unanswered commands** (at or above that offset: sent while no worker it addresses was
@@ -205,12 +205,13 @@ def plan_catch_up(
             if command.version >= floor:
                 updates.append(command)
                 newest[UpdateWeights] = (offset, command.command_id)
-            elif command.force and (
-                updates or command.command_id in state.served_now or fresh(command)
+            elif command.command_id in state.served_now or (
+                command.force and (updates or fresh(command))
             ):
-                # It rolls back from weights of this run (an update before it, or the start-up
-                # weights of a fleet that serves it now, or of one that stopped serving it too
-                # recently for an earlier run's: it would be obeyed were it sent now): the
+                # A rollback from weights of this run (an update before it, or the start-up
+                # weights of a fleet that stopped serving it too recently for an earlier
+                # run's: it would be obeyed were it sent now), or an update a worker of the
+                # group serves now (its rollback's answers may have left the status tail): the
                 # trainer's state, and what it sends next counts from its version on.
                 updates.append(command)
                 newest[UpdateWeights] = (offset, command.command_id)
