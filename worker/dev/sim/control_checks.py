@@ -13,8 +13,8 @@ replays among them) and its status topic (every record, also those retention del
   moment between its start and that heartbeat, or one nobody had answered at its start;
   when that update is a transfer, it says it needs it instead.
 - `needs_weights_unsaid`: a process that started after the update in force for it was a
-  transfer says `needs_weights` naming it in every heartbeat until it acknowledges that
-  transfer (its rendezvous still open) or a newer update.
+  transfer says `needs_weights` naming it (or a newer transfer) in every heartbeat until it
+  acknowledges that transfer (its rendezvous still open) or a newer update.
 - `generated_without_weights`: under `hold`, such a process generates nothing until then.
 - `targeted_unanswered`: a command naming workers, sent while one of them was down, is
   acknowledged by that worker once it runs again (when it is live at the end).
@@ -356,7 +356,9 @@ def _starts_in_force(  # noqa: PLR0912 - one rule per branch
         for beat in beats:
             if beat.at - EPOCH_S >= has_weights_at:
                 break
-            if not beat.needs_weights or beat.needs_weights_command_id != transfer.command_id:
+            lacked = topics.by_id.get(beat.needs_weights_command_id or "")
+            # The transfer in force at the start, or a newer one the fleet took meanwhile.
+            if not beat.needs_weights or lacked is None or lacked.offset < at_start.offset:
                 violations.append(
                     Violation(
                         "needs_weights_unsaid",
