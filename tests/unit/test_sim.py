@@ -1154,6 +1154,13 @@ FOUND_DEFECTS = {
     "left, said nothing of the transfer, and generated on them (stale_start; fixed in "
     "worker/control/catch_up.py, plan_catch_up: an unanswered command older than the fleet's "
     "state is overtaken)": flag_set_scenario("control", 1, 3),
+    "the whole fleet killed twice while paused; at the assignment of 52 s the partitions of w1 "
+    "and w2 were taken for held already, their inherited maps never read and the hold for "
+    "that read never lifted, long after the resume (stalled, unanswered; fixed with seed "
+    "700098's: the breaker's hold creates no partition state, and an assignment releases "
+    "every partition it assigns; either alone clears this seed)": (
+        flag_set_scenario("control", 30, 3)
+    ),
     "the fleet was rolled back below the start version and updated; retention deleted the "
     "rollback's acknowledgements, and w2, restarted after, took the fleet's update (below its "
     "start version) for an earlier run's and served its start-up weights (stale_start; fixed "
