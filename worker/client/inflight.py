@@ -255,11 +255,14 @@ def _expired(pending: Pending, timeout_s: float) -> Failed:
         f"no result within {timeout_s:.0f}s of submitting "
         f"(client timeout; {pending.retries} resubmissions)"
     )
+    # It answers the caller's job as a worker's answer would: its id, metadata and submission.
+    submission = pending.job.submission_id
     return Failed(
         job_id=pending.job.job_id,
         error=ErrorInfo(code=ErrorCode.EXPIRED, detail=detail, retryable=True),
         metadata=pending.job.metadata,
         worker="rollout-client",
+        submission_id=msgspec.UNSET if submission is None else submission,
     )
 
 
