@@ -254,16 +254,17 @@ class RolloutClient:
         """Run the next turn of `conversation`: its job (`Conversation.next_job`: the
         conversation so far + `new_tokens`, routing from where the last turn's rows end, keyed
         by the session) is submitted and its answer recorded. A failed turn leaves the
-        conversation where it was, so the same turn can be run again."""
+        conversation where it was, so the same turn can be run again: one whose answer does not
+        continue the conversation (`ConversationError`) too."""
         job = conversation.next_job(
             new_tokens, sampling=sampling, min_weight_version=min_weight_version, metadata=metadata
         )
         try:
             result = await self.submit(job)
+            conversation.record(result)
         except BaseException:
             conversation.abandon()
             raise
-        conversation.record(result)
         return result
 
     async def update_weights(
