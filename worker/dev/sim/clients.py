@@ -29,6 +29,7 @@ from aiokafka.errors import (
     KafkaError,
     KafkaTimeoutError,
     MessageSizeTooLargeError,
+    NotLeaderForPartitionError,
     RebalanceInProgressError,
     UnknownMemberIdError,
     UnknownTopicOrPartitionError,
@@ -481,6 +482,29 @@ class SimConsumer:
 
     async def position(self, tp: TopicPartition) -> int:
         return self._positions[tp]
+
+    async def seek_to_end(self, *partitions: TopicPartition) -> None:
+        """aiokafka's: each partition (all assigned when none is named) positioned at its end,
+        looked up (ListOffsets) again after a backoff while its leader is away."""
+        tps = list(partitions) or sorted(self._assigned)
+        for tp in tps:
+            if tp not in self._assigned:
+                raise IllegalStateError(f"No current assignment for partition {tp}")
+        while True:
+            try:
+                ends = await self.process.request(lambda: self._end_offsets_from_leaders(tps))
+            except KafkaError:
+                await asyncio.sleep(_RETRY_BACKOFF_S)
+                continue
+            break
+        self._positions.update(ends)
+        self._wake.set()
+
+    def _end_offsets_from_leaders(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        for tp in tps:
+            if self.cluster.broker_down or tp in self.cluster.leaderless:
+                raise NotLeaderForPartitionError(str(tp))
+        return {tp: self.cluster.end_offset(tp) for tp in tps}
 
     def highwater(self, tp: TopicPartition) -> int | None:
         if tp not in self._assigned:
