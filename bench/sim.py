@@ -54,6 +54,7 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         offset_metadata_max_bytes=args.offset_metadata_max_bytes,
         mutant=args.mutant,
         control=args.control,
+        trainer=args.trainer,
     )
 
 
@@ -124,6 +125,11 @@ def parser() -> argparse.ArgumentParser:
         "--control",
         action="store_true",
         help="the trainer's whole control plane and its faults (worker/dev/sim/control.py)",
+    )
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="trainers on the real RolloutClient beside the raw one (worker/dev/sim/trainer.py)",
     )
     parser.add_argument(
         "--processes", type=int, default=1, help="seeds run side by side, one per process"

@@ -5,13 +5,131 @@ defects the simulation found, each at the unit level."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import random
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import pytest
+from aiokafka.structs import TopicPartition
 
-from schemas import Completed, Failed, SamplingSpec
+from schemas import Completed, Completion, Failed, SamplingSpec, decode_job, encode
 from tests.unit.test_rollout_answers import Topics, completed, prompt
 from worker.client.conversation import Conversation, ConversationError
+from worker.client.rollout import RolloutClient
+from worker.dev.sim.clients import Process, SimConsumer
+from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
+from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.history import History
+from worker.dev.sim.run import Scenario, flag_set_scenario, run
+from worker.dev.sim.trainer import SimKafkaClients
+from worker.dev.sim.trainer_checks import SLACK_S, check_trainers
+
+T = TypeVar("T")
+
+
+def _on_virtual_time(body: Callable[[Cluster], Coroutine[Any, Any, T]]) -> T:
+    """Run `body` on a simulated cluster of two topics, `jobs` and `results`, on the virtual
+    clock (`time.time` included, which the client's deadlines read)."""
+    clock = VirtualClock()
+    loop = VirtualLoop(clock)
+    cluster = Cluster(History(lambda: clock.now))
+    cluster.create_topic("jobs", 2)
+    cluster.create_topic("results", 2)
+    try:
+        with virtual_time(clock):
+            return loop.run_until_complete(body(cluster))
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.close()
+
+
+def _answer(cluster: Cluster, topic: str, value: bytes, key: bytes) -> None:
+    cluster.produce(
+        "worker", TopicPartition(topic, 0), [(key, value, [])], producer_id=None, now_ms=0
+    )
+
+
+async def _job_record(cluster: Cluster, number: int) -> Any:
+    """The `number`th job appended to `jobs` (from 0), once it is."""
+    while True:
+        records = sorted(
+            (r for log in cluster.topics["jobs"].logs for r in log), key=lambda r: r.timestamp_ms
+        )
+        if len(records) > number:
+            return decode_job(records[number].value or b"")
+        await asyncio.sleep(0.01)
+
+
+def test_the_real_client_runs_on_simulated_clients_and_reads_from_when_it_started() -> None:
+    """`RolloutClient` built with `SimKafkaClients` produces its jobs to the simulated cluster
+    and reads its results topic from its end: an answer appended before it started is not
+    read, even one naming the job id it then sends."""
+
+    async def body(cluster: Cluster) -> tuple[Completed, int]:
+        stale = Completed(job_id="j", completions=[], prompt_token_count=3)
+        _answer(cluster, "results", encode(stale), b"j")
+        client = RolloutClient(
+            bootstrap_servers="sim:9092",
+            jobs_topic="jobs",
+            results_topic="results",
+            timeout_s=5.0,
+            kafka_clients=SimKafkaClients(Process("trainer", cluster, random.Random(0)), "t"),
+        )
+        await client.start()
+        future = client.submit({"job_id": "j", "prompt_token_ids": [1, 2, 3]})
+        job = await _job_record(cluster, 0)
+        completion = Completion(index=0, token_ids=[7, 8], text="", finish_reason="length")
+        answer = Completed(
+            job_id=job.job_id,
+            completions=[completion],
+            prompt_token_count=3,
+            submission_id=job.submission_id or "",
+        )
+        _answer(cluster, "results", encode(answer), b"j")
+        result = await future
+        in_flight = client.in_flight
+        await client.close()
+        assert isinstance(result, Completed)
+        return result, in_flight
+
+    result, in_flight = _on_virtual_time(body)
+    assert result.job_id == "j"
+    assert result.completions[0].token_ids == [7, 8]
+    assert in_flight == 0
+
+
+def test_seek_to_end_waits_for_the_broker_and_positions_at_the_end() -> None:
+    """aiokafka looks a reset's offsets up again while the leader is away; the position is the
+    end as it is once the broker answers, not as it was when asked."""
+
+    async def body(cluster: Cluster) -> tuple[int, float]:
+        tp = TopicPartition("results", 0)
+        _answer(cluster, "results", b"1", b"k")
+        consumer = SimConsumer(
+            Process("c", cluster, random.Random(0)), client_id="c", group_id=None
+        )
+        await consumer.start()
+        consumer.assign([tp])
+        cluster.broker_down = True
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        seek = asyncio.create_task(consumer.seek_to_end(tp))
+        await asyncio.sleep(2.0)
+        assert not seek.done()
+        _answer_when_up = cluster.end_offset(tp)
+        cluster.broker_down = False
+        _answer(cluster, "results", b"2", b"k")
+        await seek
+        assert _answer_when_up == 1
+        return await consumer.position(tp), loop.time() - started
+
+    position, waited = _on_virtual_time(body)
+    assert position == 2
+    assert waited >= 2.0
 
 
 @pytest.fixture
@@ -61,3 +179,208 @@ async def test_a_turn_whose_answer_does_not_continue_the_conversation_can_be_run
     assert isinstance(result, Completed) and result.completions[0].token_ids == [3, 4]
     assert [t.completion.token_ids for t in conversation.turns] == [[3, 4]]
     assert client.in_flight == 0
+
+
+# -- the checks, on hand-made histories -------------------------------------------------------
+
+
+class _Trainer:
+    """Writes a trainer's events into a history at chosen times."""
+
+    def __init__(self, name: str = "trainer-a#1", timeout_s: float = 2.0) -> None:
+        self.now = 0.0
+        self.history = History(lambda: self.now)
+        self.name = name
+        self.timeout_s = timeout_s
+        self.history.add("rl_plan", name=name.split("-")[1].split("#", maxsplit=1)[0])
+        self.history.add("rl_begin", trainer=name)
+        self._calls = 0
+
+    def call(self, at: float, job: dict[str, Any]) -> int:
+        self.now = at
+        number = self._calls
+        self._calls += 1
+        self.history.add(
+            "rl_call",
+            trainer=self.name,
+            call=number,
+            op="turn",
+            timeout_s=self.timeout_s,
+            jobs=[job],
+        )
+        return number
+
+    def returned(self, at: float, number: int, result: dict[str, Any]) -> None:
+        self.now = at
+        self.history.add("rl_return", trainer=self.name, call=number, results=[result])
+
+    def raised(self, at: float, number: int, error: str) -> None:
+        self.now = at
+        self.history.add("rl_error", trainer=self.name, call=number, error=error)
+
+    def loop_end(self, at: float, in_flight: int = 0) -> None:
+        self.now = at
+        self.history.add("rl_loop_end", trainer=self.name, in_flight=in_flight)
+
+    def invariants(self, end: float = 100.0) -> list[str]:
+        return sorted(v.invariant for v in check_trainers(self.history, end))
+
+
+def _asked(ask: str = "a#1/0", submission: str = "s0") -> dict[str, Any]:
+    return {
+        "job": "rl-a-s0-g0",
+        "submission": submission,
+        "ask": ask,
+        "prompt": 5,
+        "n": 2,
+        "max_tokens": 8,
+    }
+
+
+def _completed(ask: str = "a#1/0", submission: str = "s0", **fields: Any) -> dict[str, Any]:
+    return {
+        "job": "rl-a-s0-g0",
+        "submission": submission,
+        "ask": ask,
+        "prompt": 5,
+        "indices": [0, 1],
+        "longest": 8,
+        "part": False,
+        **fields,
+    }
+
+
+def test_a_call_that_takes_its_own_answer_in_time_breaks_nothing() -> None:
+    trainer = _Trainer()
+    number = trainer.call(1.0, _asked())
+    trainer.returned(2.5, number, _completed())
+    trainer.loop_end(3.0)
+    assert trainer.invariants() == []
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        _completed(ask="a#1/7"),
+        _completed(submission="s-earlier"),
+        _completed(job="rl-a-s0-g0~retry1"),
+        _completed(prompt=6),
+        _completed(indices=[0]),
+        _completed(longest=9),
+        _completed(part=True),
+        {"job": "rl-a-s0-g0", "submission": "s0", "ask": "a#2/0", "failed": "engine_error"},
+    ],
+    ids=[
+        "another-askings-tag",
+        "another-submission",
+        "the-resubmissions-id",
+        "another-prompt",
+        "too-few-completions",
+        "longer-than-max-tokens",
+        "a-part",
+        "another-runs-failure",
+    ],
+)
+def test_a_result_that_answers_anything_but_the_asking_is_a_wrong_answer(
+    answer: dict[str, Any],
+) -> None:
+    trainer = _Trainer()
+    number = trainer.call(1.0, _asked())
+    trainer.returned(1.5, number, answer)
+    trainer.loop_end(3.0)
+    assert trainer.invariants() == ["trainer_wrong_answer"]
+
+
+def test_a_failure_that_carries_no_tag_is_not_judged_by_it() -> None:
+    """A worker that could not read the job answers without its metadata."""
+    trainer = _Trainer()
+    number = trainer.call(1.0, _asked())
+    failed = {"job": "rl-a-s0-g0", "submission": "s0", "ask": None, "failed": "engine_error"}
+    trainer.returned(1.5, number, failed)
+    trainer.loop_end(3.0)
+    assert trainer.invariants() == []
+
+
+@pytest.mark.parametrize(
+    ("ended_at", "late"), [(3.0 + SLACK_S, False), (3.0 + SLACK_S + 0.01, True)]
+)
+def test_a_call_ends_by_its_deadline_and_the_slack(ended_at: float, late: bool) -> None:
+    trainer = _Trainer(timeout_s=2.0)
+    number = trainer.call(1.0, _asked())
+    trainer.returned(ended_at, number, _completed())
+    trainer.loop_end(ended_at)
+    assert trainer.invariants() == (["trainer_late"] if late else [])
+
+
+def test_a_call_that_never_ends_hangs_unless_its_client_was_stopped() -> None:
+    hung = _Trainer()
+    hung.call(1.0, _asked())
+    assert hung.invariants() == ["trainer_hung", "trainer_unfinished"]
+
+    killed = _Trainer()
+    killed.call(1.0, _asked())
+    killed.now = 2.0
+    killed.history.add("rl_killed", trainer=killed.name)
+    killed.history.add("rl_begin", trainer="trainer-a#2")
+    killed.name = "trainer-a#2"
+    killed.loop_end(50.0)
+    assert killed.invariants() == []
+
+
+@pytest.mark.parametrize(
+    ("error", "flagged"),
+    [
+        ("RolloutError: job rl-a-s0-g0 could not be produced: KafkaTimeoutError()", False),
+        ("RolloutError: the client was closed", False),
+        ("RolloutError: job rl-a-s0-g0 is already in flight on this client", True),
+        ("ConversationError: turn rl-a-s0-g0-c0-turn1 is still in flight: record it", True),
+    ],
+)
+def test_a_call_fails_only_for_a_documented_reason(error: str, flagged: bool) -> None:
+    trainer = _Trainer()
+    number = trainer.call(1.0, _asked())
+    trainer.raised(1.2, number, error)
+    trainer.loop_end(3.0)
+    assert trainer.invariants() == (["trainer_error"] if flagged else [])
+
+
+def test_a_loop_that_ran_every_step_holds_nothing_in_flight() -> None:
+    trainer = _Trainer()
+    number = trainer.call(1.0, _asked())
+    trainer.returned(1.5, number, _completed())
+    trainer.loop_end(3.0, in_flight=2)
+    assert trainer.invariants() == ["trainer_left_pending"]
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+
+def _short_trainer(seed: int) -> Scenario:
+    return Scenario(seed=seed, duration_s=30.0, settle_s=30.0, trainer=True)
+
+
+def test_a_run_with_the_trainer_replays_exactly() -> None:
+    """Submission ids are drawn from the run's seed (`seeded_uuids`), so what a trainer appends
+    is the same in every run of a seed."""
+    first, second = run(_short_trainer(3)), run(_short_trainer(3))
+    assert first.digest == second.digest
+    assert sum(1 for _ in first.history.of("rl_call")) > 5
+
+
+def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echoes() -> None:
+    """The net reaches what it is for: calls that expire and are run again, answers to
+    earlier askings appended again, and every call judged."""
+    outcome = run(flag_set_scenario("trainer", 2, 3))
+    results = [r for e in outcome.history.of("rl_return") for r in e.fields["results"]]
+    expired = [r for r in results if r.get("failed") == "expired"]
+    completed_ = [r for r in results if "failed" not in r]
+    assert expired, "no call expired"
+    assert len(completed_) > len(expired)
+    assert any(outcome.history.of("rl_echoed"))
+    assert any(outcome.history.of("rl_loop_end"))
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
+def test_without_the_trainer_no_trainer_event_is_recorded() -> None:
+    outcome = run(Scenario(seed=4, duration_s=15.0, settle_s=15.0))
+    assert not [e for e in outcome.history.events if e.kind.startswith("rl_")]

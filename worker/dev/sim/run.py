@@ -32,6 +32,8 @@ from worker.dev.sim.fleet import Fleet
 from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import observed
+from worker.dev.sim.trainer import TrainerTopics, run_trainers
+from worker.dev.sim.trainer_checks import check_trainers
 from worker.engines.mock import MockEngineSettings
 
 __all__ = [
@@ -54,6 +56,8 @@ CONTROL: Final = "sim.control"
 STATUS: Final = "sim.status"
 REPLY_SMALL: Final = "sim.replies.small"
 REPLY_LOCKED: Final = "sim.replies.locked"
+#: The reply topic of the client-driven trainer that asks for one (`Scenario.trainer`).
+REPLY_TRAINER: Final = "sim.replies.trainer"
 CRASH_TOKEN: Final = 31_999
 #: Mock checkpoints the control plane's updates name; their contents are fixed, so a run does
 #: not depend on where they live.
@@ -137,6 +141,9 @@ class Scenario:
     #: The trainer's whole control plane and its faults (`worker.dev.sim.control.Trainer`)
     #: instead of forward updates only; judged by `worker.dev.sim.control_checks`.
     control: bool = False
+    #: Trainers on the real `RolloutClient` beside the raw one (`worker.dev.sim.trainer`),
+    #: judged by `worker.dev.sim.trainer_checks`.
+    trainer: bool = False
 
 
 #: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
@@ -159,6 +166,7 @@ FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
     ),
     "noida": ("--slow-jobs", str(SLOW_SHARE), "--flavour", "noida", "--static"),
     "control": ("--slow-jobs", str(SLOW_SHARE), "--control"),
+    "trainer": ("--slow-jobs", str(SLOW_SHARE), "--trainer"),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -187,6 +195,7 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         static_members=flags == "noida",
         mutant=mutant,
         control=flags == "control",
+        trainer=flags == "trainer",
     )
 
 
@@ -318,7 +327,9 @@ def _close(loop: VirtualLoop) -> None:
     loop.close()
 
 
-async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -> Outcome:
+async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
+    scenario: Scenario, clock: VirtualClock, history: History
+) -> Outcome:
     rng = random.Random(scenario.seed)  # noqa: S311 - a replayable run, not a secret
     cluster = Cluster(
         history,
@@ -369,6 +380,9 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
     ]
     if scenario.script is not None:
         background.append(asyncio.create_task(scenario.script(fleet), name="script"))
+    trainers_done = asyncio.Event()
+    if scenario.trainer:
+        background.append(_client_trainers(scenario, cluster, trainers_done))
     await asyncio.sleep(faults_end)
     _heal(cluster, fleet)
     for worker_id in sorted(fleet.processes):
@@ -378,6 +392,8 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         await fleet.start("w0")
     history.add("faults_end")
     end = await _settle(scenario, history, clock)
+    if scenario.trainer:
+        end = await _trainers_settle(scenario, trainers_done, clock)
     for task in background:
         task.cancel()
     for result in await asyncio.gather(*background, return_exceptions=True):
@@ -418,6 +434,7 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
                 CONTROL, STATUS, settings.group_id, end, settings.stale_weights_at_start == "hold"
             ),
         )
+    violations += check_trainers(history, end)
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
     return Outcome(
         scenario,
@@ -430,6 +447,31 @@ async def _simulate(scenario: Scenario, clock: VirtualClock, history: History) -
         cluster,
         wedged_at=wedged_from(history, bounds),
     )
+
+
+def _client_trainers(
+    scenario: Scenario, cluster: Cluster, finished: asyncio.Event
+) -> asyncio.Task[None]:
+    """The client-driven trainers' task, on a reply topic of their own and a generator of
+    their own: the rest of the run draws what it would without them."""
+    cluster.create_topic(REPLY_TRAINER, 4)
+    rng = random.Random(f"trainer-{scenario.seed}")  # noqa: S311 - a replayable run
+    topics = TrainerTopics(jobs=JOBS, results=RESULTS, reply=REPLY_TRAINER)
+    return asyncio.create_task(
+        run_trainers(cluster, topics, rng, scenario.duration_s, finished), name="client trainers"
+    )
+
+
+async def _trainers_settle(
+    scenario: Scenario, finished: asyncio.Event, clock: VirtualClock
+) -> float:
+    """Wait, at most one more settle period, for the trainers' loops to run every step: a loop
+    restarted late runs all its steps again, each turn as long as its timeout when it is slow.
+    The end, for the checks."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(scenario.settle_s):
+            await finished.wait()
+    return clock.now
 
 
 async def _settle(scenario: Scenario, history: History, clock: VirtualClock) -> float:
