@@ -10,12 +10,13 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
+from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import TopicPartition
 
 from schemas import Completed, Completion, Failed, SamplingSpec, decode_job, encode
 from tests.unit.test_rollout_answers import Topics, completed, prompt
 from worker.client.conversation import Conversation, ConversationError
-from worker.client.rollout import RolloutClient
+from worker.client.rollout import RolloutClient, RolloutError
 from worker.dev.sim.clients import Process, SimConsumer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster
@@ -384,3 +385,48 @@ def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echo
 def test_without_the_trainer_no_trainer_event_is_recorded() -> None:
     outcome = run(Scenario(seed=4, duration_s=15.0, settle_s=15.0))
     assert not [e for e in outcome.history.events if e.kind.startswith("rl_")]
+
+
+class _RefusingProducer:
+    """A producer whose broker refuses the records of one job id (a partition whose leader is
+    away past `request_timeout_ms`) and takes the rest."""
+
+    def __init__(self, topics: Topics, refused: str) -> None:
+        self._topics = topics
+        self._refused = refused.encode()
+
+    async def send(
+        self, topic: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]] | None = None
+    ) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if key == self._refused:
+            done.set_exception(KafkaTimeoutError())
+        else:
+            self._topics.produced(value)
+            done.set_result(None)
+        return done
+
+    async def stop(self) -> None:
+        return
+
+
+async def test_a_generate_that_fails_leaves_none_of_its_jobs_in_flight(topics: Topics) -> None:
+    """One job of a `generate` the broker refuses fails the call; its other jobs are no longer
+    waited for, so the caller can run the same jobs again at once. Before, they stayed in
+    flight until their timeout, and running the group again raised 'already in flight'."""
+    client = topics.client(timeout_s=30, max_retries=0)
+    client._producer = _RefusingProducer(topics, "g0")
+    jobs = [{"job_id": f"g{i}", "prompt_token_ids": prompt(3)} for i in range(3)]
+    with pytest.raises(RolloutError, match="g0 could not be produced"):
+        await asyncio.wait_for(client.generate(jobs), 2)
+    await asyncio.sleep(0)  # the client forgets a cancelled job from the loop's next turn
+    assert client.in_flight == 0
+
+    client._producer = _RefusingProducer(topics, "none")
+    again = asyncio.create_task(client.generate(jobs))
+    for number in range(3):
+        topics.publish(completed(await topics.job(2 + number), [number + 1]))
+    results = await asyncio.wait_for(again, 2)
+
+    assert [r.completions[0].token_ids for r in results] == [[1], [2], [3]]  # type: ignore[union-attr]
+    assert client.in_flight == 0

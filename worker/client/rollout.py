@@ -228,7 +228,9 @@ class RolloutClient:
         """Submit every job and return their results in job order. Every job is checked
         before any is sent: a bad one raises `SchemaError` naming it and its field. Every job
         is sent in the trace context `submit` takes (`traceparent`, or the current
-        OpenTelemetry span's)."""
+        OpenTelemetry span's). A job that fails (`RolloutError`: the broker refused it) fails
+        the call, and its other jobs are no longer waited for: the same jobs may be run again
+        at once."""
         checked = []
         for index, job in enumerate(jobs):
             try:
@@ -236,11 +238,19 @@ class RolloutClient:
             except SchemaError as exc:
                 raise SchemaError(f"job {index}: {exc.message}", exc.path) from None
         trace = trace_context(traceparent, tracestate)  # checked before any job is sent
-        futures = [
-            self.submit(job, traceparent=trace.traceparent, tracestate=trace.tracestate)
-            for job in checked
-        ]
-        return list(await asyncio.gather(*futures))
+        futures: list[asyncio.Future[Result]] = []
+        try:
+            for job in checked:
+                futures.append(
+                    self.submit(job, traceparent=trace.traceparent, tracestate=trace.tracestate)
+                )
+            return list(await asyncio.gather(*futures))
+        except BaseException:
+            # gather leaves the others running when one fails: each would stay in flight
+            # until its timeout, and its id could not be submitted again until then.
+            for future in futures:
+                future.cancel()
+            raise
 
     async def turn(
         self,
