@@ -1167,6 +1167,12 @@ FOUND_DEFECTS = {
     "in worker/control/catch_up.py, plan_catch_up: an update the fleet serves now counts)": (
         flag_set_scenario("control", 3069, 3)
     ),
+    "a restarted trainer's generate failed when the broker refused one of its jobs (a jobs "
+    "partition without a leader past request_timeout_ms); gather left the group's other jobs "
+    "in flight, and running the group again raised 'already in flight' until they expired "
+    "(trainer_error; worker/client/rollout.py, RolloutClient.generate)": flag_set_scenario(
+        "trainer", 2040, 1
+    ),
 }
 
 
