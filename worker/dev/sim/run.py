@@ -149,7 +149,8 @@ class Scenario:
 #: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
 #: seeds every commit runs): the default fleet; hostile records with weight updates, some of
 #: which kill the engine; static members on noida-db's rules; the trainer's whole control plane
-#: and its faults (`worker.dev.sim.control.Trainer`). Each sends slow jobs too: without
+#: and its faults (`worker.dev.sim.control.Trainer`); trainers on the real client
+#: (`worker.dev.sim.trainer`). Each sends slow jobs too: without
 #: them only the hostile set's long rollouts outlast a revoke's grace, and the paths of parked
 #: partitions (adopted, moved, answers held for the verdict) ran in few seeds.
 FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
