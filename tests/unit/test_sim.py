@@ -781,6 +781,10 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "needs_weights_left_out_of_heartbeats": ("control", 700004, 5, "needs_weights_unsaid"),
     "replayed_record_obeyed": ("control", 700000, 3, "replay_obeyed"),
     "unanswered_applied_after_the_fleets_state": ("control", 700012, 3, "stale_start"),
+    "answers_by_job_id_only": ("trainer", 700003, 3, "trainer_wrong_answer"),
+    "finished_ids_by_job_id": ("trainer", 700003, 3, "trainer_unfinished"),
+    "expiry_on_the_monotonic_clock": ("trainer", 700003, 3, "trainer_late"),
+    "resubmission_renames_the_job": ("trainer", 700003, 3, "trainer_error"),
 }
 
 

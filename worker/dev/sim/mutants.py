@@ -10,15 +10,21 @@ invariant the checker lacks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 import msgspec
 
+from schemas import ResultAssembler
 from worker.answering.runner import JobRunner
+from worker.client import inflight
+from worker.client.inflight import InFlight
+from worker.client.rollout import RolloutClient
 from worker.control import catch_up, plane
 from worker.delivery import inheritance, offset_map
 from worker.delivery.commits import Committer
@@ -479,6 +485,66 @@ def unanswered_applied_after_the_fleets_state() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def answers_by_job_id_only() -> Iterator[None]:
+    """The trainer's client takes any answer that names a job id in flight, not only the one
+    that echoes its sending: a re-run turn, or a restarted loop's job, takes the late answer to
+    an earlier asking of its id."""
+
+    def answers(pending: Any, result: Any) -> bool:
+        return True
+
+    with mock.patch.object(inflight, "_answers", answers):
+        yield
+
+
+@contextlib.contextmanager
+def finished_ids_by_job_id() -> Iterator[None]:
+    """The assembler remembers finished jobs by id alone: a job id asked again after its
+    earlier asking was answered (a turn that failed, run again) has its real answer dropped as
+    a duplicate, and the call expires every time it is run."""
+    real = ResultAssembler.add
+
+    def add(self: ResultAssembler, result: Any) -> Any:
+        if result.job_id is not None and any(job_id == result.job_id for job_id, _ in self._done):
+            return None
+        return real(self, result)
+
+    with mock.patch.object(ResultAssembler, "add", add):
+        yield
+
+
+@contextlib.contextmanager
+def expiry_on_the_monotonic_clock() -> Iterator[None]:
+    """The client's sweep compares deadlines (wall-clock seconds) with `time.monotonic()`: no
+    job ever expires, so a call whose answer never comes never ends, and a late answer is
+    taken long after the deadline."""
+
+    async def sweep(self: RolloutClient) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            self._inflight.expire(time.monotonic())
+
+    with mock.patch.object(RolloutClient, "_sweep", sweep):
+        yield
+
+
+@contextlib.contextmanager
+def resubmission_renames_the_job() -> Iterator[None]:
+    """A resubmission renames the caller's job to the id it travels under (`<id>~retry<n>`),
+    not only its sending: the answer reaches the caller under an id it never sent."""
+    real = InFlight._retry
+
+    def retry(self: InFlight, pending: Any, failed: Any) -> bool:
+        resent = bool(real(self, pending, failed))
+        if resent:
+            pending.job = msgspec.structs.replace(pending.job, job_id=pending.wire_id)
+        return resent
+
+    with mock.patch.object(InFlight, "_retry", retry):
+        yield
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "commit_before_ack": commit_before_ack,
     "skip_record": skip_record,
@@ -507,4 +573,8 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "needs_weights_left_out_of_heartbeats": needs_weights_left_out_of_heartbeats,
     "replayed_record_obeyed": replayed_record_obeyed,
     "unanswered_applied_after_the_fleets_state": unanswered_applied_after_the_fleets_state,
+    "answers_by_job_id_only": answers_by_job_id_only,
+    "finished_ids_by_job_id": finished_ids_by_job_id,
+    "expiry_on_the_monotonic_clock": expiry_on_the_monotonic_clock,
+    "resubmission_renames_the_job": resubmission_renames_the_job,
 }
