@@ -1192,12 +1192,18 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: Seeds on which the real worker breaks an invariant the checker holds at the README's word:
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
-OPEN_DEFECTS: dict[str, Scenario] = {}
+OPEN_DEFECTS: dict[str, Scenario] = {
+    "a suspect's run-alone rule broken at eight workers: w4#4 started j170 (no deaths) while "
+    "j53, of two deaths, generated (suspect_not_alone; found by a sweep of 8 and 16 workers "
+    "after the resent-record gap of seed 700028 was closed; worker/loop/breaker.py)": (
+        flag_set_scenario("hostile", 930013, 8)
+    ),
+}
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
 #: seed that breaks only these reports an expected failure with its replay command rather than
 #: failing every commit whose hash happens to draw one. Any other violation fails.
-OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset()
+OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset({"suspect_not_alone"})
 
 
 # Defined only while a defect is open: an empty parameter set would be reported skipped.
