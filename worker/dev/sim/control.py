@@ -129,6 +129,10 @@ STEPS: Final = (
 )
 
 
+#: The share of steps after which a stale, unforced update follows (`Trainer.stale_update`).
+STALE_UPDATE_SHARE: Final = 0.1
+
+
 class Trainer:
     """The `control` flag set's trainer (see the module's docstring). Its draws come from a
     generator of its own, so the other programs of a run draw as they would without it."""
@@ -157,6 +161,9 @@ class Trainer:
         #: Every record sent (not replays), for replays.
         self.sent: list[bytes] = []
         self.paused = False
+        #: Stale updates come from a generator of their own, so the steps above draw as they
+        #: did before they were added (the recorded seeds' schedules stay as they were).
+        self.stale_rng = random.Random(f"control-stale:{scenario.seed}")  # noqa: S311
         self._count = 0
         self._restarts: set[asyncio.Task[None]] = set()
 
@@ -170,6 +177,8 @@ class Trainer:
             if self.fleet.clock.now >= self.scenario.duration_s:
                 break
             await self.step(rng.choices(names, weights)[0])
+            if self.stale_rng.random() < STALE_UPDATE_SHARE:
+                await self.stale_update()
         await self.finish()
 
     async def step(self, name: str) -> None:  # noqa: PLR0912 - one branch per step
@@ -268,6 +277,21 @@ class Trainer:
                 target=target or Target(),
             )
         )
+
+    async def stale_update(self) -> None:
+        """An update every worker refuses, not forced, and the trainer goes on as before: a
+        late retry of an earlier step (older than the fleet's weights), or a checkpoint of
+        another architecture. A worker started later must not take it for one the fleet
+        applied."""
+        if self.version <= 0:
+            return
+        if self.stale_rng.random() < 0.5:
+            version = self.stale_rng.randrange(max(0, self.version - 3), self.version)
+            path = self.checkpoint(f"v{version}")
+        else:
+            version = self.version + 1
+            path = self.checkpoint(f"other-architecture-v{version}")
+        await self.send(UpdateWeights(command_id=self._id("refused"), version=version, path=path))
 
     async def transfer(self) -> None:
         self.version += 1
