@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 from aiokafka.errors import KafkaError
 
@@ -30,9 +30,6 @@ from schemas import Command, Pause, Resume, Target, UpdateWeights, encode, sign_
 from worker.dev.sim.clients import Process, SimProducer
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.fleet import KILLS_ENGINE, Fleet
-
-if TYPE_CHECKING:
-    from worker.dev.sim.run import Scenario
 
 __all__ = [
     "CONTROL_KEY",
@@ -43,6 +40,22 @@ __all__ = [
     "send_update",
     "weight_updates",
 ]
+
+
+class ControlScenario(Protocol):
+    """What of a run's `worker.dev.sim.run.Scenario` the trainer's control reads."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def duration_s(self) -> float: ...
+    @property
+    def weight_update_every_s(self) -> float: ...
+    @property
+    def bad_update_share(self) -> float: ...
+    @property
+    def engine_killing_update_share(self) -> float: ...
+
 
 #: The key the `control` flag set's workers require commands to be signed with.
 CONTROL_KEY: Final = "sim-control-key-0123456789abcdef"
@@ -57,7 +70,11 @@ Checkpoint = Callable[[str], str]
 
 
 async def weight_updates(
-    scenario: Scenario, cluster: Cluster, rng: random.Random, checkpoint: Checkpoint, topic: str
+    scenario: ControlScenario,
+    cluster: Cluster,
+    rng: random.Random,
+    checkpoint: Checkpoint,
+    topic: str,
 ) -> None:
     """The trainer's weight updates, to the whole fleet, each version above the last; some
     name a checkpoint no worker can load, some one whose load kills the engine."""
@@ -139,7 +156,7 @@ class Trainer:
 
     def __init__(  # noqa: PLR0917
         self,
-        scenario: Scenario,
+        scenario: ControlScenario,
         fleet: Fleet,
         checkpoint: Checkpoint,
         topic: str,
