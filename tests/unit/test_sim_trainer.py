@@ -21,8 +21,8 @@ from worker.dev.sim.clients import Process, SimConsumer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.history import History
+from worker.dev.sim.kafka_clients import SimKafkaClients
 from worker.dev.sim.run import Scenario, flag_set_scenario, run
-from worker.dev.sim.trainer import SimKafkaClients
 from worker.dev.sim.trainer_checks import SLACK_S, check_trainers
 
 T = TypeVar("T")
@@ -78,7 +78,8 @@ def test_the_real_client_runs_on_simulated_clients_and_reads_from_when_it_starte
             jobs_topic="jobs",
             results_topic="results",
             timeout_s=5.0,
-            kafka_clients=SimKafkaClients(Process("trainer", cluster, random.Random(0)), "t"),
+            kafka_clients=SimKafkaClients.of_process(Process("trainer", cluster, random.Random(0))),
+            client_id="t",
         )
         await client.start()
         future = client.submit({"job_id": "j", "prompt_token_ids": [1, 2, 3]})

@@ -26,6 +26,11 @@ class SimKafkaClients:
         self._process_of = process_of
         self._linger = linger
 
+    @classmethod
+    def of_process(cls, process: Process) -> SimKafkaClients:
+        """Every client of one process (a trainer's), whatever its client id."""
+        return cls(lambda _client_id: process)
+
     def producer(self, **options: Any) -> SimProducer:
         client_id = str(options["client_id"])
         modelled: dict[str, Any] = {

@@ -53,14 +53,14 @@ from schemas import (
 )
 from worker.client.conversation import Conversation, ConversationError, new_submission_id
 from worker.client.rollout import RolloutClient, RolloutError
-from worker.dev.sim.clients import Process, SimAdmin, SimConsumer, SimProducer
+from worker.dev.sim.clients import Process, SimConsumer, SimProducer
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.history import History
+from worker.dev.sim.kafka_clients import SimKafkaClients
 
 __all__ = [
     "ASK_KEY",
     "JOB_PREFIX",
-    "SimKafkaClients",
     "TrainerPlan",
     "TrainerTopics",
     "drawn_plans",
@@ -150,35 +150,6 @@ def _plan(rng: random.Random, name: str, duration_s: float, *, reply_to: bool) -
         restart_by_kill=rng.random() < 0.5,
         restart_after_s=rng.uniform(0.5, 5.0),
     )
-
-
-class SimKafkaClients:
-    """`worker.core.clients.KafkaClients` for one simulated trainer process: its producers and
-    consumers cross the simulated network on behalf of `process`, named `client_id`."""
-
-    def __init__(self, process: Process, client_id: str) -> None:
-        self.process = process
-        self.client_id = client_id
-
-    def producer(self, **options: Any) -> SimProducer:
-        return SimProducer(
-            self.process,
-            client_id=self.client_id,
-            linger_ms=int(options.get("linger_ms", 0)),
-            request_timeout_ms=int(options.get("request_timeout_ms", 40_000)),
-            max_request_size=int(options.get("max_request_size", 1_048_576)),
-        )
-
-    def consumer(self, *topics: str, **options: Any) -> SimConsumer:
-        consumer = SimConsumer(
-            self.process, client_id=self.client_id, group_id=options.get("group_id")
-        )
-        if topics:
-            consumer.subscribe(list(topics))
-        return consumer
-
-    def admin(self, **options: Any) -> SimAdmin:
-        return SimAdmin(self.process)
 
 
 @contextlib.contextmanager
@@ -475,7 +446,8 @@ async def _trainer(
             reply_to=plan.reply_to,
             timeout_s=plan.timeout_s,
             max_retries=plan.max_retries,
-            kafka_clients=SimKafkaClients(process, f"rl-trainer-{plan.name}"),
+            kafka_clients=SimKafkaClients.of_process(process),
+            client_id=f"rl-trainer-{plan.name}",
             request_timeout_ms=plan.request_timeout_ms,
         )
         cluster.history.add("rl_begin", trainer=name)
