@@ -10,6 +10,7 @@ after it is over. Under `CI=true` a missing promtool fails these tests (`test_al
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -58,8 +59,10 @@ class Expect:
     firing: tuple[str, ...]
 
 
-def simulated_series(script: Script, tmp_path: Path) -> list[dict[str, Any]]:
-    """Run a fleet of two for `RUN_S` with `script`'s faults; return the scraped series."""
+@functools.cache
+def simulated_series(script: Script) -> list[dict[str, Any]]:
+    """Run a fleet of two for `RUN_S` with `script`'s faults; return the scraped series (a run
+    is a function of its seed and script: the no-progress run serves two tests)."""
     scraped: list[Scraper] = []
 
     async def beside(fleet: Fleet) -> None:
@@ -206,7 +209,7 @@ def test_an_alert_fires_while_its_fault_is_injected_and_not_before_or_after(
 ) -> None:
     script, expected = CASES[case]
 
-    code, said = promtool_verdict(simulated_series(script, tmp_path), expected, tmp_path)
+    code, said = promtool_verdict(simulated_series(script), expected, tmp_path)
 
     assert code == 0, said
 
@@ -216,7 +219,7 @@ def test_a_rule_that_one_paused_worker_silences_fails_the_no_progress_case(
 ) -> None:
     """The rule as it was (`unless on () max(vkw_paused) > 0`): w1's pause hid w0's stall. On
     the same simulated series, the rule tester must flag it."""
-    series = simulated_series(w1_paused_and_w0_engine_hung_from_5_to_25_minutes, tmp_path)
+    series = simulated_series(w1_paused_and_w0_engine_hung_from_5_to_25_minutes)
     rules = yaml.safe_load(ALERTS.read_text())
     for group in rules["groups"]:
         for rule in group["rules"]:
