@@ -252,6 +252,29 @@ def test_a_command_for_a_worker_that_was_down_is_applied_when_it_starts(root):
     assert {cid: a.offset for cid, a in got.sent.acks().items()} == {"p": 0, "u6": 1}
 
 
+def test_a_command_for_a_worker_that_died_in_its_catch_up_is_applied_at_the_next_start(root):
+    # A pause for w2 alone (0), sent while w2 was down, then the fleet's update (1). w2's
+    # next start acknowledged the fleet's update first (1) and died before it took up the
+    # pause; that acknowledgement was read as "w2 answered everything below 2", and the pause
+    # was forgotten for good. Seed 1100005 of the simulation's control flag set (5 workers),
+    # where the forgotten command was a superseded update left unacknowledged.
+    pause = Pause(command_id="p", target=Target(workers=["w2"]), issued_at=ISSUED_AT)
+    u6 = update(root, 6)
+    status: list[StatusMessage] = [
+        ack(u6, 1, worker="w1"),
+        heartbeat("w1", control_offset=2),
+        ack(u6, 1, worker="w2"),
+    ]
+
+    async def run() -> Started:
+        return await start(root, [encode(pause), encode(u6)], status, worker="w2", version=5)
+
+    got = asyncio.run(run())
+    assert got.engine.paused
+    assert (got.engine.weight_version, got.plane.status().pause_command_id) == (6, "p")
+    assert got.sent.acks()["p"].outcome == "ok"
+
+
 def test_a_command_for_a_worker_that_answered_it_is_not_applied_again(root):
     pause = Pause(command_id="p", target=Target(workers=["w2"]), issued_at=ISSUED_AT)
     status: list[StatusMessage] = [

@@ -1171,6 +1171,13 @@ FOUND_DEFECTS = {
     "in worker/control/catch_up.py, plan_catch_up: an update the fleet serves now counts)": (
         flag_set_scenario("control", 3069, 3)
     ),
+    "an update for w3 alone, sent while it was down, was superseded by the fleet's update; w3's "
+    "restart acknowledged the fleet's update first and died (acknowledgements lost) before "
+    "acknowledging the older one, and that later acknowledgement was read as an answer to "
+    "everything before it: the next start forgot the command (targeted_unanswered; fixed in "
+    "worker/control/catch_up.py, FleetState: an acknowledgement answers its own offset only)": (
+        flag_set_scenario("control", 1100005, 5)
+    ),
     "a restarted trainer's generate failed when the broker refused one of its jobs (a jobs "
     "partition without a leader past request_timeout_ms); gather left the group's other jobs "
     "in flight, and running the group again raised 'already in flight' until they expired "

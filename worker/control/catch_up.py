@@ -130,8 +130,13 @@ class FleetState:
     #: Ids of commands a worker of the group acknowledged `ok` or reports in force.
     applied: set[str] = field(default_factory=set)
     #: Per worker of the group, the offset below which it answered every command addressed to
-    #: it (acknowledged, or passed as not its own).
+    #: it (acknowledged, or passed as not its own), as its heartbeats say.
     answered_by: dict[str, int] = field(default_factory=dict)
+    #: Per offset, the workers of the group that acknowledged the command there. An
+    #: acknowledgement says nothing of the commands before it: a starting worker acknowledges
+    #: the fleet's state (a newer update) before the older commands it then takes up, and may
+    #: die in between.
+    acknowledged: dict[int, set[str]] = field(default_factory=dict)
 
     #: Ids of updates a worker of the group serves now (a heartbeat within three intervals).
     served_now: set[str] = field(default_factory=set)
@@ -148,8 +153,12 @@ class FleetState:
         """Whether a worker `target` addresses answered the command at `offset`: another
         worker passing over a command meant for a worker that was down answered nothing."""
         if target.workers is None:
-            return offset < self.answered_below
-        return any(self.answered_by.get(worker, 0) > offset for worker in target.workers)
+            return offset < self.answered_below or offset in self.acknowledged
+        acknowledged = self.acknowledged.get(offset, set())
+        return any(
+            self.answered_by.get(worker, 0) > offset or worker in acknowledged
+            for worker in target.workers
+        )
 
 
 @dataclass
@@ -328,8 +337,7 @@ def _take_answer(state: FleetState, value: bytes | None, group: str, now: float)
         return
     if isinstance(message, CommandAck):
         if message.offset is not None:
-            # Acknowledged in topic order: everything before it was answered too.
-            state.answer(message.worker, message.offset + 1)
+            state.acknowledged.setdefault(message.offset, set()).add(message.worker)
         if message.outcome == "ok":
             state.applied.add(message.command_id)
     elif isinstance(message, WorkerStatus):
