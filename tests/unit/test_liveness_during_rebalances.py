@@ -336,3 +336,36 @@ def test_a_forged_map_ahead_of_a_first_commit_costs_only_its_own_map():
     partition.finish(2)
     run_on_virtual_time(committer.commit_now())
     assert consumer.commits == [{TP: 3}]
+
+
+def test_a_partition_whose_map_cannot_be_read_is_held_until_it_is_and_its_suspects_are_known():
+    # Seed 930013 of the hostile flag set (8 workers): a worker joined as the coordinator went
+    # away, could not read the map of a partition within its read window and started its 14
+    # records together, one of them in flight at two deaths by that map: the breaker runs
+    # such a record alone, and could not know.
+    consumer = FakeConsumer()
+    for _ in range(4):
+        consumer.add(TP, b"{}")
+    reads: list[dict[TopicPartition, tuple[int, str]]] = []
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        if not reads:
+            raise GroupCoordinatorNotAvailableError()
+        return reads[0]
+
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics(), read_committed)
+
+    async def assign_then_read_again() -> tuple[set[TopicPartition], dict[TopicPartition, int]]:
+        assert await committer.assigned({TP}) == {}
+        held = committer.held()
+        assert await committer.read_unread() == {}  # still away: still held
+        assert TP in committer.held()
+        reads.append({TP: (1, encode_offset_map(1, [], running=[1], deaths={1: 2}))})
+        return held, await committer.read_unread()
+
+    held, positions = run_on_virtual_time(assign_then_read_again())
+    assert TP in held
+    assert positions == {TP: 1}
+    assert TP not in committer.held() and committer.unread == set()
+    assert committer.partition(TP).deaths == {1: 3}

@@ -1171,6 +1171,13 @@ FOUND_DEFECTS = {
     "in worker/control/catch_up.py, plan_catch_up: an update the fleet serves now counts)": (
         flag_set_scenario("control", 3069, 3)
     ),
+    "w4#4 joined as the coordinator went away, could not read the offset map of sim.jobs-4 "
+    "within its read window, and started all 14 of its records together: j53, in flight at "
+    "two deaths by that map, ran beside 13 others (suspect_not_alone at 8 workers; fixed in "
+    "worker/delivery/inheritance.py and worker/loop/rebalance.py: a partition whose map "
+    "cannot be read is held, and read again, until it can be)": (
+        flag_set_scenario("hostile", 930013, 8)
+    ),
     "an update for w3 alone, sent while it was down, was superseded by the fleet's update; w3's "
     "restart acknowledged the fleet's update first and died (acknowledgements lost) before "
     "acknowledging the older one, and that later acknowledgement was read as an answer to "
@@ -1199,18 +1206,12 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: Seeds on which the real worker breaks an invariant the checker holds at the README's word:
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
-OPEN_DEFECTS: dict[str, Scenario] = {
-    "a suspect's run-alone rule broken at eight workers: w4#4 started j170 (no deaths) while "
-    "j53, of two deaths, generated (suspect_not_alone; found by a sweep of 8 and 16 workers "
-    "after the resent-record gap of seed 700028 was closed; worker/loop/breaker.py)": (
-        flag_set_scenario("hostile", 930013, 8)
-    ),
-}
+OPEN_DEFECTS: dict[str, Scenario] = {}
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
 #: seed that breaks only these reports an expected failure with its replay command rather than
 #: failing every commit whose hash happens to draw one. Any other violation fails.
-OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset({"suspect_not_alone"})
+OPEN_DEFECT_INVARIANTS: frozenset[str] = frozenset()
 
 
 # Defined only while a defect is open: an empty parameter set would be reported skipped.

@@ -177,7 +177,8 @@ class Committer:
         finished out of order, so no partition is held for it: the reason is re-examined at
         every commit and on every fetch."""
         near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
-        return self._inheritance.reading | near_cap | self._held_until_commits_land()
+        inheritance = self._inheritance
+        return inheritance.reading | inheritance.unread | near_cap | self._held_until_commits_land()
 
     def _held_until_commits_land(self) -> set[TopicPartition]:
         """Every partition, while more answers than `uncommitted_answers_max` wait for a
@@ -423,6 +424,15 @@ class Committer:
         landing this member's own refused hand-overs; where to fetch each partition read from
         (`Inheritance.assigned`)."""
         return await self._inheritance.assigned(partitions)
+
+    @property
+    def unread(self) -> set[TopicPartition]:
+        """Assigned partitions held because their committed maps could not be read yet."""
+        return self._inheritance.unread
+
+    async def read_unread(self) -> dict[TopicPartition, int]:
+        """Read again the maps of the `unread` partitions (`Inheritance.read_unread`)."""
+        return await self._inheritance.read_unread()
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""

@@ -56,6 +56,10 @@ class Inheritance:
         self._live_incarnations = live_incarnations
         #: Partitions whose committed map is being read: none of their records may start yet.
         self.reading: set[TopicPartition] = set()
+        #: Partitions whose committed map could not be read as they were assigned (the
+        #: coordinator away): none of their records may start until it is (`read_unread`),
+        #: as the crash counts of their records are in it.
+        self.unread: set[TopicPartition] = set()
         # Partitions whose last owner's hand-over may still land after this member read them
         # (their map could not be read, or a live owner's hand-over was waited for in vain),
         # with the committed position as read here (None: unread), until this member's first
@@ -64,6 +68,7 @@ class Inheritance:
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         self.reading -= partitions
+        self.unread -= partitions
         for tp in partitions:
             self._read_at.pop(tp, None)
 
@@ -122,7 +127,8 @@ class Inheritance:
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read the assigned partitions' offset maps, so what they name is skipped. A map that
-        cannot be read or decoded is ignored with a warning: plain at-least-once.
+        cannot be decoded is ignored with a warning: plain at-least-once. Maps that cannot be
+        read (the coordinator away) hold their partitions until they are (`read_unread`).
 
         Returns where to fetch each partition read from: its committed position as read here,
         where that lies within the log.
@@ -150,11 +156,39 @@ class Inheritance:
         await self._hand_overs.land()
         if self._read_committed is None or not partitions:
             return {}
-        alive = AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
         maps = await self._first_read(partitions)
         if maps is None:
             self._read_at.update(dict.fromkeys(partitions))
+            self.unread |= partitions
             return {}
+        return await self._take(maps)
+
+    async def read_unread(self) -> dict[TopicPartition, int]:
+        """Read again the maps of the `unread` partitions still assigned; where to fetch each
+        partition read from (as `assigned`). Nothing while they still cannot be read."""
+        if not self.unread or self._read_committed is None:
+            return {}
+        maps = await self._read_maps(set(self.unread))
+        if maps is None:
+            return {}
+        # Revoked meanwhile: for their next owner to read.
+        read = set(self.unread)
+        maps = {tp: entry for tp, entry in maps.items() if tp in read}
+        self.unread -= read
+        for tp in read:
+            self._read_at.pop(tp, None)
+        logger.info(
+            "read the committed offset maps of %s; their records start",
+            ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(read)),
+        )
+        return await self._take(maps)
+
+    async def _take(
+        self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]]
+    ) -> dict[TopicPartition, int]:
+        """Take the maps read into the tracker (waiting a little for live owners'
+        hand-overs); where to fetch each partition from."""
+        alive = AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
         for tp in await self._await_hand_overs(maps, alive):
             self._read_at[tp] = maps[tp][0]
         alive.waited()
@@ -219,7 +253,11 @@ class Inheritance:
                 break
             await asyncio.sleep(_HAND_OVER_POLL_S)
         if maps is None:
-            logger.warning("cannot read the committed offset maps; answered records may run again")
+            logger.warning(
+                "cannot read the committed offset maps of %d assigned partitions; their records "
+                "wait until they can be read (the crash-loop breaker's counts are there)",
+                len(partitions),
+            )
         return maps
 
     async def _read_maps(

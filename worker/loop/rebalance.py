@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Final
 
 from aiokafka import ConsumerRecord, TopicPartition
 
@@ -30,6 +31,9 @@ from worker.loop.inflight import InFlight
 __all__ = ["Rebalances"]
 
 logger = logging.getLogger(__name__)
+
+#: How often the committed maps that could not be read at an assignment are read again.
+_UNREAD_RETRY_S: Final = 0.5
 
 
 class Rebalances:
@@ -67,6 +71,8 @@ class Rebalances:
         # committed offset after the rewind past its last start (its lookup of the committed
         # offsets lands later), and the records up to that start were started here already.
         self._adopted: set[TopicPartition] = set()
+        # Reads again the committed maps of assigned partitions that could not be read.
+        self._rereading: asyncio.Task[None] | None = None
 
     def may_start(self, tp: TopicPartition) -> bool:
         """Whether records of `tp`, an assigned partition, may start: not while it is being
@@ -197,10 +203,30 @@ class Rebalances:
             )
             # The hand-over named them running but blamed nothing: a death now must.
             self._committer.tick(due=True)
+        if self._committer.unread and self._rereading is None:
+            self._rereading = asyncio.create_task(self._read_unread(), name="read unread maps")
         if assigned and self._has_room():
             self._gate.resume(assigned)
         self._metrics.assigned_partitions.set(len(self._gate.assignment()))
         logger.info("assigned %s", sorted(map(str, assigned)))
+
+    async def _read_unread(self) -> None:
+        """Until every assigned partition's committed map is read: read the unread ones again
+        (held meanwhile: the crash counts of their records are in those maps, and a suspect
+        run beside others would take them down with it) and fetch each from its committed
+        position once read; the loop's next fetch resumes them."""
+        try:
+            while self._committer.unread:
+                await asyncio.sleep(_UNREAD_RETRY_S)
+                for tp, position in (await self._committer.read_unread()).items():
+                    self._gate.rewind(tp, position)
+        finally:
+            self._rereading = None
+
+    async def close(self) -> None:
+        if self._rereading is not None:
+            self._rereading.cancel()
+            await asyncio.gather(self._rereading, return_exceptions=True)
 
     async def stopping(self) -> None:
         """A stop began: partitions revoked and never assigned back are the next owner's, and

@@ -198,6 +198,7 @@ class Worker:
             self._delivery.start()
             stack.push_async_callback(self._delivery.close)
             stack.push_async_callback(self._committer.close)
+            stack.push_async_callback(self._rebalances.close)
             self._serving = True
             await self._gate.start(s.jobs_topic, _RebalanceListener(self))
             logger.info(
