@@ -1,8 +1,9 @@
 """The consume loop: fetch job records, start a job for each, keep polling, drain on stop.
 
-A fetched record goes down, never back: `AnswerBuilder` turns it into an answer, `Delivery`
-gets that acknowledged and finishes the offset on the `Committer`'s tracker, which commits it.
-The worker coordinates: the in-flight cap, the fatal flag, shutdown; `Rebalances`
+A fetched record goes down, never back: `JobStarts` (`worker.loop.starts`) decides which start
+and runs each, `AnswerBuilder` turns it into an answer, `Delivery` gets that acknowledged and
+finishes the offset on the `Committer`'s tracker, which commits it. The worker coordinates: the
+in-flight cap, the fatal flag, the stop (`Shutdown`, `worker.loop.shutdown`); `Rebalances`
 (`worker.loop.rebalance`) does what the group's rebalances ask of the partitions it holds.
 """
 
@@ -13,10 +14,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
@@ -27,16 +28,17 @@ from worker.core.errors import BrokerError, FatalError
 from worker.core.kafka import TopicConfigReader, broker_has_topic
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
-from worker.core.shutdown import bounded
 from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
 from worker.delivery.offsets import PartitionOffsets
-from worker.delivery.publish import Delivery, Ticket
+from worker.delivery.publish import Delivery
 from worker.delivery.renewal import RenewableProducer
 from worker.engines.protocol import Engine
-from worker.loop.breaker import CrashLoopBreaker, Suspect, stop_blames_running_jobs
-from worker.loop.gate import Batch, PartitionGate
+from worker.loop.breaker import CrashLoopBreaker
+from worker.loop.gate import PartitionGate
 from worker.loop.inflight import InFlight
 from worker.loop.rebalance import Rebalances
+from worker.loop.shutdown import Shutdown
+from worker.loop.starts import JobStarts
 from worker.loop.version_holds import VersionHolds
 from worker.loop.watchdog import Watchdog
 
@@ -102,8 +104,6 @@ class Worker:
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
-        #: When the stop's grace ends (`time.monotonic()`), once a drain has begun.
-        self._grace_ends = 0.0
         self._serving = False
         # Owned here when made here: closed with the other clients.
         self._topic_configs: TopicConfigReader | None = None
@@ -173,6 +173,28 @@ class Worker:
             gate=self._gate,
             has_room=lambda: self._in_flight() < self.max_in_flight,
         )
+        self._starts = JobStarts(
+            answers=self._answers,
+            committer=self._committer,
+            breaker=self._breaker,
+            holds=self._holds,
+            gate=self._gate,
+            rebalances=self._rebalances,
+            jobs=self._jobs,
+            delivery=self._delivery,
+            metrics=self.metrics,
+            fail=self._fail,
+        )
+        self._shutdown = Shutdown(
+            settings,
+            rebalances=self._rebalances,
+            committer=self._committer,
+            jobs=self._jobs,
+            delivery=self._delivery,
+            producer=producer,
+            gate=self._gate,
+            topic_configs=self._topic_configs,
+        )
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
         self.metrics.crash_suspects.set_function(self._breaker.suspects)
@@ -213,7 +235,7 @@ class Worker:
             try:
                 await self._consume_loop()
             finally:
-                await self._drain()
+                await self._shutdown.drain(self._fatal)
         if self._fatal is not None:
             logger.error("stopped on a fatal error: %s", self._fatal)
             return 1
@@ -240,7 +262,7 @@ class Worker:
                     async with asyncio.timeout(self._full_wait_s):
                         await self._wake.wait()
                 except TimeoutError:
-                    await self._start_jobs(await gate.poll_paused())
+                    await self._starts.start(await gate.poll_paused())
             elif gate.holds_everything():
                 # Nothing may be fetched: a fetch would wait out its whole timeout, however soon
                 # the hold ends. After a death the breaker holds every partition around each
@@ -249,7 +271,7 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(s.poll_timeout_ms / 1000):
                         await self._wake.wait()
-                await self._start_jobs(await gate.poll_paused())
+                await self._starts.start(await gate.poll_paused())
             else:
                 try:
                     batch = await gate.fetch(free, s.poll_timeout_ms)
@@ -259,194 +281,15 @@ class Worker:
                         continue
                     self._fatal = BrokerError(f"cannot fetch from {s.jobs_topic}: {exc!r}")
                     break
-                await self._start_jobs(batch)
+                await self._starts.start(batch)
             if (found := await self._watchdog.check()) is not None:
                 self._fail(*found)
-
-    async def _start_jobs(self, batch: Batch) -> None:
-        if not batch:
-            return
-        assigned = self._gate.assignment()
-        runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]] = []
-        for tp, fetched in batch.items():
-            # Else revoked (or being revoked) since the fetch: the next owner reads it.
-            if tp in assigned and self._rebalances.may_start(tp):
-                runnable += self._runnable(tp, fetched)
-        if chosen := self._breaker.chosen():
-            runnable = await self._confirm_chosen(chosen, runnable)
-        elif retried := [r for r in runnable if self._breaker.retries(r[1], r[2].offset)]:
-            # A suspect of one death runs again beside the others once a commit names it
-            # running: a death then counts against it, and a record that kills the process at
-            # once reaches the breaker's limit instead of dying unseen for ever.
-            if not await self._committer.write_ahead_exact():
-                logger.warning(
-                    "the commit before retrying %d suspects of a crash did not land; they wait",
-                    len(retried),
-                )
-                # Each is the last start of its partition (`CrashLoopBreaker.take`).
-                waiting: set[TopicPartition] = set()
-                for tp, partition, record in retried:
-                    if self._take_back(tp, partition, record.offset):
-                        waiting.add(tp)
-                self._breaker.retry_later(waiting)
-                taken_back = {id(r) for r in retried}
-                runnable = [r for r in runnable if id(r) not in taken_back]
-        elif self._breaker.enabled and runnable:
-            # Written ahead: the commit names these as running before any of them runs, so if
-            # one kills the process, the next owner knows which records were in flight.
-            await self._committer.write_ahead()
-        for tp, partition, record in runnable:
-            if (
-                self._rebalances.revoking(tp)
-                or not self._committer.holds(tp, partition)
-                or record.offset < partition.floor
-            ):
-                # Revoked while the commit above was awaited (and maybe assigned back, from
-                # the committed position): its next owner runs it, and only once. Or answered
-                # by the last owner, whose hand-over that commit found landed after all.
-                self._rebalances.not_run(tp, partition)
-                continue
-            self._jobs.start(tp, functools.partial(self._job, tp, partition, record))
-
-    async def _confirm_chosen(
-        self,
-        chosen: list[Suspect],
-        runnable: list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]],
-    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
-        """`runnable`, less the `chosen` suspects when the commit naming them as running did
-        not land. They run alone (or together) only once one does: a death then blames them,
-        and none of the jobs that ran before them."""
-        landed = await self._committer.write_ahead_exact()
-        if not landed:
-            logger.warning(
-                "the commit before running %d suspects of a crash alone or together did not "
-                "land; they wait: %s",
-                len(chosen),
-                ", ".join(f"{s.tp.topic}-{s.tp.partition}@{s.offset}" for s in chosen),
-            )
-            # Last started first: each is taken back as its partition's last start.
-            for suspect in reversed(chosen):
-                self._take_back(suspect.tp, suspect.partition, suspect.offset)
-            waits = {(s.tp, s.offset) for s in chosen}
-            runnable = [r for r in runnable if (r[0], r[2].offset) not in waits]
-        self._breaker.confirmed(landed)
-        return runnable
-
-    def _take_back(self, tp: TopicPartition, partition: PartitionOffsets, offset: int) -> bool:
-        """`offset` of `tp` does not start now: fetch it again later. False when `tp` moved
-        while the commit before it was awaited (aiokafka runs a whole rebalance beside the
-        loop meanwhile): its owner now, maybe this member again, reads it from the committed
-        position, and seeking a partition no longer assigned raises."""
-        if not self._committer.holds(tp, partition):
-            self._rebalances.not_run(tp, partition)
-            return False
-        partition.unstart(offset)
-        self._gate.rewind(tp, offset)
-        return True
-
-    def _runnable(
-        self, tp: TopicPartition, fetched: list[ConsumerRecord[bytes, bytes]]
-    ) -> list[tuple[TopicPartition, PartitionOffsets, ConsumerRecord[bytes, bytes]]]:
-        """Of one partition's fetched records, those to run now. Those that wait (for newer
-        weights, or behind a suspect of a crash) are fetched again later; those answered
-        before a crash or rebalance are skipped; those in flight at too many crashes are
-        answered at once, without running."""
-        fetched = self._rebalances.not_started(tp, fetched)
-        if not fetched:
-            return []
-        if self._breaker.blocks(tp):
-            # Suspects of a crash run alone: nothing of any partition starts beside them.
-            self._gate.rewind(tp, fetched[0].offset)
-            return []
-        records, rewind_to = self._holds.runnable(tp, fetched)
-        if rewind_to is not None:
-            self._gate.rewind(tp, rewind_to)
-        if not records:
-            return []
-        partition = self._committer.partition(tp)
-        if self._breaker.enabled and partition.deaths:
-            taken = self._breaker.take(tp, partition, records)
-            if taken.rewind_to is not None:
-                self._gate.rewind(tp, taken.rewind_to)
-            for record, deaths in taken.crash_looped:
-                self._jobs.start(
-                    tp, functools.partial(self._job, tp, partition, record, deaths=deaths)
-                )
-            return [(tp, partition, record) for record in taken.run]
-        runnable = []
-        for record in records:
-            if partition.start(record.offset):
-                runnable.append((tp, partition, record))
-            else:  # answered before a crash or rebalance, as the committed map says
-                self.metrics.skipped.inc()
-        return runnable
-
-    async def _job(
-        self,
-        tp: TopicPartition,
-        partition: PartitionOffsets,
-        record: ConsumerRecord[bytes, bytes],
-        slot: int,
-        *,
-        deaths: int = 0,
-    ) -> None:
-        """Answer one record and hand the answer on. Only cancellation and fatal errors leave
-        without an answer; both leave the offset unfinished, so the record is redelivered.
-        `deaths`: the record is not run but answered as having been in flight at that many
-        process deaths."""
-        try:
-            if deaths:
-                answer = await self._answers.crash_looped(tp, record, deaths)
-            else:
-                expired = self._holds.gave_up(tp, record.offset)
-                answer = await self._answers.answer(tp, record, expired=expired)
-            # Answered while its partition was revoked: sent only if it comes back here, or
-            # its next owner, running it again, would send a second answer.
-            if not await self._rebalances.answer_stays(tp, partition):
-                logger.info(
-                    "job at %s-%s@%s answered after its partition moved; its answer is "
-                    "dropped, the new owner runs it",
-                    tp.topic,
-                    tp.partition,
-                    record.offset,
-                )
-                return
-            ticket = Ticket(tp, partition, record.offset, answer)
-            if not self._delivery.queue(ticket):
-                await self._delivery.send_alone(ticket)
-            # The answer is counted in the outbox now; counted here too, it would count twice.
-            self._jobs.release(slot)
-        except asyncio.CancelledError:
-            logger.info(
-                "job at %s-%s@%s cancelled; left uncommitted for redelivery",
-                tp.topic,
-                tp.partition,
-                record.offset,
-            )
-            raise
-        except FatalError as exc:
-            self._fail(exc, f"{tp.topic}-{tp.partition}@{record.offset}")
 
     async def close_clients(self) -> None:
         """Stop the consumer (leaving the group), then the producer. `run` does it on its way
         out; whoever built the worker does it when `run` never started. Stopping twice is a
         no-op."""
-        close_s = self._settings.close_timeout_s
-        # A scaled-in static member leaves as its consumer closes, after the join it may
-        # have under way; the leave is tried while the coordinator is away, for what the drain
-        # left of the grace (the supervisor waits that long anyway) and half of
-        # --close-timeout-s; its other half is for the rest of the close.
-        leave_within_s = max(self._grace_ends - time.monotonic(), 0.0) + close_s / 2
-        stop = functools.partial(
-            self._gate.stop,
-            leave=self._settings.leave_group_on_stop
-            and self._settings.group_instance_id is not None,
-            leave_within_s=leave_within_s,
-        )
-        await bounded(stop, "consumer stop", leave_within_s + close_s / 2)
-        await bounded(self._producer.stop, "producer stop", self._settings.close_timeout_s)
-        if self._topic_configs is not None:
-            await bounded(self._topic_configs.close, "admin client close", close_s)
+        await self._shutdown.close_clients()
 
     def assignment(self) -> set[TopicPartition]:
         """The partitions this worker holds now."""
@@ -509,54 +352,6 @@ class Worker:
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         await self._rebalances.assigned(assigned)
-
-    async def _drain(self) -> None:
-        """Stop: let jobs finish within the grace period, cancel the rest, commit what finished."""
-        # Jobs get the grace unless a fatal error stopped the worker (they cannot finish then);
-        # the hand-over gets it either way, to wait out a coordinator that is away.
-        grace = 0.0 if self._fatal is not None else self._settings.shutdown_grace_s
-        # Revoked and never assigned back: their jobs are the next owner's to run.
-        await self._rebalances.stopping()
-        grace_ends = self._grace_ends = time.monotonic() + self._settings.shutdown_grace_s
-        # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
-        clean = not stop_blames_running_jobs(self._fatal)
-        if clean:
-            # Handed over at once: a supervisor's kill before the drain ends blames no job.
-            await bounded(
-                self._committer.hand_over, "hand-over commit", self._settings.close_timeout_s
-            )
-        if busy := self._jobs.busy():
-            logger.info("draining %d jobs (grace %.1fs)", busy, grace)
-        await self._settle(None, grace)
-        await bounded(self._producer.flush, "flush", self._settings.close_timeout_s)
-        await asyncio.sleep(0)  # acknowledgements the flush resolved mark their offsets
-        close_s = self._settings.close_timeout_s
-        final_commit: Callable[[], Awaitable[object]]
-        if clean:
-            # Tried again until the grace ends (and --close-timeout-s past what the drain
-            # took of it), also after a fatal error that blames nobody (a weight update that
-            # left no engine: seeds 73476 and 73583 of `--weight-update-every-s 4
-            # --engine-killing-updates 0.3`, during a coordinator outage): a hand-over that
-            # never lands makes the next owner blame these jobs for a death, and the grace is
-            # there to wait out a coordinator that is away.
-            budget_s = max(grace_ends - time.monotonic(), 0.0) + close_s
-            final_commit = functools.partial(
-                self._committer.hand_over_until, time.monotonic() + budget_s
-            )
-        else:
-            budget_s = close_s
-            final_commit = functools.partial(self._committer.commit_now, clean=False)
-        await bounded(final_commit, "final commit", budget_s)
-        self._delivery.stop_resending()
-
-    async def _settle(self, partitions: set[TopicPartition] | None, grace_s: float) -> None:
-        """Give the jobs of `partitions` (all when None) `grace_s` to be answered and
-        acknowledged, then cancel what is still running. Their offsets stay unfinished, so
-        their records are redelivered."""
-        deadline = time.monotonic() + grace_s
-        await self._jobs.settle(partitions, grace_s)
-        await self._delivery.settle(partitions, deadline)
-        await self._jobs.abort(partitions)
 
 
 class _RebalanceListener(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -35,7 +35,7 @@ from worker.delivery.outbox import Outbox
 from worker.delivery.publish import Delivery
 from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.rebalance import Rebalances
-from worker.loop.worker import Worker
+from worker.loop.starts import JobStarts
 
 __all__ = ["MUTANTS"]
 
@@ -60,9 +60,9 @@ def commit_before_ack() -> Iterator[None]:
 @contextlib.contextmanager
 def skip_record() -> Iterator[None]:
     """Marks every 41st record answered without running it."""
-    real = Worker._runnable
+    real = JobStarts._runnable
 
-    def runnable(self: Worker, tp: Any, fetched: list[Any]) -> Any:
+    def runnable(self: JobStarts, tp: Any, fetched: list[Any]) -> Any:
         kept = []
         for record in fetched:
             if record.offset % 41 == 7:
@@ -73,7 +73,7 @@ def skip_record() -> Iterator[None]:
                 kept.append(record)
         return real(self, tp, kept) if kept else []
 
-    with mock.patch.object(Worker, "_runnable", runnable):
+    with mock.patch.object(JobStarts, "_runnable", runnable):
         yield
 
 
