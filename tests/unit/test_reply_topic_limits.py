@@ -487,3 +487,25 @@ async def test_a_reply_topics_check_waits_at_most_its_bound_in_all(monkeypatch):
     started = asyncio.get_running_loop().time()
     await topics.check(REPLY)
     assert asyncio.get_running_loop().time() - started <= 0.5 + 0.05
+
+
+async def test_a_reply_topic_too_small_for_any_answer_is_answered_on_the_results_topic():
+    # A job named a reply topic whose max.message.bytes is below the smallest answer: the
+    # refused minimal answer stopped the worker ("refused even the smallest answer"), and
+    # its restart met the same record. Anyone who can write a job could stop a worker so.
+    for limit_known in (False, True):
+        producer = IdempotentBroker({REPLY: 120})
+
+        async def limit(topic: str, known: bool = limit_known) -> int | None:
+            return 120 if topic == REPLY and known else None
+
+        values = [_job("tiny", 2), _job("plain", 2, None), _job("after", 2)]
+        status, answered, _ = await _serve(producer, values, limit_lookup=limit)
+        assert status == 0, limit_known
+        (tiny,) = answered["tiny"]
+        assert isinstance(tiny, Failed) and REPLY in tiny.error.detail, limit_known
+        assert any(isinstance(r, Completed) for r in answered["plain"]), limit_known
+        on_results = {
+            decode_result(v or b"").job_id for t, _, v, _ in producer.sent if t == RESULTS
+        }
+        assert {"tiny", "plain", "after"} <= on_results, limit_known

@@ -493,10 +493,16 @@ class Delivery:
         record: OutRecord = ticket.answer.records[index]
         smaller = self._smaller(ticket.answer, index, refused_by)
         if smaller is None:
-            raise BrokerError(
-                f"{refused_by} refused even the smallest answer ({record.size} bytes) for "
-                f"{record.topic}; its max.message.bytes is too small to answer jobs"
+            # A job's reply topic too small for any answer is the job's fault, not the
+            # worker's: its answer goes to the results topic (and the topic's later jobs too).
+            # Only the results or dead-letter topic being that small stops the worker.
+            self._redirect(
+                ticket,
+                index,
+                f"{refused_by} refused even the smallest answer ({record.size} bytes); its "
+                "max.message.bytes is too small to answer jobs",
             )
+            return
         logger.warning(
             "%s refused a %d-byte record for %s; sending a smaller answer",
             refused_by,
