@@ -55,6 +55,8 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         mutant=args.mutant,
         control=args.control,
         trainer=args.trainer,
+        late_hand_over_outages=args.late_hand_over_outages,
+        stops_in_hand_overs=args.stops_in_hand_overs,
     )
 
 
@@ -111,6 +113,18 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="share of valid jobs about as long as the revoke grace (rebalances find them running)",
+    )
+    parser.add_argument(
+        "--late-hand-over-outages",
+        type=float,
+        default=0.0,
+        help="share of hand-overs landed after their rebalance that a coordinator outage follows",
+    )
+    parser.add_argument(
+        "--stops-in-hand-overs",
+        type=float,
+        default=0.0,
+        help="share of hand-overs made in a rebalance answered late while a SIGTERM comes",
     )
     parser.add_argument(
         "--weight-update-every-s", type=float, default=0.0, help="weight updates (0: none)"

@@ -632,7 +632,7 @@ class SimConsumer:
         self, offsets: dict[TopicPartition, tuple[int, str]]
     ) -> dict[TopicPartition, KafkaError]:
         member_id, generation = self.member_id, self.generation
-        return await self._to_coordinator(
+        errors = await self._to_coordinator(
             lambda: self.cluster.commit(
                 self.group_id or "",
                 member_id,
@@ -642,6 +642,11 @@ class SimConsumer:
                 now=self.process.now(),
             )
         )
+        if delay_s := self.cluster.commit_answer_delay_s.pop(self.client_id, 0.0):
+            await asyncio.sleep(delay_s)
+            if not self.process.alive:
+                await self.process.silent()
+        return errors
 
 
 def _offset_and_metadata(value: Any) -> tuple[int, str]:

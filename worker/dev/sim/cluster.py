@@ -176,6 +176,15 @@ class Cluster:
         #: it stay in `Topic.logs` for the checker, which judges the whole history; clients
         #: read from it on.
         self.log_start: dict[TopicPartition, int] = {}
+        #: Told of each commit the group takes, once it is stored: the group, the committing
+        #: member (None outside group management), its client id and the partitions. The
+        #: fault schedule acts on some (`worker.dev.sim.run`); nothing may be awaited there.
+        self.commit_watchers: list[
+            Callable[[Group, Member | None, str, list[TopicPartition]], None]
+        ] = []
+        #: Extra seconds the answer to a client's next commit takes (client id -> seconds): the
+        #: commit is stored, its answer late, as `ack_delay_s` does for a produce.
+        self.commit_answer_delay_s: dict[str, float] = {}
 
     # -- topics ---------------------------------------------------------------------------
 
@@ -575,7 +584,15 @@ class Cluster:
                 error="OffsetMetadataTooLargeError",
                 tps=sorted(_tp(tp) for tp in errors),
             )
+        self._watched(group, member_id, client_id, sorted(tp for tp in offsets if tp not in errors))
         return errors
+
+    def _watched(
+        self, group: Group, member_id: str, client_id: str, stored: list[TopicPartition]
+    ) -> None:
+        if stored:
+            for watcher in self.commit_watchers:
+                watcher(group, group.members.get(member_id), client_id, stored)
 
     def fetch_committed(
         self, group_id: str, partitions: list[TopicPartition]

@@ -22,10 +22,11 @@ from aiokafka.structs import TopicPartition
 
 from schemas import Job, SamplingSpec, encode
 from worker.core.config import Settings
+from worker.delivery.offset_map import OffsetMapError, decode_offset_map
 from worker.dev.sim.checker import Bounds, Kind, Ledger, Violation, check, wedged_from
 from worker.dev.sim.clients import Process, SimProducer
 from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
-from worker.dev.sim.cluster import Cluster, Flavour, GroupState
+from worker.dev.sim.cluster import Cluster, Flavour, Group, GroupState, Member
 from worker.dev.sim.control import CONTROL_KEY, START_VERSION, Trainer, weight_updates
 from worker.dev.sim.control_checks import ControlBounds, check_control
 from worker.dev.sim.fleet import Fleet
@@ -79,6 +80,11 @@ HOSTILE_SHARES: Final = {
 SLOW_FACTOR: Final = 30
 #: The share of slow jobs the net's flag sets send (`FLAG_SETS`).
 SLOW_SHARE: Final = 0.02
+#: The share of late hand-overs that a coordinator outage follows in the net's flag sets.
+LATE_HAND_OVER_OUTAGES: Final = 0.5
+#: The share of hand-overs during a rebalance whose member a SIGTERM reaches in the net's
+#: flag sets.
+STOPS_IN_HAND_OVERS: Final = 0.3
 
 #: The longest a run settles after its faults, in settle periods, however late deaths go on.
 MAX_SETTLE_ROUNDS: Final = 3
@@ -144,6 +150,13 @@ class Scenario:
     #: Trainers on the real `RolloutClient` beside the raw one (`worker.dev.sim.trainer`),
     #: judged by `worker.dev.sim.trainer_checks`.
     trainer: bool = False
+    #: Share of hand-overs landed after their rebalance (by a member the group no longer
+    #: assigns the partition to) that a coordinator outage follows at once
+    #: (`_LateHandOverOutages`), drawn from a generator of its own.
+    late_hand_over_outages: float = 0.0
+    #: Share of hand-overs made as the group prepares a rebalance whose answer comes late while
+    #: a SIGTERM reaches their member (`_StopsInHandOvers`), drawn from a generator of its own.
+    stops_in_hand_overs: float = 0.0
 
 
 #: The flag sets of `bench/sim.py` the net is proved on (`bench/mutants.py`, and the fresh
@@ -153,11 +166,18 @@ class Scenario:
 #: (`worker.dev.sim.trainer`). Each sends slow jobs too: without
 #: them only the hostile set's long rollouts outlast a revoke's grace, and the paths of parked
 #: partitions (adopted, moved, answers held for the verdict) ran in few seeds.
+_NET: Final = (
+    "--slow-jobs",
+    str(SLOW_SHARE),
+    "--late-hand-over-outages",
+    str(LATE_HAND_OVER_OUTAGES),
+    "--stops-in-hand-overs",
+    str(STOPS_IN_HAND_OVERS),
+)
 FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
-    "default": ("--slow-jobs", str(SLOW_SHARE)),
+    "default": _NET,
     "hostile": (
-        "--slow-jobs",
-        str(SLOW_SHARE),
+        *_NET,
         "--hostile",
         "invalid,crash,long,reply_small,reply_locked",
         "--weight-update-every-s",
@@ -165,9 +185,9 @@ FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
         "--engine-killing-updates",
         "0.3",
     ),
-    "noida": ("--slow-jobs", str(SLOW_SHARE), "--flavour", "noida", "--static"),
-    "control": ("--slow-jobs", str(SLOW_SHARE), "--control"),
-    "trainer": ("--slow-jobs", str(SLOW_SHARE), "--trainer"),
+    "noida": (*_NET, "--flavour", "noida", "--static"),
+    "control": (*_NET, "--control"),
+    "trainer": (*_NET, "--trainer"),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -197,6 +217,8 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         mutant=mutant,
         control=flags == "control",
         trainer=flags == "trainer",
+        late_hand_over_outages=LATE_HAND_OVER_OUTAGES,
+        stops_in_hand_overs=STOPS_IN_HAND_OVERS,
     )
 
 
@@ -379,6 +401,7 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
             name="control",
         ),
     ]
+    _watch_commits(scenario, fleet)
     if scenario.script is not None:
         background.append(asyncio.create_task(scenario.script(fleet), name="script"))
     trainers_done = asyncio.Event()
@@ -663,6 +686,121 @@ async def _faults(  # noqa: PLR0912 - one branch per fault kind
                 _later_call(loop, rng.uniform(0.1, 1.0), setattr, cluster, "lose_acks", False)
             case _:
                 pass
+
+
+def _watch_commits(scenario: Scenario, fleet: Fleet) -> None:
+    """The faults that follow a commit the group took, each on a generator of its own."""
+    if scenario.late_hand_over_outages and "coordinator_outage" in scenario.faults:
+        fleet.cluster.commit_watchers.append(_LateHandOverOutages(scenario, fleet))
+    if scenario.stops_in_hand_overs and "sigterm" in scenario.faults:
+        fleet.cluster.commit_watchers.append(_StopsInHandOvers(scenario, fleet))
+
+
+class _LateHandOverOutages:
+    """A coordinator outage that begins just after a member lands the hand-over of a partition
+    the group has assigned to another member (a hand-over the group refused during the
+    rebalance, made again after rejoining: `RefusedHandOvers.land`), and outlasts the new
+    owner's bounded reads of the committed offsets (`--commit-timeout-s`, and the wait for a
+    live last owner's hand-over after it).
+
+    The new owner looked the partition's position up as it joined, or read the map the hand-
+    over replaced, before it landed; it cannot read again until the coordinator is back, so it
+    fetches from there, behind what the last owner answered. Kafka's group coordinator moves
+    at any moment (a broker restart, a leader change of `__consumer_offsets`), also in the
+    milliseconds after a commit; at random times the schedule's own outages almost never fall
+    in that window. Once the coordinator is back, the new owner's first commit finds the group
+    ahead of it and takes that position over (`PartitionOffsets.overtaken`).
+
+    Drawn from a generator of its own: the rest of a run draws what it would without it."""
+
+    def __init__(self, scenario: Scenario, fleet: Fleet) -> None:
+        self._scenario = scenario
+        self._fleet = fleet
+        self._rng = random.Random(f"{scenario.seed}-late-hand-over-outage")  # noqa: S311
+
+    def __call__(
+        self, group: Group, member: Member | None, _client_id: str, tps: list[TopicPartition]
+    ) -> None:
+        cluster, clock = self._fleet.cluster, self._fleet.clock
+        if cluster.coordinator_down or clock.now >= self._scenario.duration_s or member is None:
+            return
+        others = [tp for tp in tps if tp not in member.assignment]
+        if not others or self._rng.random() >= self._scenario.late_hand_over_outages:
+            return
+        tp, member_id = others[0], member.member_id
+        loop = asyncio.get_running_loop()
+        # Before the new owner's next read (it reads every 0.1 s while it waits for the
+        # hand-over), for longer than its reads go on (5 s, or 2 s of waiting and 5 more).
+        _later_call(loop, self._rng.uniform(0.0, 0.05), self._down, tp, member_id)
+        self._back_after = self._rng.uniform(7.5, 12.0)
+
+    def _down(self, tp: TopicPartition, member_id: str) -> None:
+        cluster = self._fleet.cluster
+        if cluster.coordinator_down:
+            return
+        cluster.coordinator_down = True
+        self._fleet.history.add(
+            "fault",
+            fault="coordinator_outage",
+            victim=None,
+            after_hand_over_of=f"{tp.topic}-{tp.partition}",
+            by=member_id,
+        )
+        _later_call(asyncio.get_running_loop(), self._back_after, _coordinator_back, self._fleet)
+
+
+class _StopsInHandOvers:
+    """A SIGTERM that reaches a member while the answer to its revoke's hand-over is on its
+    way: the coordinator stored the commit, made as the group prepares a rebalance, and
+    answers it late (a slow follower of `__consumer_offsets`; the broker waits up to
+    `offsets.commit.timeout.ms`, 5 s by default, `GroupCoordinatorConfig`), and a rolling
+    restart stops the member meanwhile.
+
+    The member parked the partitions whose jobs outlasted the revoke's grace; the stop decides
+    their fate before the hand-over's answer comes back, and they are let go rather than kept
+    (`Committer.drop_parked`, from `Rebalances.revoked`). At random times a SIGTERM almost
+    never falls in the few milliseconds a hand-over takes.
+
+    Drawn from a generator of its own: the rest of a run draws what it would without it."""
+
+    def __init__(self, scenario: Scenario, fleet: Fleet) -> None:
+        self._scenario = scenario
+        self._fleet = fleet
+        self._rng = random.Random(f"{scenario.seed}-stop-in-hand-over")  # noqa: S311
+
+    def __call__(
+        self, group: Group, member: Member | None, client_id: str, tps: list[TopicPartition]
+    ) -> None:
+        fleet = self._fleet
+        if (
+            member is None
+            or group.state is not GroupState.PREPARING_REBALANCE
+            or fleet.clock.now >= self._scenario.duration_s
+            or not any(self._parks(group.group_id, tp) for tp in tps)
+        ):
+            return
+        if self._rng.random() >= self._scenario.stops_in_hand_overs:
+            return
+        worker_id = fleet.process_of(client_id).name.split("#")[0]
+        if not _serving_beside(fleet, worker_id):
+            return
+        # Within the hand-over's --commit-timeout-s (5 s), so that it lands.
+        delay_s = self._rng.uniform(0.5, 4.0)
+        fleet.cluster.commit_answer_delay_s[client_id] = delay_s
+        loop = asyncio.get_running_loop()
+        grace_s = 60.0
+        _later_call(loop, self._rng.uniform(0.0, delay_s), fleet.terminate, worker_id, grace_s)
+        _later(loop, grace_s + self._rng.uniform(0.5, 5.0), fleet.start, worker_id)
+
+    def _parks(self, group_id: str, tp: TopicPartition) -> bool:
+        """Whether the commit stored for `tp` is a hand-over naming jobs still running: its
+        member parks the partition."""
+        position, metadata = self._fleet.cluster.committed[(group_id, tp)]
+        try:
+            written = decode_offset_map(position, metadata)
+        except OffsetMapError:
+            return False
+        return written.clean and bool(written.running - written.answered)
 
 
 def _checkpoint(name: str) -> str:
