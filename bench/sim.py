@@ -31,7 +31,7 @@ from worker.dev.sim.checker import Kind
 from worker.dev.sim.cluster import Flavour
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import PATHS
-from worker.dev.sim.run import HOSTILE_SHARES, Outcome, Scenario, run
+from worker.dev.sim.run import HOSTILE_SHARES, Outcome, Scenario, drawn, flag_set_scenario, run
 
 
 def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
@@ -149,6 +149,12 @@ def parser() -> argparse.ArgumentParser:
         "--processes", type=int, default=1, help="seeds run side by side, one per process"
     )
     parser.add_argument(
+        "--net",
+        action="store_true",
+        help="run k takes the flag set and fleet size worker/dev/sim/run.py:drawn(k) names "
+        "(other options ignored but --seeds, --first-seed and --processes)",
+    )
+    parser.add_argument(
         "--mutant",
         choices=sorted(MUTANTS),
         help="run a planted defect instead of the real worker (see bench/mutants.py)",
@@ -169,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {violation}")
         return 1 if outcome.violations else 0
     first_to_last = range(args.first_seed, args.first_seed + args.seeds)
-    runs = [(workers, seed) for workers in sizes for seed in first_to_last]
+    runs: list[tuple[int, int, str | None]] = (
+        [(drawn(k)[1], seed, drawn(k)[0]) for k, seed in enumerate(first_to_last)]
+        if args.net
+        else [(workers, seed, None) for workers in sizes for seed in first_to_last]
+    )
     failed = 0
     wedged: list[int] = []
     broken: dict[str, list[int]] = {}
@@ -205,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print("paths run, in all (a path at 0 is one no seed reached):")
     for path, times in totals.items():
         print(f"  {path:<26} {times:>7}  {PATHS.get(path, '')}")
+    if unreached := [path for path in PATHS if not totals[path]]:
+        print(f"NOT REACHED by any seed: {', '.join(unreached)}")
     return 1 if failed else 0
 
 
@@ -222,9 +234,11 @@ class Summary:
     paths: dict[str, int]
 
 
-def run_one(args: argparse.Namespace, workers_and_seed: tuple[int, int]) -> Summary:
-    workers, seed = workers_and_seed
-    outcome = run(scenario(args, seed, workers))
+def run_one(args: argparse.Namespace, workers_seed_flags: tuple[int, int, str | None]) -> Summary:
+    workers, seed, flags = workers_seed_flags
+    outcome = run(
+        scenario(args, seed, workers) if flags is None else flag_set_scenario(flags, seed, workers)
+    )
     return Summary(
         workers=workers,
         seed=seed,
