@@ -1195,7 +1195,7 @@ FOUND_DEFECTS = {
     "landed late; the new owner, which had joined before, could not read the map naming j663 "
     "answered, fetched it from the position aiokafka looked up and answered it again; reported "
     "as a duplicate with no cause, though plain at-least-once through an outage": (
-        flag_set_scenario("noida", 5100007, 5)
+        flag_set_scenario("late_hand_overs", 5100007, 5)
     ),
 }
 

@@ -10,10 +10,14 @@ from worker.dev.sim.paths import PATHS
 from worker.dev.sim.run import flag_set_scenario, run
 
 #: Seeds of `flag_set_scenario` (flag set, seed, fleet size) that reach every path between
-#: them: hostile records with updates reach most (a stop while a revoke's hand-over is
-#: answered late lets parked partitions go); static members on noida-db's rules reach a new
-#: owner's first commit that takes over a hand-over landed late (an outage just after it).
-SEEDS = (("hostile", 5100001, 3), ("hostile", 5100006, 3), ("noida", 5100012, 1))
+#: them: hostile records with updates reach most, and a stop while a revoke's hand-over is
+#: answered late lets parked partitions go; on noida-db's rules, an outage just after a late
+#: hand-over has the new owner's first commit take it over.
+SEEDS = (
+    ("stopped_hand_overs", 5100001, 3),
+    ("stopped_hand_overs", 5100006, 3),
+    ("late_hand_overs", 5100012, 1),
+)
 
 #: Paths no seed of the net's flag sets reaches yet: a map left sections out to fit needs more
 #: records answered out of order than a partition holds before this worker holds it back.

@@ -163,31 +163,32 @@ class Scenario:
 #: seeds every commit runs): the default fleet; hostile records with weight updates, some of
 #: which kill the engine; static members on noida-db's rules; the trainer's whole control plane
 #: and its faults (`worker.dev.sim.control.Trainer`); trainers on the real client
-#: (`worker.dev.sim.trainer`). Each sends slow jobs too: without
-#: them only the hostile set's long rollouts outlast a revoke's grace, and the paths of parked
-#: partitions (adopted, moved, answers held for the verdict) ran in few seeds.
-_NET: Final = (
+#: (`worker.dev.sim.trainer`); static members on noida-db's rules with coordinator outages
+#: just after late hand-overs (`_LateHandOverOutages`); hostile records with updates and
+#: SIGTERMs while a revoke's hand-over is answered late (`_StopsInHandOvers`). Each sends slow
+#: jobs too: without them only the hostile set's long rollouts outlast a revoke's grace, and
+#: the paths of parked partitions (adopted, moved, answers held for the verdict) ran in few
+#: seeds. The last two are flag sets of their own, after the others, so that the seeds
+#: recorded on the others replay as they did.
+_HOSTILE: Final = (
     "--slow-jobs",
     str(SLOW_SHARE),
-    "--late-hand-over-outages",
-    str(LATE_HAND_OVER_OUTAGES),
-    "--stops-in-hand-overs",
-    str(STOPS_IN_HAND_OVERS),
+    "--hostile",
+    "invalid,crash,long,reply_small,reply_locked",
+    "--weight-update-every-s",
+    "8",
+    "--engine-killing-updates",
+    "0.3",
 )
+_NOIDA: Final = ("--slow-jobs", str(SLOW_SHARE), "--flavour", "noida", "--static")
 FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
-    "default": _NET,
-    "hostile": (
-        *_NET,
-        "--hostile",
-        "invalid,crash,long,reply_small,reply_locked",
-        "--weight-update-every-s",
-        "8",
-        "--engine-killing-updates",
-        "0.3",
-    ),
-    "noida": (*_NET, "--flavour", "noida", "--static"),
-    "control": (*_NET, "--control"),
-    "trainer": (*_NET, "--trainer"),
+    "default": ("--slow-jobs", str(SLOW_SHARE)),
+    "hostile": _HOSTILE,
+    "noida": _NOIDA,
+    "control": ("--slow-jobs", str(SLOW_SHARE), "--control"),
+    "trainer": ("--slow-jobs", str(SLOW_SHARE), "--trainer"),
+    "late_hand_overs": (*_NOIDA, "--late-hand-over-outages", str(LATE_HAND_OVER_OUTAGES)),
+    "stopped_hand_overs": (*_HOSTILE, "--stops-in-hand-overs", str(STOPS_IN_HAND_OVERS)),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -202,7 +203,8 @@ def drawn(k: int) -> tuple[str, int]:
 def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = None) -> Scenario:
     """What `bench/sim.py --seed SEED --workers WORKERS` with the flags of `FLAG_SETS[flags]`
     runs (its defaults: 8 partitions and 4 jobs a second per worker)."""
-    hostile = flags == "hostile"
+    hostile = flags in {"hostile", "stopped_hand_overs"}
+    noida = flags in {"noida", "late_hand_overs"}
     return Scenario(
         seed=seed,
         workers=workers,
@@ -212,13 +214,13 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         weight_update_every_s=8.0 if hostile else 0.0,
         bad_update_share=0.2 if hostile else 0.0,
         engine_killing_update_share=0.3 if hostile else 0.0,
-        flavour=Flavour.NOIDA if flags == "noida" else Flavour.KAFKA,
-        static_members=flags == "noida",
+        flavour=Flavour.NOIDA if noida else Flavour.KAFKA,
+        static_members=noida,
         mutant=mutant,
         control=flags == "control",
         trainer=flags == "trainer",
-        late_hand_over_outages=LATE_HAND_OVER_OUTAGES,
-        stops_in_hand_overs=STOPS_IN_HAND_OVERS,
+        late_hand_over_outages=LATE_HAND_OVER_OUTAGES if flags == "late_hand_overs" else 0.0,
+        stops_in_hand_overs=STOPS_IN_HAND_OVERS if flags == "stopped_hand_overs" else 0.0,
     )
 
 
