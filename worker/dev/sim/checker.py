@@ -478,6 +478,10 @@ def _read_answers(
 #: The faults during which a worker may lose what it answered but did not commit: a commit
 #: or a hand-over cannot land, and the next owner runs again what the map does not name.
 _OUTAGES = frozenset({"coordinator_outage", "broker_outage"})
+# How long after joining a new owner goes on reading the committed maps of its partitions: at
+# once, then again while it waits for a live last owner's hand-over
+# (`worker/delivery/inheritance.py`, _HAND_OVER_WAIT_S).
+_READS_AFTER_JOIN_S = 2.0
 
 #: The longest the simulated broker loses acknowledgements after a `lost_acks` fault.
 _LOST_ACKS_S = 1.0
@@ -560,10 +564,15 @@ class _Causes:
             if began <= again.submitted + _MS and ended >= first.submitted - _MS:
                 if self.uncovered(tp, offset, min(ended, again.submitted)):
                     return f"an outage from {began:.3f}s to {ended:.3f}s"
-                if joined is not None and began >= joined and self.fetched(tp, offset, joined):
+                if (
+                    joined is not None
+                    and joined <= began <= joined + _READS_AFTER_JOIN_S
+                    and self.fetched(tp, offset, joined)
+                ):
                     # The runner fetched it from the position aiokafka looked up as it joined,
-                    # and the outage kept it from reading the map that named it answered, or
-                    # the hand-over that landed after (plain at-least-once).
+                    # and the outage, begun while it was still reading the committed maps, kept
+                    # it from reading the one that named it answered, or the hand-over that
+                    # landed after (plain at-least-once).
                     return f"an outage from {began:.3f}s to {ended:.3f}s after its runner joined"
         for began, ended in self.lost_acks:
             if began - _MS <= first.appended <= ended or began - _MS <= first.submitted <= ended:
