@@ -85,10 +85,6 @@ LATE_HAND_OVER_OUTAGES: Final = 0.5
 #: The share of hand-overs during a rebalance whose member a SIGTERM reaches in the net's
 #: flag sets.
 STOPS_IN_HAND_OVERS: Final = 0.3
-#: The workers' offset map cap in the flag set with stops during hand-overs: a few records in
-#: flight and deaths fill it, so maps leave sections out (`Committer._note_degraded`), which
-#: at the default 2048 bytes no seed reaches (the worker holds a partition back first).
-TIGHT_MAP_BYTES: Final = 48
 
 #: The longest a run settles after its faults, in settle periods, however late deaths go on.
 MAX_SETTLE_ROUNDS: Final = 3
@@ -169,8 +165,7 @@ class Scenario:
 #: and its faults (`worker.dev.sim.control.Trainer`); trainers on the real client
 #: (`worker.dev.sim.trainer`); static members on noida-db's rules with coordinator outages
 #: just after late hand-overs (`_LateHandOverOutages`); hostile records with updates and
-#: SIGTERMs while a revoke's hand-over is answered late (`_StopsInHandOvers`), its offset maps
-#: capped at `TIGHT_MAP_BYTES`. Each sends slow
+#: SIGTERMs while a revoke's hand-over is answered late (`_StopsInHandOvers`). Each sends slow
 #: jobs too: without them only the hostile set's long rollouts outlast a revoke's grace, and
 #: the paths of parked partitions (adopted, moved, answers held for the verdict) ran in few
 #: seeds. The last two are flag sets of their own, after the others, so that the seeds
@@ -193,13 +188,7 @@ FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
     "control": ("--slow-jobs", str(SLOW_SHARE), "--control"),
     "trainer": ("--slow-jobs", str(SLOW_SHARE), "--trainer"),
     "late_hand_overs": (*_NOIDA, "--late-hand-over-outages", str(LATE_HAND_OVER_OUTAGES)),
-    "stopped_hand_overs": (
-        *_HOSTILE,
-        "--stops-in-hand-overs",
-        str(STOPS_IN_HAND_OVERS),
-        "--offset-map-max-bytes",
-        str(TIGHT_MAP_BYTES),
-    ),
+    "stopped_hand_overs": (*_HOSTILE, "--stops-in-hand-overs", str(STOPS_IN_HAND_OVERS)),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -232,9 +221,6 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         trainer=flags == "trainer",
         late_hand_over_outages=LATE_HAND_OVER_OUTAGES if flags == "late_hand_overs" else 0.0,
         stops_in_hand_overs=STOPS_IN_HAND_OVERS if flags == "stopped_hand_overs" else 0.0,
-        offset_map_max_bytes=(
-            TIGHT_MAP_BYTES if flags == "stopped_hand_overs" else Scenario.offset_map_max_bytes
-        ),
     )
 
 
