@@ -2,10 +2,11 @@
 seeds until the checker flags it, and print how many seeds each took.
 
 Run `python bench/mutants.py [--first-seed S] [--cap 200] [--processes P] [--flags SET]
-[NAME ...]`: run k of a mutant's search takes seed S + k, flag set k mod 5
-(`worker.dev.sim.run.FLAG_SETS`: the default fleet; hostile records with weight updates that
-kill the engine; static members on noida-db; the trainer's whole control plane; trainers on the
-real client) and fleet size (3, 5, 1)[k // 5 mod 3]; with `--flags SET`, that set only and
+[NAME ...]`: run k of a mutant's search takes seed S + k and the flag set and fleet size
+`worker.dev.sim.run.drawn(k)` names (the flag sets of `FLAG_SETS` in turn: the default fleet;
+hostile records with weight updates that kill the engine; static members on noida-db; the
+trainer's whole control plane; trainers on the real client; noida-db with outages after late
+hand-overs; hostile records with stops during hand-overs); with `--flags SET`, that set only and
 fleet size (3, 5, 1)[k mod 3]. A seed counts as a catch only where the real worker passes it.
 A row per mutant: the seeds it took to the first catch, the invariants that caught it, the
 flag set and the command that replays it. A mutant not caught within the cap is a hole in the

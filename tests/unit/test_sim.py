@@ -1191,10 +1191,10 @@ FOUND_DEFECTS = {
     "(trainer_error; worker/client/rollout.py, RolloutClient.generate)": flag_set_scenario(
         "trainer", 2040, 1
     ),
-    "the checker's own gap: a coordinator outage began just after a last owner's hand-over "
-    "landed late; the new owner, which had joined before, could not read the map naming j663 "
-    "answered, fetched it from the position aiokafka looked up and answered it again; reported "
-    "as a duplicate with no cause, though plain at-least-once through an outage": (
+    "a coordinator outage began just after a last owner's hand-over landed late; the new "
+    "owner, which had joined before, could not read the map naming j663 answered, fetched it "
+    "from the position aiokafka looked up and answered it again (duplicates; fixed with seed "
+    "930013's: a partition whose map cannot be read is held until it can be)": (
         flag_set_scenario("late_hand_overs", 5100007, 5)
     ),
 }

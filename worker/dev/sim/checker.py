@@ -478,10 +478,6 @@ def _read_answers(
 #: The faults during which a worker may lose what it answered but did not commit: a commit
 #: or a hand-over cannot land, and the next owner runs again what the map does not name.
 _OUTAGES = frozenset({"coordinator_outage", "broker_outage"})
-# How long after joining a new owner goes on reading the committed maps of its partitions: at
-# once, then again while it waits for a live last owner's hand-over
-# (`worker/delivery/inheritance.py`, _HAND_OVER_WAIT_S).
-_READS_AFTER_JOIN_S = 2.0
 
 #: The longest the simulated broker loses acknowledgements after a `lost_acks` fault.
 _LOST_ACKS_S = 1.0
@@ -514,8 +510,6 @@ class _Causes:
     lost_acks: list[tuple[float, float]] = field(default_factory=list)
     #: jobs the trainer sent again
     resent: set[str] = field(default_factory=set)
-    #: process -> when it joined a generation, in time order
-    joins: dict[str, list[float]] = field(default_factory=dict)
     #: tp -> commits landed: (when, position, offsets its map names answered)
     commits: dict[str, list[tuple[float, int, frozenset[int]]]] = field(default_factory=dict)
 
@@ -536,13 +530,6 @@ class _Causes:
         _, position, answered = landed[i - 1]
         return offset >= position and offset not in answered
 
-    def fetched(self, tp: str, offset: int, at: float) -> bool:
-        """Whether `offset` lies at or past the position committed by `at`: a member that
-        could not read the map there fetches it."""
-        landed = self.commits.get(tp, [])
-        i = bisect.bisect_right(landed, (at, float("inf"), frozenset()))
-        return not i or offset >= landed[i - 1][1]
-
     def explains(self, tp: str, offset: int, first: _Sent, again: _Sent) -> str | None:
         """The cause that lets `first` and `again` answer one job, or None."""
         process = self.process(first.producer, first.submitted)
@@ -556,24 +543,13 @@ class _Causes:
                 tp, offset, refused
             ):
                 return f"a hand-over refused at {refused:.3f}s"
-        runner = self.process(again.producer, again.submitted)
-        joins = self.joins.get(runner or "", [])
-        i = bisect.bisect_right(joins, again.submitted)
-        joined = joins[i - 1] if i else None
         for began, ended in self.outages:
-            if began <= again.submitted + _MS and ended >= first.submitted - _MS:
-                if self.uncovered(tp, offset, min(ended, again.submitted)):
-                    return f"an outage from {began:.3f}s to {ended:.3f}s"
-                if (
-                    joined is not None
-                    and joined <= began <= joined + _READS_AFTER_JOIN_S
-                    and self.fetched(tp, offset, joined)
-                ):
-                    # The runner fetched it from the position aiokafka looked up as it joined,
-                    # and the outage, begun while it was still reading the committed maps, kept
-                    # it from reading the one that named it answered, or the hand-over that
-                    # landed after (plain at-least-once).
-                    return f"an outage from {began:.3f}s to {ended:.3f}s after its runner joined"
+            if (
+                began <= again.submitted + _MS
+                and ended >= first.submitted - _MS
+                and self.uncovered(tp, offset, min(ended, again.submitted))
+            ):
+                return f"an outage from {began:.3f}s to {ended:.3f}s"
         for began, ended in self.lost_acks:
             if began - _MS <= first.appended <= ended or began - _MS <= first.submitted <= ended:
                 return f"acknowledgements lost from {began:.3f}s"
@@ -602,7 +578,6 @@ def _causes(  # noqa: PLR0912, PLR0915 - one branch per kind of event
         elif kind == "joined":
             process_of_member[fields["member"]] = fields["process"]
             process_of_client[fields["client"]] = fields["process"]
-            causes.joins.setdefault(fields["process"], []).append(event.at)
             started = causes.starts.setdefault(fields["process"].split("#")[0], [])
             if not started or started[-1][1] != fields["process"]:
                 # A history that records no start (the checker's own tests): its join.
