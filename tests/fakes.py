@@ -470,3 +470,18 @@ class _JumpingSelector(selectors.DefaultSelector):
             return super().select(None)
         self._clock.advance(timeout)
         return []
+
+
+class ManualClock:
+    """A `worker.core.clock.Clock` that moves only when a test moves `now`; its wall reading
+    moves with it, `wall` seconds since the epoch at `monotonic`."""
+
+    def __init__(self, *, monotonic: float = 100.0, wall: float = 1_800_000_000.0) -> None:
+        self.now = monotonic
+        self._wall_offset = wall - monotonic
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall(self) -> float:
+        return self.now + self._wall_offset

@@ -11,6 +11,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from schemas import Job, SamplingSpec, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import Settings, settings_from
 from worker.core.limits import RecordLimits
 from worker.delivery.commits import CommittedReader
@@ -81,6 +82,7 @@ def worker_on(
         engine=engine,
         limits=RecordLimits.from_topic_limits(settings, {}),
         read_committed=read_committed,
+        clock=SYSTEM_CLOCK,
     )
 
 

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaProducer
 
 from worker.control.plane import ControlPlane
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import new_incarnation
@@ -119,6 +120,7 @@ async def build_worker(
     passed_over: dict[str, str] | None = None,
     kafka_clients: KafkaClients = AIOKAFKA,
     incarnation: int | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> Service:
     """Build the worker `settings` describe around `engine`.
 
@@ -132,13 +134,14 @@ async def build_worker(
     `worker.control.catch_up.checkpoints_to_start_on`), acknowledged at catch-up without a load;
     `passed_over`: the fleet's newer checkpoints that did not start an engine, with why.
     `kafka_clients`: where every Kafka client of the worker comes from (aiokafka's; the
-    simulation's). `incarnation`: this process's, drawn afresh when not given.
+    simulation's). `incarnation`: this process's, drawn afresh when not given. `clock`:
+    what every part of the worker reads the time from (the system's; the simulation's).
     """
     served: Engine = engine
     if steered:
         if not isinstance(engine, ControllableEngine):
             raise ConfigError(f"engine {engine.model_name} cannot be steered by a control plane")
-        served = SteerableEngine(engine)
+        served = SteerableEngine(engine, clock=clock)
     limits = (
         await read_record_limits(settings)
         if topic_limits is None
@@ -168,6 +171,7 @@ async def build_worker(
         live_incarnations=read_committed.live_incarnations,
         incarnation=incarnation,
         producer_factory=new_producer,
+        clock=clock,
     )
     control = (
         ControlPlane(
@@ -178,6 +182,7 @@ async def build_worker(
             built_on=built_on,
             passed_over=passed_over,
             kafka_clients=kafka_clients,
+            clock=clock,
         )
         if isinstance(served, SteerableEngine)
         else None

@@ -12,6 +12,7 @@ from schemas import Completed, ErrorCode, Failed, Job, SamplingSpec, decode_resu
 from tests.fakes import ScriptedEngine
 from worker.answering.answers import AnswerBuilder
 from worker.answering.records import Outcome, OutRecord, RecordKind
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
@@ -27,7 +28,7 @@ def builder(topic_bytes: dict[str, int | None] | None = None, **engine: Any) -> 
     )
     limits = RecordLimits.from_topic_limits(settings, topic_bytes or {})
     scripted = ScriptedEngine(MockEngineSettings(**engine) if engine else None)
-    return AnswerBuilder(settings, scripted, limits, Metrics())
+    return AnswerBuilder(settings, scripted, limits, Metrics(), clock=SYSTEM_CLOCK)
 
 
 def record(value: bytes | None, key: bytes | None = b"k", offset: int = 7) -> ConsumerRecord:

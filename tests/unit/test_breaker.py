@@ -20,6 +20,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from schemas import Completed, Failed, Job, decode_job, decode_result
 from tests.fakes import ScriptedEngine
 from tests.lives import DLQ, JOBS, RESULTS, Process, job, process_settings, run, worker_on
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import BrokerError, EngineDeadError
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import decode_offset_map, encode_offset_map
@@ -298,7 +299,7 @@ def test_the_suspect_that_ran_alone_counts_until_a_commit_past_it_lands():
     tracker = OffsetTracker()
     twice = encode_offset_map(0, [], running=[0], deaths={0: 1})
     tracker.assigned(P0, decode_offset_map(0, twice), anchor=0)
-    breaker = CrashLoopBreaker(3, Metrics(), tracker, lambda: {P0, P1})
+    breaker = CrashLoopBreaker(3, Metrics(), tracker, lambda: {P0, P1}, clock=SYSTEM_CLOCK)
     partition = tracker.partition(P0)
     records = [ConsumerRecord(JOBS, 0, o, 0, 0, b"k", job(f"j{o}"), None, 1, 1, ()) for o in (0, 1)]
     taken = breaker.take(P0, partition, records)
@@ -329,7 +330,7 @@ def test_suspects_running_together_take_on_no_partition_assigned_beside_them():
     twice = encode_offset_map(0, [], running=[], deaths={0: 2, 1: 2})
     tracker.assigned(P0, decode_offset_map(0, twice), anchor=0)
     assignment = {P0}
-    breaker = CrashLoopBreaker(5, Metrics(), tracker, lambda: assignment)
+    breaker = CrashLoopBreaker(5, Metrics(), tracker, lambda: assignment, clock=SYSTEM_CLOCK)
     records = [ConsumerRecord(JOBS, 0, o, 0, 0, b"k", job(f"j{o}"), None, 1, 1, ()) for o in (0, 1)]
     taken = breaker.take(P0, tracker.partition(P0), records)
     assert [r.offset for r in taken.run] == [0, 1]

@@ -29,6 +29,7 @@ from schemas import (
     encode,
     sign_command,
 )
+from tests.fakes import ManualClock
 from tests.unit.test_control_fuzz import (
     CONTROL,
     HOSTILE_STATUS,
@@ -42,6 +43,7 @@ from tests.unit.test_control_fuzz import (
 )
 from worker.control.catch_up import ControlLog, FleetState, plan_catch_up, read_fleet_state
 from worker.control.plane import ControlPlane
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.engines.mock import MockEngine, MockEngineSettings
@@ -149,7 +151,10 @@ async def start(
     if key is not None:
         values["control_hmac_key"] = key.decode()
     engine = SteerableEngine(
-        MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4, weight_version=version))
+        MockEngine(
+            MockEngineSettings(num_layers=2, top_k=1, num_experts=4, weight_version=version)
+        ),
+        clock=SYSTEM_CLOCK,
     )
     sent = StatusTopic()
     plane = ControlPlane(
@@ -160,7 +165,7 @@ async def start(
         consumer=control_topic,
         producer=sent,
         status_consumer=status_topic,
-        clock=lambda: ISSUED_AT,
+        clock=ManualClock(wall=ISSUED_AT),
         built_on=built_on,
     )
     await plane.start()

@@ -42,9 +42,11 @@ from schemas import (
     sign_command,
     signature_problem,
 )
+from tests.fakes import ManualClock
 from tests.hypothesis_profiles import examples
 from worker.client import fleet as fleet_module
 from worker.control.plane import ControlPlane
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.errors import FatalError
 from worker.core.metrics import Metrics
@@ -370,7 +372,9 @@ async def caught_up_plane(
     control, status = OnePartition(CONTROL, listed=frozenset({STATUS})), StatusTopic()
     for value in before:
         control.add(value)
-    engine = SteerableEngine(MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4)))
+    engine = SteerableEngine(
+        MockEngine(MockEngineSettings(num_layers=2, top_k=1, num_experts=4)), clock=SYSTEM_CLOCK
+    )
     plane = ControlPlane(
         settings_from(
             {"control_topic": CONTROL, "status_topic": STATUS, "worker_id": "fuzz", **values}, {}
@@ -381,7 +385,7 @@ async def caught_up_plane(
         consumer=control,
         producer=status,
         status_consumer=OnePartition(STATUS),
-        clock=lambda: ISSUED_AT,
+        clock=ManualClock(wall=ISSUED_AT),
     )
     await plane.start()
     await plane.catch_up()

@@ -10,6 +10,7 @@ from aiokafka.errors import KafkaTimeoutError
 from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import MemoryProducer, ScriptedEngine
 from worker.answering.answers import AnswerBuilder
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.errors import FatalError
 from worker.core.limits import RecordLimits
@@ -30,7 +31,9 @@ class Harness:
         # The worker could not read the topics' limits: only the broker knows them.
         limits = RecordLimits.from_topic_limits(self.settings, {})
         self.metrics = Metrics()
-        self.answers = AnswerBuilder(self.settings, ScriptedEngine(), limits, self.metrics)
+        self.answers = AnswerBuilder(
+            self.settings, ScriptedEngine(), limits, self.metrics, clock=SYSTEM_CLOCK
+        )
         self.producer = MemoryProducer({RESULTS: 1, DLQ: 1}, broker_limit=broker_limit)
         self.fatal: list[FatalError] = []
         self.delivery = Delivery(

@@ -13,7 +13,8 @@ from typing import Any
 from aiokafka import TopicPartition
 from aiokafka.errors import GroupCoordinatorNotAvailableError, UnknownMemberIdError
 
-from tests.fakes import FakeConsumer, run_on_virtual_time
+from tests.fakes import FakeConsumer, ManualClock, run_on_virtual_time
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.kafka import LeaveGroupByInstanceId
 from worker.loop.gate import PartitionGate
 
@@ -32,22 +33,14 @@ class CountingConsumer(FakeConsumer):
         return await super().getmany(timeout_ms=timeout_ms, max_records=max_records)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def at_the_cap() -> tuple[CountingConsumer, PartitionGate, Clock]:
+async def at_the_cap() -> tuple[CountingConsumer, PartitionGate, ManualClock]:
     """A gate whose consumer holds P0 and P1 (two jobs each) and has fetched one job."""
     consumer = CountingConsumer()
     for tp in (P0, P1):
         consumer.add(tp, b"job-0")
         consumer.add(tp, b"job-1")
     consumer.assign({P0, P1})
-    clock = Clock()
+    clock = ManualClock()
     gate = PartitionGate(consumer, (), keepalive_s=KEEPALIVE_S, clock=clock)
     fetched = await gate.fetch(1, 0)
     assert sum(map(len, fetched.values())) == 1
@@ -159,7 +152,7 @@ class _Client:
 def _gate_on(coordinator: _Coordinator) -> PartitionGate:
     consumer = FakeConsumer()
     consumer._coordinator = coordinator  # type: ignore[attr-defined]
-    return PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
+    return PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S, clock=SYSTEM_CLOCK)
 
 
 async def test_a_static_member_scaled_in_leaves_under_the_id_aiokafka_forgot():
@@ -222,7 +215,7 @@ async def test_a_static_member_leaves_as_the_member_its_last_join_made_it():
 
     consumer = RejoiningConsumer()
     consumer._coordinator = coordinator  # type: ignore[attr-defined]
-    gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S)
+    gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S, clock=SYSTEM_CLOCK)
     await gate.stop(leave=True)
     assert coordinator.left_as == ["worker-7"]
     assert coordinator.members == set()

@@ -37,6 +37,7 @@ from worker.answering import topics as answer_topics
 from worker.answering.answers import AnswerBuilder
 from worker.answering.records import DLQ_REPLY_HEADER
 from worker.answering.runner import JobRunner
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import InvalidRecordError
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
@@ -126,6 +127,7 @@ async def start_loop() -> AsyncIterator[StartLoop]:
             limits=RecordLimits.from_topic_limits(s, {}),
             read_committed=read_committed,
             topic_lookup=lookups or Lookups(),
+            clock=SYSTEM_CLOCK,
         )
         loop = Loop(worker, consumer, producer, engine, asyncio.create_task(worker.run()))
         loops.append(loop)
@@ -349,9 +351,14 @@ def test_fuzzed_job_records_are_each_answered_and_decoding_stays_within_the_reco
     s = settings(reply_topics=ALLOWED)
     lookups = Lookups()
     builder = AnswerBuilder(
-        s, ScriptedEngine(), RecordLimits.from_topic_limits(s, {}), Metrics(), lookups
+        s,
+        ScriptedEngine(),
+        RecordLimits.from_topic_limits(s, {}),
+        Metrics(),
+        lookups,
+        clock=SYSTEM_CLOCK,
     )
-    holds = VersionHolds(lambda: 3, max_hold_s=600)
+    holds = VersionHolds(lambda: 3, max_hold_s=600, clock=SYSTEM_CLOCK)
 
     @settings_(max_examples=examples(2.5), suppress_health_check=[HealthCheck.too_slow])
     @given(_job_values())

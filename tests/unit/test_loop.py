@@ -14,6 +14,7 @@ from aiokafka.errors import KafkaTimeoutError
 
 from schemas import Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import FakeConsumer, MemoryProducer, ScriptedEngine
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import Settings, settings_from
 from worker.core.errors import EngineLostToUpdateError
 from worker.core.limits import RecordLimits
@@ -76,6 +77,7 @@ async def start_loop() -> AsyncIterator[Callable[..., Any]]:
             engine=engine,
             limits=RecordLimits.from_topic_limits(s, {}),
             read_committed=read_committed,
+            clock=SYSTEM_CLOCK,
         )
         loop = Loop(worker, consumer, producer, engine, asyncio.create_task(worker.run()))
         loops.append(loop)

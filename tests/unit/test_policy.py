@@ -11,6 +11,7 @@ import pytest
 
 from schemas import Abort, Job, SamplingSpec, VersionSpan
 from tests.fakes import VirtualClockLoop
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import JobAbortedError, JobExpiredError, WeightUpdateError
 from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
@@ -38,7 +39,7 @@ def engine(*, in_place: bool = False) -> tuple[SteerableEngine, MockEngine]:
             in_place_updates=in_place,
         )
     )
-    return SteerableEngine(inner), inner
+    return SteerableEngine(inner, clock=SYSTEM_CLOCK), inner
 
 
 def job(job_id: str = "j", tokens: int = 100, n: int = 1, **kwargs: object) -> Job:

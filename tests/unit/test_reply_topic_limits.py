@@ -24,6 +24,7 @@ from tests.unit.test_loop import DLQ, P0, RESULTS, settings
 from worker.answering import topics as topics_module
 from worker.answering.topics import AnswerTopics
 from worker.core import kafka
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.limits import RecordLimits, ValueBudgets, record_bytes
 from worker.dev.harness.waiting import wait_for
 from worker.loop.worker import Worker
@@ -128,6 +129,7 @@ async def _serve(
         topic_lookup=present,
         topic_limit_lookup=limit_lookup,
         producer_factory=producer.renewed if renewable else None,
+        clock=SYSTEM_CLOCK,
     )
     task = asyncio.create_task(worker.run())
 
@@ -461,7 +463,7 @@ async def test_reply_topics_found_one_after_another_share_one_admin_client(monke
         return True
 
     configs = kafka.TopicConfigReader(s)
-    topics = AnswerTopics(s, present, limit_lookup=configs.max_message_bytes_of)
+    topics = AnswerTopics(s, present, limit_lookup=configs.max_message_bytes_of, clock=SYSTEM_CLOCK)
     await topics.check("trainer-a")
     await topics.check("trainer-b")
     await configs.close()
@@ -483,7 +485,7 @@ async def test_a_reply_topics_check_waits_at_most_its_bound_in_all(monkeypatch):
         await asyncio.sleep(0.4)
         return 65536
 
-    topics = AnswerTopics(s, slow_present, limit_lookup=slow_limit)
+    topics = AnswerTopics(s, slow_present, limit_lookup=slow_limit, clock=SYSTEM_CLOCK)
     started = asyncio.get_running_loop().time()
     await topics.check(REPLY)
     assert asyncio.get_running_loop().time() - started <= 0.5 + 0.05

@@ -12,6 +12,7 @@ from aiokafka.protocol.metadata import MetadataRequest_v4
 
 from schemas import Job, SamplingSpec
 from worker.answering.topics import AnswerTopics
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.kafka import broker_has_topic
 
@@ -67,7 +68,7 @@ async def test_jobs_naming_ever_new_reply_topics_leave_what_is_remembered_bounde
         looked_up.append(topic)
         return True
 
-    topics = AnswerTopics(settings, lookup, limit_lookup=lambda _: _limit())
+    topics = AnswerTopics(settings, lookup, limit_lookup=lambda _: _limit(), clock=SYSTEM_CLOCK)
     for n in range(5000):
         await topics.check(f"trainer-{n}")
         assert topics.answer_topic(f"trainer-{n}") == f"trainer-{n}"

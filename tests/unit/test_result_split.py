@@ -29,6 +29,7 @@ from tests.fakes import ScriptedEngine
 from worker.answering.answers import AnswerBuilder
 from worker.answering.payload_store import FilePayloadStore, open_payload_store, parse_duration
 from worker.answering.records import Outcome
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import MiB, settings_from
 from worker.core.errors import ConfigError
 from worker.core.limits import RecordLimits, record_bytes
@@ -54,7 +55,7 @@ def builder(
     limits = RecordLimits.from_topic_limits(settings, {RESULTS: topic_limit})
     metrics = Metrics()
     engine = ScriptedEngine(MockEngineSettings(num_layers=48, top_k=8, num_experts=128))
-    return AnswerBuilder(settings, engine, limits, metrics), metrics
+    return AnswerBuilder(settings, engine, limits, metrics, clock=SYSTEM_CLOCK), metrics
 
 
 def record(job: Job, offset: int = 3) -> ConsumerRecord:

@@ -28,6 +28,7 @@ from tests.fakes import ScriptedEngine
 from worker.answering.answers import AnswerBuilder
 from worker.cli.main import summarize
 from worker.client.conversation import Conversation, ConversationError
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
@@ -151,7 +152,11 @@ async def test_a_result_says_what_was_cached_and_the_metrics_count_both_kinds() 
     )
     metrics = Metrics()
     builder = AnswerBuilder(
-        settings, ScriptedEngine(SETTINGS), RecordLimits.from_topic_limits(settings, {}), metrics
+        settings,
+        ScriptedEngine(SETTINGS),
+        RecordLimits.from_topic_limits(settings, {}),
+        metrics,
+        clock=SYSTEM_CLOCK,
     )
     prompt = tokens(70)
     tp = TopicPartition("jobs", 0)

@@ -26,6 +26,7 @@ from schemas import (
     WorkerStatus,
     encode,
 )
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import WeightUpdateError
 from worker.dev.sim.checker import Violation
 from worker.dev.sim.clients import Process, SimConsumer
@@ -173,7 +174,7 @@ def test_a_job_continued_across_a_forced_rollback_names_the_weights_it_finished_
     in the control flag set's runs)."""
     (tmp_path / "config.json").write_text(json.dumps({"name": "v3"}))
     settings = MockEngineSettings(per_token_latency_ms=10.0, weight_version=5)
-    engine = SteerableEngine(MockEngine(settings))
+    engine = SteerableEngine(MockEngine(settings), clock=SYSTEM_CLOCK)
     job = Job(job_id="j", prompt_token_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=40))
 
     async def body() -> tuple[int, list[int]]:

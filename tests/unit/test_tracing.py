@@ -28,6 +28,7 @@ from tests.hypothesis_profiles import examples
 from worker.answering.answers import AnswerBuilder
 from worker.answering.records import Answer, RecordKind
 from worker.client.rollout import RolloutClient
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.limits import RecordLimits, ValueBudgets, record_bytes
 from worker.core.metrics import Metrics
@@ -239,7 +240,12 @@ def builder(
     )
     limits = RecordLimits.from_topic_limits(settings, topic_bytes or {})
     return AnswerBuilder(
-        settings, engine or ScriptedEngine(), limits, metrics or Metrics(), spans=spans
+        settings,
+        engine or ScriptedEngine(),
+        limits,
+        metrics or Metrics(),
+        spans=spans,
+        clock=SYSTEM_CLOCK,
     )
 
 

@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from schemas import Job, SamplingSpec, UpdateWeights, WorkerStatus, encode
 from tests.unit.test_checkpoint_bytes import SERVED, TENSORS, checkpoint, write_shard
 from tests.unit.test_control_fuzz import caught_up_plane
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import WeightsLostError, WeightUpdateError
 from worker.dev.harness.waiting import wait_for
 from worker.engines.mock import MockEngine, MockEngineSettings
@@ -385,7 +386,7 @@ def steered(*, in_place: bool = False, latency_ms: float = 0) -> SteerableEngine
         in_place_updates=in_place,
         per_token_latency_ms=latency_ms,
     )
-    return SteerableEngine(MockEngine(settings))
+    return SteerableEngine(MockEngine(settings), clock=SYSTEM_CLOCK)
 
 
 def job(job_id: str, tokens: int = 4) -> Job:

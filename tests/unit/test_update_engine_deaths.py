@@ -11,6 +11,7 @@ from aiokafka import TopicPartition
 
 from schemas import InflightMode, decode_job
 from tests.lives import JOBS, Process, job, process_settings, run
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.errors import EngineDeadError, FatalError
 from worker.core.limits import RecordLimits
 from worker.delivery.offset_map import decode_offset_map
@@ -43,7 +44,7 @@ def _engine(*, in_place: bool) -> SteerableEngine:
             in_place_updates=in_place,
         )
     )
-    return SteerableEngine(inner)
+    return SteerableEngine(inner, clock=SYSTEM_CLOCK)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +65,7 @@ async def test_an_update_that_kills_the_engine_blames_no_job_in_flight(
         producer=process.producer,
         engine=engine,
         limits=RecordLimits.from_topic_limits(settings, {}),
+        clock=SYSTEM_CLOCK,
     )
     task = run(worker)
     await wait_for(lambda: engine.inside == 3, 5, "three jobs in the engine")

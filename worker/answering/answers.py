@@ -14,6 +14,7 @@ from worker.answering.records import Answer, RecordShaper
 from worker.answering.runner import JobRunner, Ran, where
 from worker.answering.split import ResultSplitter
 from worker.answering.topics import AnswerTopics, TopicLimitLookup, TopicLookup
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import (
     FatalError,
@@ -56,12 +57,13 @@ class AnswerBuilder:
         *,
         topic_limit_lookup: TopicLimitLookup | None = None,
         spans: JobSpans | None = None,
+        clock: Clock,
     ) -> None:
         self._spans = spans if spans is not None else JobSpans()
-        topics = AnswerTopics(settings, topic_lookup, limit_lookup=topic_limit_lookup)
+        topics = AnswerTopics(settings, topic_lookup, limit_lookup=topic_limit_lookup, clock=clock)
         self._topics = topics
         self._metrics = metrics
-        self._runner = JobRunner(engine, topics, metrics, settings.worker_id)
+        self._runner = JobRunner(engine, topics, metrics, settings.worker_id, clock=clock)
         self._shaper = RecordShaper(settings, limits, topics)
         self._budgets = ValueBudgets(limits, settings.results_topic, topics.limit_of)
         store = open_payload_store(settings.payload_store) if settings.payload_store else None

@@ -13,6 +13,7 @@ from msgspec import UNSET
 
 from schemas import Completed, Job, SchemaError, Timings, decode_job
 from worker.answering.topics import AnswerTopics
+from worker.core.clock import Clock
 from worker.core.errors import (
     InvalidJobError,
     InvalidRecordError,
@@ -40,9 +41,16 @@ class JobRunner:
     """Runs job records on the engine."""
 
     def __init__(
-        self, engine: Engine, topics: AnswerTopics, metrics: Metrics, worker_id: str
+        self,
+        engine: Engine,
+        topics: AnswerTopics,
+        metrics: Metrics,
+        worker_id: str,
+        *,
+        clock: Clock,
     ) -> None:
         self._engine = engine
+        self._clock = clock
         self._topics = topics
         self._metrics = metrics
         self._worker_id = worker_id
@@ -70,7 +78,7 @@ class JobRunner:
         """Run `job` (read from `record`) to completion, its engine request in `trace`; any
         `JobError` is its answer. `expired`: it is not run but answered `expired` with this
         detail (its hold for a weight version ran out)."""
-        started = time.time()
+        started = self._clock.wall()
         if expired is not None:
             raise JobExpiredError(expired)
         self._check_runnable(job, started, where(tp, record))

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiokafka.errors import KafkaError
 
 from schemas import Job
+from worker.core.clock import Clock
 from worker.core.config import Settings
 
 __all__ = ["AnswerTopics", "TopicLimitLookup", "TopicLookup"]
@@ -59,7 +59,7 @@ class AnswerTopics:
         lookup: TopicLookup | None = None,
         *,
         limit_lookup: TopicLimitLookup | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock,
     ) -> None:
         self.results = settings.results_topic
         self.dead_letter = settings.dead_letter_topic
@@ -143,7 +143,7 @@ class AnswerTopics:
         missing = self._missing.get(topic)
         if missing is None:
             return None
-        if missing[0] <= self._clock():
+        if missing[0] <= self._clock.monotonic():
             del self._missing[topic]
             return None
         return missing[1]
@@ -194,9 +194,9 @@ class AnswerTopics:
 
     def _refuse(self, topic: str, reason: str) -> None:
         if len(self._missing) >= _MAX_MISSING:
-            now = self._clock()
+            now = self._clock.monotonic()
             self._missing = {t: m for t, m in self._missing.items() if m[0] > now}
             if len(self._missing) >= _MAX_MISSING:
                 self._missing.pop(next(iter(self._missing)))
-        self._missing[topic] = (self._clock() + MISSING_TOPIC_TTL_S, reason)
+        self._missing[topic] = (self._clock.monotonic() + MISSING_TOPIC_TTL_S, reason)
         logger.warning("reply topic %s refused for %.0fs: %s", topic, MISSING_TOPIC_TTL_S, reason)

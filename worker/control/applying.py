@@ -9,13 +9,12 @@ worker lacks) is kept here, next to the outcomes that change it.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from typing import Literal
 
 from schemas import Command, CommandAck, Pause, Resume, UpdateWeights
 from worker.control.commands import CommandRunner, WorkerView
 from worker.control.status import StatusSender
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.metrics import Metrics
@@ -37,13 +36,14 @@ class CommandApplier:
         worker: WorkerView,
         status: StatusSender,
         *,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self._settings = settings
         self._engine = engine
         self._metrics = metrics
         self._worker = worker
         self._status = status
+        self._clock = clock
         self.runner = CommandRunner(settings, engine, metrics, worker, clock=clock)
         #: Ids of every command taken (applied, passed over, or not this worker's).
         self.applied: set[str] = set()
@@ -75,7 +75,7 @@ class CommandApplier:
     ) -> CommandAck:
         """Run `command` (at `offset` in the control topic) and acknowledge it; `loaded`: the
         engine was built on its checkpoint, so there is nothing to run."""
-        t0 = time.monotonic()
+        t0 = self._clock.monotonic()
         outcome: Literal["ok", "failed"] = "ok"
         detail = ""
         try:
@@ -95,7 +95,9 @@ class CommandApplier:
                 self.pause_command_id = command.command_id
             elif isinstance(command, Resume):
                 self.pause_command_id = None
-        return await self.acknowledge(command, outcome, detail, time.monotonic() - t0, offset)
+        return await self.acknowledge(
+            command, outcome, detail, self._clock.monotonic() - t0, offset
+        )
 
     async def acknowledge(
         self,

@@ -13,12 +13,11 @@ a weight transfer: a `resume` leaves its jobs held; the next update that loads r
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from typing import Final, Protocol
 
 from schemas import Abort, Command, Pause, ResetPrefixCache, Resume, UpdateWeights
 from worker.control.policy import WeightsPolicy
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import FatalError, WeightUpdateError
 from worker.core.metrics import Metrics
@@ -81,7 +80,7 @@ class CommandRunner:
         metrics: Metrics,
         worker: WorkerView,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Clock,
     ) -> None:
         self._settings = settings
         self._clock = clock
@@ -98,7 +97,7 @@ class CommandRunner:
         """Apply one command; a detail for the acknowledgement. `WeightUpdateError` (nothing
         changed, or the old weights still serve) says why it failed. `catching_up`: the fleet
         applied it before this worker started, so it is not checked for freshness again."""
-        if not catching_up and (stale := staleness(command, self._clock(), self._settings)):
+        if not catching_up and (stale := staleness(command, self._clock.wall(), self._settings)):
             raise WeightUpdateError(stale)
         engine = self._engine
         if isinstance(command, Pause):
@@ -120,7 +119,7 @@ class CommandRunner:
                 f": {', '.join(sorted(matched)[:20])}" if matched else ""
             )
         await self._check_update(command, catching_up=catching_up)
-        t0 = time.monotonic()
+        t0 = self._clock.monotonic()
         if command.backend == "checkpoint":
             assert command.path is not None  # noqa: S101 - the schema requires it
             await engine.load_checkpoint(command.path, command.version, command.on_inflight)
@@ -133,7 +132,7 @@ class CommandRunner:
                 command.version,
                 command.on_inflight,
             )
-        self._metrics.weight_update_time.observe(time.monotonic() - t0)
+        self._metrics.weight_update_time.observe(self._clock.monotonic() - t0)
         if self._lacking is not None:
             holding, self._lacking = self._holding, None
             if holding and not self._fleet_paused:
@@ -186,8 +185,8 @@ class CommandRunner:
 
     async def _settled_answers(self) -> bool:
         worker = self._worker
-        deadline = time.monotonic() + _SETTLE_TIMEOUT_S
+        deadline = self._clock.monotonic() + _SETTLE_TIMEOUT_S
         # Jobs whose engine call has returned, with their answers still being built.
-        while worker.jobs_in_flight > self._engine.inside and time.monotonic() < deadline:  # noqa: ASYNC110 - a count, not an event: polled for a few ms
+        while worker.jobs_in_flight > self._engine.inside and self._clock.monotonic() < deadline:  # noqa: ASYNC110 - a count, not an event: polled for a few ms
             await asyncio.sleep(0.01)
-        return await worker.answers_acknowledged(max(deadline - time.monotonic(), 0))
+        return await worker.answers_acknowledged(max(deadline - self._clock.monotonic(), 0))

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
@@ -46,6 +44,7 @@ from worker.control.catch_up import (
 from worker.control.commands import WorkerView, staleness
 from worker.control.status import StatusSender
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import FatalError
 from worker.core.kafka import FETCHER_FALLBACK_WAKE_MS, client_kwargs
@@ -79,7 +78,7 @@ class ControlPlane:
         consumer: AIOKafkaConsumer | None = None,
         producer: AIOKafkaProducer | None = None,
         status_consumer: AIOKafkaConsumer | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock,
         built_on: str | None = None,
         passed_over: dict[str, str] | None = None,
         kafka_clients: KafkaClients = AIOKAFKA,
@@ -105,7 +104,7 @@ class ControlPlane:
         self._following = False
         self._status_on = False
         self._worker = worker
-        self._started = time.monotonic()
+        self._started = self._clock.monotonic()
         self._started_clients = False
         self._status = StatusSender(settings, engine, metrics, clock=clock)
         self._commands = CommandApplier(
@@ -172,7 +171,7 @@ class ControlPlane:
             log,
             state,
             self._engine.weight_version,
-            fresh=lambda c: staleness(c, self._clock(), self._settings) is None,
+            fresh=lambda c: staleness(c, self._clock.wall(), self._settings) is None,
         )
         # Every id in the log is taken, as by a worker that followed it: a later copy is a
         # duplicate, whoever it addresses.
@@ -203,7 +202,7 @@ class ControlPlane:
             await commands.acknowledge(command, "failed", detail, 0.0, offset)
         stale = 0
         for offset, command in plan.unanswered:
-            if staleness(command, self._clock(), self._settings) is not None:
+            if staleness(command, self._clock.wall(), self._settings) is not None:
                 stale += 1  # nobody answered it when it was fresh: not obeyed now
                 continue
             await commands.apply(command, offset=offset)
@@ -238,7 +237,7 @@ class ControlPlane:
         await consumer.start()
         try:
             async with asyncio.timeout(_FLEET_STATE_TIMEOUT_S):
-                return await read_fleet_state(consumer, self._settings, now=self._clock())
+                return await read_fleet_state(consumer, self._settings, now=self._clock.wall())
         except TimeoutError:
             logger.warning(
                 "status topic %s could not be read in %.0f s: every command in the control "
@@ -332,8 +331,8 @@ class ControlPlane:
             in_flight=worker.jobs_in_flight,
             lag=worker.lag(),
             engine_healthy=engine_healthy,
-            uptime_s=time.monotonic() - self._started,
-            at=self._clock(),
+            uptime_s=self._clock.monotonic() - self._started,
+            at=self._clock.wall(),
             interval_s=s.status_interval_s,
             weight_reload=self._engine.weight_reload,
             needs_weights=commands.needs_weights,

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Any, Final, Literal
 
 import msgspec
@@ -31,6 +29,7 @@ from schemas import (
     UpdateWeights,
     encode,
 )
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.metrics import Metrics
 from worker.engines.steerable import SteerableEngine
@@ -52,7 +51,7 @@ class StatusSender:
         engine: SteerableEngine,
         metrics: Metrics,
         *,
-        clock: Callable[[], float],
+        clock: Clock,
     ) -> None:
         self._settings = settings
         self._engine = engine
@@ -102,7 +101,7 @@ class StatusSender:
             detail=detail[:2000],
             duration_s=duration,
             weight_version=self._engine.weight_version,
-            at=self._clock(),
+            at=self._clock.wall(),
             offset=offset,
         )
         log = logger.info if outcome == "ok" else logger.warning
@@ -136,7 +135,7 @@ class StatusSender:
     async def report_dropped(self, *, force: bool = False) -> None:
         if not self._dropped:
             return
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if not force and now - self._dropped_reported < self._settings.status_interval_s:
             return
         self._dropped_reported = now
@@ -148,7 +147,7 @@ class StatusSender:
             "" if report is None else f" (latest at offset {report.offset}: {report.detail})",
         )
         if report is not None:
-            await self.send(msgspec.structs.replace(report, at=self._clock()))
+            await self.send(msgspec.structs.replace(report, at=self._clock.wall()))
 
 
 _KINDS: Final[dict[type[Any], str]] = {

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
@@ -39,6 +38,7 @@ from schemas import (
     VersionSpan,
     WeightReload,
 )
+from worker.core.clock import Clock
 from worker.core.errors import (
     EngineDeadError,
     EngineError,
@@ -75,7 +75,7 @@ class _Request:
 class SteerableEngine:
     """An `Engine` that the control plane can pause, resume, update and abort jobs on."""
 
-    def __init__(self, inner: ControllableEngine, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, inner: ControllableEngine, *, clock: Clock) -> None:
         self._inner = inner
         self._clock = clock
         self._open = asyncio.Event()
@@ -200,7 +200,7 @@ class SteerableEngine:
     async def _pass_gate(self, request: _Request) -> None:
         if not self._open.is_set() and request.reason != "abort":
             deadline = request.job.deadline
-            timeout = None if deadline is None else max(deadline - self._clock(), 0)
+            timeout = None if deadline is None else max(deadline - self._clock.wall(), 0)
             request.aborted = asyncio.Event()
             waits = {
                 asyncio.ensure_future(self._open.wait()),

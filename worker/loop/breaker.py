@@ -39,12 +39,12 @@ together.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Final, NamedTuple, TypeAlias
 
 from aiokafka import ConsumerRecord, TopicPartition
 
+from worker.core.clock import Clock
 from worker.core.errors import FatalError
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker, PartitionOffsets
@@ -113,7 +113,7 @@ class CrashLoopBreaker:
         tracker: OffsetTracker,
         assignment: Callable[[], set[TopicPartition]],
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock,
     ) -> None:
         self._limit = max(max_crash_attempts, 3) if max_crash_attempts else 0
         self._metrics = metrics
@@ -259,7 +259,7 @@ class CrashLoopBreaker:
         for suspect in unconfirmed:
             self._waiting[suspect.tp] = suspect.deaths
         self._chosen = [suspect for suspect in self._chosen if suspect not in unconfirmed]
-        self._retry_at = self._clock() + RETRY_ALONE_S
+        self._retry_at = self._clock.monotonic() + RETRY_ALONE_S
         self._running_chosen()
 
     def retries(self, partition: PartitionOffsets, offset: int) -> bool:
@@ -272,7 +272,7 @@ class CrashLoopBreaker:
         """The commit naming these partitions' retried suspects did not land: they were taken
         back, and their partitions wait `RETRY_ALONE_S` before they are fetched again."""
         self._retrying |= tps
-        self._retry_beside_at = self._clock() + RETRY_ALONE_S
+        self._retry_beside_at = self._clock.monotonic() + RETRY_ALONE_S
 
     def held(self) -> set[TopicPartition]:
         """Every partition while suspects run alone or together and until a commit past each
@@ -284,7 +284,7 @@ class CrashLoopBreaker:
         if not self.enabled:
             return set()
         if self._running_chosen():
-            if not self._together() or self._clock() < self._retry_at:
+            if not self._together() or self._clock.monotonic() < self._retry_at:
                 return self._assignment()
             # Those whose suspects may join the ones running together.
             assigned = self._assignment()
@@ -293,7 +293,7 @@ class CrashLoopBreaker:
                 for tp in assigned - self._passed
                 if any(map(self.runs_together, self._tracker.deaths(tp).values()))
             }
-        if self._retrying and self._clock() >= self._retry_beside_at:
+        if self._retrying and self._clock.monotonic() >= self._retry_beside_at:
             self._retrying = set()
         if self._waiting:
             assigned = self._assignment()
@@ -304,7 +304,7 @@ class CrashLoopBreaker:
             }
         if not self._waiting:
             return self._retrying & self._assignment()
-        if self._quiet() and self._clock() >= self._retry_at:
+        if self._quiet() and self._clock.monotonic() >= self._retry_at:
             together = {tp for tp, deaths in self._waiting.items() if self.runs_together(deaths)}
             return self._assignment() - (together or {min(self._waiting)})
         return self._assignment()

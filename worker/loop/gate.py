@@ -8,13 +8,13 @@ polling while partitions are held, so the group never evicts the worker for it.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
+from worker.core.clock import Clock
 from worker.core.kafka import leave_group_on_close, member_id
 
 __all__ = ["Batch", "HoldReason", "PartitionGate"]
@@ -44,13 +44,13 @@ class PartitionGate:
         reasons: Sequence[HoldReason],
         *,
         keepalive_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock,
     ) -> None:
         self._consumer = consumer
         self._reasons = reasons
         self._keepalive_s = keepalive_s
         self._clock = clock
-        self._polled = clock()
+        self._polled = clock.monotonic()
         self._member_id: str | None = None
         self._left = False
 
@@ -86,7 +86,7 @@ class PartitionGate:
         if held:
             consumer.pause(*(held & consumer.assignment()))
         batch: Batch = await consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
-        self._polled = self._clock()
+        self._polled = self._clock.monotonic()
         return batch
 
     async def poll_paused(self) -> Batch:
@@ -99,10 +99,10 @@ class PartitionGate:
         other (dropping them would skip their offsets)."""
         consumer = self._consumer
         consumer.pause(*consumer.assignment())
-        if self._clock() - self._polled < self._keepalive_s:
+        if self._clock.monotonic() - self._polled < self._keepalive_s:
             return {}
         batch: Batch = await consumer.getmany(timeout_ms=0)
-        self._polled = self._clock()
+        self._polled = self._clock.monotonic()
         return batch
 
     def pause(self, partitions: set[TopicPartition]) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from aiokafka import AIOKafkaProducer, TopicPartition
 
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import FatalError
 from worker.core.kafka import TopicConfigReader
@@ -34,6 +34,7 @@ class Shutdown:
         self,
         settings: Settings,
         *,
+        clock: Clock,
         rebalances: Rebalances,
         committer: Committer,
         jobs: InFlight,
@@ -43,6 +44,7 @@ class Shutdown:
         topic_configs: TopicConfigReader | None,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._rebalances = rebalances
         self._committer = committer
         self._jobs = jobs
@@ -50,7 +52,7 @@ class Shutdown:
         self._producer = producer
         self._gate = gate
         self._topic_configs = topic_configs
-        #: When the stop's grace ends (`time.monotonic()`), once a drain has begun.
+        #: When the stop's grace ends (`clock.monotonic()`), once a drain has begun.
         self._grace_ends = 0.0
 
     async def close_clients(self) -> None:
@@ -62,7 +64,7 @@ class Shutdown:
         # have under way; the leave is tried while the coordinator is away, for what the drain
         # left of the grace (the supervisor waits that long anyway) and half of
         # --close-timeout-s; its other half is for the rest of the close.
-        leave_within_s = max(self._grace_ends - time.monotonic(), 0.0) + close_s / 2
+        leave_within_s = max(self._grace_ends - self._clock.monotonic(), 0.0) + close_s / 2
         stop = functools.partial(
             self._gate.stop,
             leave=self._settings.leave_group_on_stop
@@ -82,7 +84,7 @@ class Shutdown:
         grace = 0.0 if fatal is not None else self._settings.shutdown_grace_s
         # Revoked and never assigned back: their jobs are the next owner's to run.
         await self._rebalances.stopping()
-        grace_ends = self._grace_ends = time.monotonic() + self._settings.shutdown_grace_s
+        grace_ends = self._grace_ends = self._clock.monotonic() + self._settings.shutdown_grace_s
         # Clean unless the jobs in flight may be what stopped the worker (see the breaker).
         clean = not stop_blames_running_jobs(fatal)
         if clean:
@@ -104,9 +106,9 @@ class Shutdown:
             # --engine-killing-updates 0.3`, during a coordinator outage): a hand-over that
             # never lands makes the next owner blame these jobs for a death, and the grace is
             # there to wait out a coordinator that is away.
-            budget_s = max(grace_ends - time.monotonic(), 0.0) + close_s
+            budget_s = max(grace_ends - self._clock.monotonic(), 0.0) + close_s
             final_commit = functools.partial(
-                self._committer.hand_over_until, time.monotonic() + budget_s
+                self._committer.hand_over_until, self._clock.monotonic() + budget_s
             )
         else:
             budget_s = close_s
@@ -118,7 +120,7 @@ class Shutdown:
         """Give the jobs of `partitions` (all when None) `grace_s` to be answered and
         acknowledged, then cancel what is still running. Their offsets stay unfinished, so
         their records are redelivered."""
-        deadline = time.monotonic() + grace_s
+        deadline = self._clock.monotonic() + grace_s
         await self._jobs.settle(partitions, grace_s)
         await self._delivery.settle(partitions, deadline)
         await self._jobs.abort(partitions)

@@ -12,12 +12,13 @@ write to the jobs topic can write one) from holding its partition forever.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Final
 
 import msgspec
 from aiokafka import ConsumerRecord, TopicPartition
+
+from worker.core.clock import Clock
 
 __all__ = ["VersionHolds"]
 
@@ -49,7 +50,8 @@ class VersionHolds:
         self,
         weight_version: Callable[[], int],
         max_hold_s: float,
-        clock: Callable[[], float] = time.time,
+        *,
+        clock: Clock,
     ) -> None:
         self._weight_version = weight_version
         self._max_hold_s = max_hold_s
@@ -97,9 +99,9 @@ class VersionHolds:
             wanted = needs.min_weight_version
             if wanted is None or wanted <= version:
                 continue
-            if needs.deadline is not None and needs.deadline < self._clock():
+            if needs.deadline is not None and needs.deadline < self._clock.wall():
                 continue  # run it, and be answered `expired`
-            self._holds[tp] = _Hold(record.offset, wanted, needs.deadline, self._clock())
+            self._holds[tp] = _Hold(record.offset, wanted, needs.deadline, self._clock.wall())
             logger.info(
                 "%s-%s@%s needs weights >= %d (serving %d): holding the partition for at most "
                 "%.0fs",
@@ -116,7 +118,7 @@ class VersionHolds:
     def _release(self) -> None:
         if not self._holds:
             return
-        version, now = self._weight_version(), self._clock()
+        version, now = self._weight_version(), self._clock.wall()
         for tp, hold in list(self._holds.items()):
             if hold.version <= version or (hold.deadline is not None and hold.deadline < now):
                 del self._holds[tp]

@@ -3,9 +3,7 @@ and a broker that has not acknowledged an answer for too long."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.delivery.publish import Delivery
@@ -22,14 +20,15 @@ class Watchdog:
         settings: Settings,
         engine: Engine,
         delivery: Delivery,
-        clock: Callable[[], float] = time.monotonic,
+        *,
+        clock: Clock,
     ) -> None:
         self._engine = engine
         self._delivery = delivery
         self._clock = clock
         self._health_interval_s = settings.health_check_interval_s
         self._publish_timeout_s = settings.publish_timeout_s
-        self._last_health_check = clock()
+        self._last_health_check = clock.monotonic()
 
     async def check(self) -> tuple[FatalError, str] | None:
         """The fatal error found, and where; None when all is well."""
@@ -39,7 +38,7 @@ class Watchdog:
                 f"no acknowledgement from the broker for {waited:.1f}s "
                 f"(publish_timeout_s={self._publish_timeout_s})"
             ), "delivery"
-        now = self._clock()
+        now = self._clock.monotonic()
         if now - self._last_health_check < self._health_interval_s:
             return None
         self._last_health_check = now

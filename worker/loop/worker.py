@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
@@ -23,6 +22,7 @@ from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
 from worker.answering.topics import TopicLimitLookup, TopicLookup
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.core.kafka import TopicConfigReader, broker_has_topic
@@ -86,8 +86,10 @@ class Worker:
         topic_lookup: TopicLookup | None = None,
         topic_limit_lookup: TopicLimitLookup | None = None,
         producer_factory: Callable[[], AIOKafkaProducer] | None = None,
+        clock: Clock,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         if producer_factory is not None:
             # A refusal that breaks the idempotent sequence renews the producer, not the process.
             producer = RenewableProducer(producer, producer_factory)
@@ -119,6 +121,7 @@ class Worker:
             self.metrics,
             topic_lookup,
             topic_limit_lookup=topic_limit_lookup,
+            clock=clock,
         )
         self._committer = Committer(
             consumer,
@@ -132,9 +135,15 @@ class Worker:
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(
-            settings.max_crash_attempts, self.metrics, self._committer.tracker, consumer.assignment
+            settings.max_crash_attempts,
+            self.metrics,
+            self._committer.tracker,
+            consumer.assignment,
+            clock=clock,
         )
-        self._holds = VersionHolds(lambda: engine.weight_version, settings.max_version_hold_s)
+        self._holds = VersionHolds(
+            lambda: engine.weight_version, settings.max_version_hold_s, clock=clock
+        )
         # The gate asks each reason afresh before every fetch: paused while a partition's
         # offset map nears its cap or is being read, while it runs a suspect of a crash, and
         # while its next job waits for newer weights.
@@ -142,7 +151,10 @@ class Worker:
         # well inside max_poll_interval_ms, and a coordinator error surfaces as soon.
         keepalive_s = min(settings.heartbeat_interval_ms, settings.max_poll_interval_ms / 4) / 1000
         self._gate = PartitionGate(
-            consumer, (self._committer, self._breaker, self._holds), keepalive_s=keepalive_s
+            consumer,
+            (self._committer, self._breaker, self._holds),
+            keepalive_s=keepalive_s,
+            clock=clock,
         )
         # At the cap the loop wakes for a freed slot, a stop or a fatal error; otherwise only
         # for the commit interval's tick and the keepalive poll: each wake-up with nothing to
@@ -163,7 +175,7 @@ class Worker:
             answer_stays=self._answer_stays,
             topic_limit=self._answers.reply_topic_limit,
         )
-        self._watchdog = Watchdog(settings, engine, self._delivery)
+        self._watchdog = Watchdog(settings, engine, self._delivery, clock=clock)
         self._rebalances = Rebalances(
             settings,
             self.metrics,
@@ -187,6 +199,7 @@ class Worker:
         )
         self._shutdown = Shutdown(
             settings,
+            clock=clock,
             rebalances=self._rebalances,
             committer=self._committer,
             jobs=self._jobs,
@@ -311,7 +324,7 @@ class Worker:
 
     async def answers_acknowledged(self, timeout_s: float) -> bool:
         """Wait until every answer handed on so far is acknowledged; False on timeout."""
-        return await self._delivery.acknowledged(time.monotonic() + timeout_s)
+        return await self._delivery.acknowledged(self._clock.monotonic() + timeout_s)
 
     def fail(self, exc: FatalError, where: str) -> None:
         """Stop on a fatal error found outside the loop (the control plane's engine calls)."""

@@ -30,6 +30,7 @@ import pytest
 from schemas import Completed, Failed, Job, SamplingSpec, WeightReload, decode_result, encode
 from tests.vllm_support import CAPTURE_ENV
 from worker.build import build_worker
+from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.errors import (
     ConfigError,
@@ -665,7 +666,7 @@ async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_di
 
     llm = RecordingLLM()
     engine = seam_engine(model_dir, llm)
-    policy = SteerableEngine(engine)
+    policy = SteerableEngine(engine, clock=SYSTEM_CLOCK)
     init, update = (
         {"master_address": "10.0.0.1", "world_size": 2},
         {"names": ["w"], "shapes": [[2]]},
@@ -696,7 +697,7 @@ async def test_weight_transfer_passes_the_trainers_info_through_to_vllm(model_di
     ]
     failing = seam_engine(model_dir, RecordingLLM(fail="update_weights"))
     with pytest.raises(WeightUpdateError, match="nccl weight transfer failed"):
-        await SteerableEngine(failing).transfer("nccl", init, update, 9, "wait")
+        await SteerableEngine(failing, clock=SYSTEM_CLOCK).transfer("nccl", init, update, 9, "wait")
     assert failing.weight_version == 0
 
 

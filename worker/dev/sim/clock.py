@@ -31,7 +31,8 @@ class Deadlock(RuntimeError):
 
 
 class VirtualClock:
-    """Seconds since the simulation started; only the loop moves them."""
+    """Seconds since the simulation started; only the loop moves them. A
+    `worker.core.clock.Clock`: the fleet builds every worker on it."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -107,8 +108,8 @@ async def _inline_to_thread(func: Callable[..., T], /, *args: Any, **kwargs: Any
 @contextlib.contextmanager
 def virtual_time(clock: VirtualClock) -> Iterator[None]:
     """While inside: `time.monotonic`, `time.time` (and their `_ns` forms) read the virtual
-    clock, and `asyncio.to_thread` runs inline. Code that captured the real functions before
-    (a default argument) is rebound by `worker.dev.sim.fleet`."""
+    clock, and `asyncio.to_thread` runs inline: for what reads the `time` module itself (the
+    dev harness, third-party code). The worker reads the clock it is built with."""
     saved = {name: getattr(time, name) for name in ("monotonic", "time", "monotonic_ns", "time_ns")}
     saved_to_thread = asyncio.to_thread
     time.monotonic = clock.monotonic
@@ -122,8 +123,3 @@ def virtual_time(clock: VirtualClock) -> Iterator[None]:
         for name, func in saved.items():
             setattr(time, name, func)
         asyncio.to_thread = saved_to_thread
-
-
-#: The real clocks, as code that captured them before the simulation started holds them.
-REAL_MONOTONIC: Final = time.monotonic
-REAL_TIME: Final = time.time

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 import zlib
 from collections.abc import Mapping
 from typing import Any, Final
@@ -24,13 +23,13 @@ from worker.build import Service, build_worker
 from worker.core.config import Settings
 from worker.core.errors import EngineDeadError, WeightUpdateError
 from worker.dev.sim.clients import Process
-from worker.dev.sim.clock import REAL_MONOTONIC, REAL_TIME, VirtualClock
+from worker.dev.sim.clock import VirtualClock
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.kafka_clients import SimKafkaClients
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
 
-__all__ = ["CLIENT_PREFIX", "KILLS_ENGINE", "Fleet", "SimEngine", "rebind_clocks"]
+__all__ = ["CLIENT_PREFIX", "KILLS_ENGINE", "Fleet", "SimEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +162,8 @@ class Fleet:
             topic_limits=dict(limits),
             kafka_clients=self.kafka_clients,
             incarnation=self.rng.getrandbits(48) or 1,
+            clock=self.clock,
         )
-        rebind_clocks(service, self.clock)
         self.services[worker_id] = service
         self.stopping.discard(worker_id)
         self.history.add("start", worker=process.name)
@@ -240,45 +239,3 @@ def _replace(settings: Settings, **fields: Any) -> Settings:
     import msgspec  # noqa: PLC0415
 
     return msgspec.structs.replace(settings, **fields)
-
-
-def rebind_clocks(root: object, clock: VirtualClock) -> None:
-    """Point every clock the worker's objects captured as a default argument
-    (`clock=time.monotonic`) at the virtual clock: patching the `time` module cannot reach a
-    function object stored before."""
-    seen: set[int] = set()
-    stack: list[Any] = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, dict):
-            stack.extend(v for v in obj.values() if _may_hold_clock(v))
-            continue
-        if isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(v for v in obj if _may_hold_clock(v))
-            continue
-        if not type(obj).__module__.startswith("worker."):
-            continue
-        attrs = getattr(obj, "__dict__", None)
-        if attrs is None:
-            continue
-        for name, value in list(attrs.items()):
-            if value is REAL_MONOTONIC:
-                setattr(obj, name, clock.monotonic)
-            elif value is REAL_TIME:
-                setattr(obj, name, clock.wall)
-            elif _may_hold_clock(value):
-                stack.append(value)
-
-
-def _may_hold_clock(value: object) -> bool:
-    """Objects of the worker's own modules, and containers (which may hold them); not the
-    scalars, records and third-party objects (a metrics registry, numpy arrays) around them."""
-    if isinstance(value, (dict, list, tuple, set, frozenset)):
-        return bool(value) and not isinstance(next(iter(value)), (int, float, str, bytes))
-    return type(value).__module__.startswith("worker.")
-
-
-_ = time
