@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -29,6 +28,7 @@ from schemas import (
     decode_result,
 )
 from worker.client.conversation import new_submission_id
+from worker.core.clock import Clock
 from worker.core.tracing import TraceContext
 
 __all__ = ["RETRY_SEPARATOR", "InFlight", "Pending", "RolloutError"]
@@ -83,9 +83,11 @@ class InFlight:
         payload_root: Path | None,
         resend: Callable[[Pending], None],
         on_progress: Callable[[int, int], None] | None = None,
+        clock: Clock,
     ) -> None:
         self.pending: dict[str, Pending] = {}
-        self._assembler = ResultAssembler()
+        self._clock = clock
+        self._assembler = ResultAssembler(clock=clock.monotonic)
         self._timeout_s = timeout_s
         self._max_retries = max_retries
         self._resolve = resolve
@@ -106,7 +108,7 @@ class InFlight:
                 )
             raise RolloutError(f"job {job.job_id} is already in flight on this client")
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        pending = Pending(job, future, time.time() + self._timeout_s, trace)
+        pending = Pending(job, future, self._clock.wall() + self._timeout_s, trace)
         self.pending[job.job_id] = pending
         # An answer to the id's earlier submission was remembered as answered: a worker that
         # echoes no submission answers this one under the same name.

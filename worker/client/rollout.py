@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, TypeAlias
@@ -45,6 +44,7 @@ from worker.client.fleet import start_clients
 from worker.client.inflight import RETRY_SEPARATOR, InFlight, Pending, RolloutError
 from worker.client.steering import Steering
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.errors import BrokerError
 from worker.core.tracing import current_trace_context, trace_context
 
@@ -96,6 +96,7 @@ class RolloutClient:
         on_progress: Callable[[int, int], None] | None = None,
         control_hmac_key: str | None = None,
         kafka_clients: KafkaClients = AIOKAFKA,
+        clock: Clock = SYSTEM_CLOCK,
         **client_options: Any,
     ) -> None:
         if timeout_s <= 0 or max_retries < 0:
@@ -127,7 +128,9 @@ class RolloutClient:
             payload_root=root,
             resend=lambda pending: self._track(asyncio.create_task(self._send(pending))),
             on_progress=on_progress,
+            clock=clock,
         )
+        self._clock = clock
         self._producer: AIOKafkaProducer | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -374,7 +377,7 @@ class RolloutClient:
         """Answer jobs past their timeout, so no caller waits forever."""
         while True:
             await asyncio.sleep(_SWEEP_S)
-            self._inflight.expire(time.time())
+            self._inflight.expire(self._clock.wall())
 
 
 async def _read_from_now(consumer: AIOKafkaConsumer, topic: str) -> None:

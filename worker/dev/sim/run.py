@@ -408,7 +408,7 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
         background.append(asyncio.create_task(scenario.script(fleet), name="script"))
     trainers_done = asyncio.Event()
     if scenario.trainer:
-        background.append(_client_trainers(scenario, cluster, trainers_done))
+        background.append(_client_trainers(scenario, cluster, trainers_done, clock))
     await asyncio.sleep(faults_end)
     _heal(cluster, fleet)
     for worker_id in sorted(fleet.processes):
@@ -476,7 +476,7 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
 
 
 def _client_trainers(
-    scenario: Scenario, cluster: Cluster, finished: asyncio.Event
+    scenario: Scenario, cluster: Cluster, finished: asyncio.Event, clock: VirtualClock
 ) -> asyncio.Task[None]:
     """The client-driven trainers' task, on a reply topic of their own and a generator of
     their own: the rest of the run draws what it would without them."""
@@ -484,7 +484,8 @@ def _client_trainers(
     rng = random.Random(f"trainer-{scenario.seed}")  # noqa: S311 - a replayable run
     topics = TrainerTopics(jobs=JOBS, results=RESULTS, reply=REPLY_TRAINER)
     return asyncio.create_task(
-        run_trainers(cluster, topics, rng, scenario.duration_s, finished), name="client trainers"
+        run_trainers(cluster, topics, rng, scenario.duration_s, finished, clock=clock),
+        name="client trainers",
     )
 
 

@@ -53,6 +53,7 @@ from schemas import (
 )
 from worker.client.conversation import Conversation, ConversationError, new_submission_id
 from worker.client.rollout import RolloutClient, RolloutError
+from worker.core.clock import Clock
 from worker.dev.sim.clients import Process, SimConsumer, SimProducer
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.history import History
@@ -388,9 +389,12 @@ async def run_trainers(
     rng: random.Random,
     duration_s: float,
     finished: asyncio.Event,
+    *,
+    clock: Clock,
 ) -> None:
     """The trainers of one run (`drawn_plans`), the echo and the trainers' broker outage, until
-    cancelled; `finished` is set once every trainer's last loop has run every step."""
+    cancelled; `finished` is set once every trainer's last loop has run every step. Their
+    clients read `clock`."""
     history = cluster.history
     plans = drawn_plans(rng, duration_s)
     for plan in plans:
@@ -404,7 +408,7 @@ async def run_trainers(
     outage_s = rng.uniform(0.5, 4.0)
     with seeded_uuids(random.Random(rng.getrandbits(64))):  # noqa: S311 - a replayable run
         trainers = [
-            asyncio.create_task(_trainer(plan, cluster, topics, rng), name=f"rl {plan.name}")
+            asyncio.create_task(_trainer(plan, cluster, topics, rng, clock), name=f"rl {plan.name}")
             for plan in plans
         ]
         tasks = list(trainers)
@@ -430,7 +434,11 @@ async def run_trainers(
 
 
 async def _trainer(
-    plan: TrainerPlan, cluster: Cluster, topics: TrainerTopics, rng: random.Random
+    plan: TrainerPlan,
+    cluster: Cluster,
+    topics: TrainerTopics,
+    rng: random.Random,
+    clock: Clock,
 ) -> None:
     """Run `plan`'s loop; at its restart, end that run and start another on a new client."""
     loop = asyncio.get_running_loop()
@@ -447,6 +455,7 @@ async def _trainer(
             timeout_s=plan.timeout_s,
             max_retries=plan.max_retries,
             kafka_clients=SimKafkaClients.of_process(process),
+            clock=clock,
             client_id=f"rl-trainer-{plan.name}",
             request_timeout_ms=plan.request_timeout_ms,
         )
