@@ -143,7 +143,7 @@ async def build_worker(
             raise ConfigError(f"engine {engine.model_name} cannot be steered by a control plane")
         served = SteerableEngine(engine, clock=clock)
     limits = (
-        await read_record_limits(settings)
+        await read_record_limits(settings, kafka_clients=kafka_clients)
         if topic_limits is None
         else RecordLimits.from_topic_limits(settings, topic_limits)
     )
@@ -171,6 +171,9 @@ async def build_worker(
         live_incarnations=read_committed.live_incarnations,
         incarnation=incarnation,
         producer_factory=new_producer,
+        # The reply topics' config reader stays on aiokafka's admin client: under the
+        # simulation it cannot reach the cluster, and the recorded histories were made so; the
+        # simulated one's timers reorder their events that fall on one instant.
         clock=clock,
     )
     control = (

@@ -431,13 +431,7 @@ async def test_answers_behind_a_deleted_reply_topics_answer_do_not_wait_for_its_
 
 
 class _CountedAdmin:
-    """aiokafka's admin client as `topics_max_message_bytes` uses it, counting the clients
-    made (each one a bootstrap connection and a metadata request before its request)."""
-
-    made = 0
-
-    def __init__(self, **_: Any) -> None:
-        type(self).made += 1
+    """aiokafka's admin client as `topics_max_message_bytes` uses it."""
 
     async def start(self) -> None:
         return
@@ -452,23 +446,40 @@ class _CountedAdmin:
         ]
 
 
-async def test_reply_topics_found_one_after_another_share_one_admin_client(monkeypatch):
+class _CountedAdmins:
+    """Kafka clients of which only admin clients are made, counted (each one a bootstrap
+    connection and a metadata request before its request)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def producer(self, **options: Any) -> Any:
+        raise AssertionError(f"no producer expected, got {options}")
+
+    def consumer(self, *topics: str, **options: Any) -> Any:
+        raise AssertionError(f"no consumer expected, got {topics} {options}")
+
+    def admin(self, **options: Any) -> _CountedAdmin:
+        self.made += 1
+        return _CountedAdmin()
+
+
+async def test_reply_topics_found_one_after_another_share_one_admin_client():
     # Each reply topic found had its max.message.bytes read by an admin client of its own,
     # started and closed for that one request.
-    monkeypatch.setattr(kafka, "AIOKafkaAdminClient", _CountedAdmin)
-    _CountedAdmin.made = 0
+    admins = _CountedAdmins()
     s = settings(reply_topics="trainer-.*")
 
     async def present(topic: str) -> bool:
         return True
 
-    configs = kafka.TopicConfigReader(s)
+    configs = kafka.TopicConfigReader(s, admins)
     topics = AnswerTopics(s, present, limit_lookup=configs.max_message_bytes_of, clock=SYSTEM_CLOCK)
     await topics.check("trainer-a")
     await topics.check("trainer-b")
     await configs.close()
     assert topics.limit_of("trainer-a") == topics.limit_of("trainer-b") == 65536
-    assert _CountedAdmin.made == 1
+    assert admins.made == 1
 
 
 async def test_a_reply_topics_check_waits_at_most_its_bound_in_all(monkeypatch):

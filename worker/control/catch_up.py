@@ -67,10 +67,10 @@ from schemas import (
 )
 from worker.control.commands import staleness
 from worker.control.policy import WeightsPolicy
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
 from worker.core.errors import ConfigError, WeightUpdateError
 from worker.core.kafka import client_kwargs
-from worker.core.paced_consumer import PacedConsumer
 from worker.engines.vllm_weights import check_checkpoint, tensor_shapes
 
 __all__ = [
@@ -354,12 +354,15 @@ def _take_answer(state: FleetState, value: bytes | None, group: str, now: float)
             state.served_now.add(message.weights_command_id)
 
 
-async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpPlan:
-    """The plan for the worker `settings` describe, read with consumers of its own (an empty
-    plan when the control topic does not exist, or cannot be read in `READ_TIMEOUT_S`)."""
+async def read_catch_up_plan(
+    settings: Settings, start_version: int, *, kafka_clients: KafkaClients = AIOKAFKA
+) -> CatchUpPlan:
+    """The plan for the worker `settings` describe, read with consumers of its own from
+    `kafka_clients` (an empty plan when the control topic does not exist, or cannot be read in
+    `READ_TIMEOUT_S`)."""
     try:
         async with asyncio.timeout(READ_TIMEOUT_S):
-            async with _reader(settings) as consumer:
+            async with _reader(settings, kafka_clients) as consumer:
                 if settings.control_topic not in await consumer.topics():
                     return CatchUpPlan()
                 await check_control_partitions(consumer, settings.control_topic)
@@ -369,7 +372,7 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
                 log = await read_control_topic(consumer, settings)
             state = FleetState()
             if log.addressed:
-                async with _reader(settings) as consumer:
+                async with _reader(settings, kafka_clients) as consumer:
                     state = await read_fleet_state(consumer, settings)
         return plan_catch_up(
             log, state, start_version, fresh=lambda c: staleness(c, time.time(), settings) is None
@@ -384,8 +387,10 @@ async def read_catch_up_plan(settings: Settings, start_version: int) -> CatchUpP
 
 
 @contextlib.asynccontextmanager
-async def _reader(settings: Settings) -> AsyncIterator[AIOKafkaConsumer]:
-    consumer = PacedConsumer(
+async def _reader(
+    settings: Settings, kafka_clients: KafkaClients
+) -> AsyncIterator[AIOKafkaConsumer]:
+    consumer = kafka_clients.consumer(
         **client_kwargs(settings),
         group_id=None,
         enable_auto_commit=False,
@@ -407,7 +412,7 @@ class StartingCheckpoint:
 
 
 async def checkpoints_to_start_on(
-    settings: Settings, served: Path | None
+    settings: Settings, served: Path | None, *, kafka_clients: KafkaClients = AIOKAFKA
 ) -> list[StartingCheckpoint]:
     """The checkpoint-path updates the fleet applied for this worker that pass every check
     made before a load (the update policy, and against the start-up checkpoint `served`:
@@ -416,7 +421,7 @@ async def checkpoints_to_start_on(
     starts, on its start-up checkpoint."""
     if served is None:
         return []
-    plan = await read_catch_up_plan(settings, settings.weight_version)
+    plan = await read_catch_up_plan(settings, settings.weight_version, kafka_clients=kafka_clients)
     if not plan.checkpoints:
         return []
     policy = WeightsPolicy(settings)

@@ -400,10 +400,12 @@ def make_producer(
     return kafka_clients.producer(**kwargs)
 
 
-async def read_record_limits(settings: Settings) -> RecordLimits:
+async def read_record_limits(
+    settings: Settings, *, kafka_clients: KafkaClients = AIOKAFKA
+) -> RecordLimits:
     """Read the answer topics' `max.message.bytes` (one admin request) and build the limits."""
     topic_bytes = await topics_max_message_bytes(
-        settings, [settings.results_topic, settings.dead_letter_topic]
+        settings, [settings.results_topic, settings.dead_letter_topic], kafka_clients=kafka_clients
     )
     limits = RecordLimits.from_topic_limits(settings, topic_bytes)
     for topic, value in topic_bytes.items():
@@ -418,12 +420,13 @@ async def ensure_topics(
     *,
     replication_factor: int = 1,
     configs: Mapping[str, Mapping[str, str]] | None = None,
+    kafka_clients: KafkaClients = AIOKAFKA,
 ) -> list[str]:
     """Create the topics of `partitions` (name: partition count) that do not exist yet, each
     with its `configs`; return the ones created. The one place topics are created (the CLI's
     --create-topics, the test fixtures, the demos and benchmarks). Raises `BrokerError` naming
     a topic the broker refuses or a broker that cannot be reached."""
-    admin = AIOKafkaAdminClient(**connection)
+    admin = kafka_clients.admin(**connection)
     try:
         await admin.start()
     except KafkaError as exc:
@@ -457,7 +460,7 @@ async def ensure_topics(
     return created
 
 
-async def create_topics(settings: Settings) -> list[str]:
+async def create_topics(settings: Settings, *, kafka_clients: KafkaClients = AIOKAFKA) -> list[str]:
     """Create the jobs, results, dead-letter, control and status topics when missing; return
     the ones created.
 
@@ -480,14 +483,15 @@ async def create_topics(settings: Settings) -> list[str]:
         partitions,
         replication_factor=settings.topic_replication_factor,
         configs=configs,
+        kafka_clients=kafka_clients,
     )
 
 
 async def topics_max_message_bytes(
-    settings: Settings, topics: Sequence[str]
+    settings: Settings, topics: Sequence[str], *, kafka_clients: KafkaClients = AIOKAFKA
 ) -> dict[str, int | None]:
     """`max.message.bytes` of each topic (None where it cannot be read), in one request."""
-    reader = TopicConfigReader(settings)
+    reader = TopicConfigReader(settings, kafka_clients)
     try:
         return await reader.max_message_bytes(topics)
     finally:
@@ -498,10 +502,12 @@ class TopicConfigReader:
     """Reads topics' `max.message.bytes` through one admin client, started at the first read
     and kept for the next: each reply topic a worker finds costs one DescribeConfigs request,
     not a client of its own (a bootstrap connection and a metadata request before it). A
-    client whose start or request failed is closed, and the next read makes another."""
+    client whose start or request failed is closed, and the next read makes another. Its
+    clients come from `kafka_clients`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, kafka_clients: KafkaClients = AIOKAFKA) -> None:
         self._settings = settings
+        self._kafka_clients = kafka_clients
         self._admin: AIOKafkaAdminClient | None = None
         self._starting = asyncio.Lock()
 
@@ -543,7 +549,7 @@ class TopicConfigReader:
     async def _started(self) -> AIOKafkaAdminClient:
         async with self._starting:
             if self._admin is None:
-                admin = AIOKafkaAdminClient(**client_kwargs(self._settings))
+                admin = self._kafka_clients.admin(**client_kwargs(self._settings))
                 try:
                     await admin.start()
                 except BaseException:

@@ -23,9 +23,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from worker.core.clients import AIOKAFKA
 from worker.core.kafka import ensure_topics
 
 logger = logging.getLogger(__name__)
@@ -548,7 +548,7 @@ async def _accepts_connections(bootstrap_servers: str) -> bool:
 
 
 async def _metadata_broker_count(bootstrap_servers: str) -> int:
-    admin = AIOKafkaAdminClient(
+    admin = AIOKAFKA.admin(
         bootstrap_servers=bootstrap_servers,
         client_id="dev-broker-readiness",
         request_timeout_ms=5000,

@@ -22,6 +22,7 @@ from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
 from worker.answering.topics import TopicLimitLookup, TopicLookup
+from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
@@ -64,7 +65,7 @@ class Worker:
     `reply_to` (default: one metadata request on the producer's connections; tests of
     reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
     (default, with the default `topic_lookup`: one DescribeConfigs request on an admin client
-    kept open for the next).
+    from `kafka_clients`, kept open for the next). `clock`: what it reads the time from.
     `producer_factory` makes a producer like `producer`, to take over when a refused record
     broke its idempotent sequence (without it, the worker stops then). `run()` starts
     the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
@@ -86,6 +87,7 @@ class Worker:
         topic_lookup: TopicLookup | None = None,
         topic_limit_lookup: TopicLimitLookup | None = None,
         producer_factory: Callable[[], AIOKafkaProducer] | None = None,
+        kafka_clients: KafkaClients = AIOKAFKA,
         clock: Clock,
     ) -> None:
         self._settings = settings
@@ -112,7 +114,7 @@ class Worker:
         if topic_lookup is None:
             topic_lookup = functools.partial(broker_has_topic, producer)
             if topic_limit_lookup is None:
-                self._topic_configs = TopicConfigReader(settings)
+                self._topic_configs = TopicConfigReader(settings, kafka_clients)
                 topic_limit_lookup = self._topic_configs.max_message_bytes_of
         self._answers = AnswerBuilder(
             settings,

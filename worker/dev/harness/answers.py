@@ -11,7 +11,7 @@ from typing import Self
 from aiokafka import AIOKafkaConsumer
 
 from schemas import Failed, decode_result
-from worker.core.paced_consumer import PacedConsumer
+from worker.core.clients import AIOKAFKA
 from worker.dev.harness.background import InBackground
 from worker.dev.harness.rss import MiB
 
@@ -27,7 +27,7 @@ class AnswersSeen(InBackground):
         self.dead_lettered: set[str] = set()
 
     async def __aenter__(self) -> Self:
-        consumer = PacedConsumer(
+        consumer = AIOKAFKA.consumer(
             self._results,
             self._dlq,
             bootstrap_servers=self._bootstrap,

@@ -9,10 +9,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from schemas import Completed, Failed, Job, ResultAssembler, decode_result, encode
-from worker.core.paced_consumer import PacedConsumer
+from worker.core.clients import AIOKAFKA
 from worker.dev.harness.topics import Topics
 
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
@@ -43,7 +43,7 @@ async def _send(
     partition_of: Callable[[int], int | None],
 ) -> None:
     """Send every record (record i to `partition_of(i)`) and wait until each is acknowledged."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, max_request_size=32 * 1024 * 1024)
+    producer = AIOKAFKA.producer(bootstrap_servers=bootstrap, max_request_size=32 * 1024 * 1024)
     await producer.start()
     try:
         futures = [
@@ -60,7 +60,7 @@ async def _send(
 @contextlib.asynccontextmanager
 async def _from_beginning(bootstrap: str, topic: str) -> AsyncIterator[AIOKafkaConsumer]:
     """A consumer of every partition of `topic`, from the beginning, sized for large records."""
-    consumer = PacedConsumer(
+    consumer = AIOKAFKA.consumer(
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
         enable_auto_commit=False,
@@ -132,7 +132,9 @@ async def assembled(
 
 
 async def committed(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
-    consumer = PacedConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
+    consumer = AIOKAFKA.consumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
     await consumer.start()
     try:
         partitions = await _partitions(consumer, topic)

@@ -18,7 +18,7 @@ from schemas import (
     decode_status,
     encode,
 )
-from worker.core.paced_consumer import PacedConsumer
+from worker.core.clients import AIOKAFKA
 from worker.dev.harness.background import InBackground
 from worker.dev.harness.clients import produce
 from worker.dev.harness.topics import Fleet
@@ -65,7 +65,7 @@ class Topic(InBackground):
         self._consumer: AIOKafkaConsumer | None = None
 
     async def __aenter__(self) -> Self:
-        consumer = PacedConsumer(bootstrap_servers=self._bs, enable_auto_commit=False)
+        consumer = AIOKAFKA.consumer(bootstrap_servers=self._bs, enable_auto_commit=False)
         await consumer.start()
         consumer.assign([self._partition])
         await consumer.seek_to_beginning(self._partition)

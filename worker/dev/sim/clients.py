@@ -954,8 +954,16 @@ class _Described:
         return self.body
 
 
+@dataclass
+class _DescribedConfigs:
+    #: (error code, error message, resource type, name, config entries), as aiokafka's
+    #: DescribeConfigsResponse holds them.
+    resources: list[tuple[int, str | None, int, str, list[tuple[Any, ...]]]]
+
+
 class SimAdmin:
-    """aiokafka's AIOKafkaAdminClient: committed offsets with metadata, and DescribeGroups."""
+    """aiokafka's AIOKafkaAdminClient: committed offsets with metadata, DescribeGroups, and
+    DescribeConfigs of topics."""
 
     def __init__(self, process: Process) -> None:
         self.process = process
@@ -981,6 +989,25 @@ class SimAdmin:
             _Described(await self.process.request(lambda g=g: self.process.cluster.describe(g)))  # type: ignore[misc]
             for g in group_ids
         ]
+
+    async def describe_configs(self, config_resources: list[Any]) -> list[_DescribedConfigs]:
+        """DescribeConfigs of topics, answering `max.message.bytes` (the one config the
+        worker reads); a topic the cluster lacks answers UNKNOWN_TOPIC_OR_PARTITION."""
+
+        def described() -> list[_DescribedConfigs]:
+            topics = self.process.cluster.topics
+            rows: list[tuple[int, str | None, int, str, list[tuple[Any, ...]]]] = []
+            for resource in config_resources:
+                topic = topics.get(resource.name)
+                if topic is None:
+                    missing = UnknownTopicOrPartitionError.errno
+                    rows.append((missing, "unknown topic", 2, resource.name, []))
+                    continue
+                entry = ("max.message.bytes", str(topic.max_message_bytes), False, False, False)
+                rows.append((0, None, 2, resource.name, [entry]))
+            return [_DescribedConfigs(rows)]
+
+        return await self.process.request(described)
 
 
 def noop(*_: Any) -> Awaitable[None]:
