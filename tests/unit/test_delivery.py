@@ -44,6 +44,7 @@ class Harness:
             smaller=self.answers.smaller,
             on_free=lambda: None,
             on_fatal=self.fatal.append,
+            clock=SYSTEM_CLOCK,
         )
         self.offsets = PartitionOffsets()
 

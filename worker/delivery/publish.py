@@ -28,6 +28,7 @@ from aiokafka.errors import (
 )
 
 from worker.answering.records import Answer, OutRecord
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
 from worker.core.failpoints import crash_point
@@ -98,8 +99,10 @@ class Delivery:
         on_acknowledged: Callable[[], None] = lambda: None,
         answer_stays: Callable[[TopicPartition, PartitionOffsets], Awaitable[bool]] | None = None,
         topic_limit: Callable[[str], int | None] | None = None,
+        clock: Clock,
     ) -> None:
         self._producer = producer
+        self._clock = clock
         self._publish_timeout_s = settings.publish_timeout_s
         self._limits = limits
         self._metrics = metrics
@@ -154,7 +157,7 @@ class Delivery:
         """How long the oldest unacknowledged delivery has waited (0 when none)."""
         if not self._deliveries:
             return 0.0
-        return time.monotonic() - next(iter(self._deliveries.values()))[0]
+        return self._clock.monotonic() - next(iter(self._deliveries.values()))[0]
 
     def queue(self, ticket: Ticket) -> bool:
         """Queue the answer's records in the outbox, which batches them; False when some are too
@@ -189,7 +192,7 @@ class Delivery:
         def ours(tp: TopicPartition) -> bool:
             return partitions is None or tp in partitions
 
-        remaining = deadline - time.monotonic()
+        remaining = deadline - self._clock.monotonic()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(remaining, 0)):
                 await self._outbox.flush()
@@ -208,12 +211,12 @@ class Delivery:
             d for d, (_, members) in self._deliveries.items() if any(ours(t.tp) for t, _ in members)
         ]
         waiting += [task for task, ticket in self._resends.items() if ours(ticket.tp)]
-        remaining = deadline - time.monotonic()
+        remaining = deadline - self._clock.monotonic()
         if waiting and remaining > 0:
             await asyncio.wait(waiting, timeout=remaining)
         # Failed deliveries may have started re-sends meanwhile; they get the same deadline.
         resends = [task for task, ticket in self._resends.items() if ours(ticket.tp)]
-        remaining = deadline - time.monotonic()
+        remaining = deadline - self._clock.monotonic()
         if resends and remaining > 0:
             await asyncio.wait(resends, timeout=remaining)
         await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
@@ -277,10 +280,10 @@ class Delivery:
         """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
         and acknowledged (re-sends included), cancelling nothing; whether they all were."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(deadline - time.monotonic(), 0)):
+            async with asyncio.timeout(max(deadline - self._clock.monotonic(), 0)):
                 await self._outbox.flush()
         waiting: list[asyncio.Future[Any]] = [*self._deliveries, *self._resends]
-        remaining = deadline - time.monotonic()
+        remaining = deadline - self._clock.monotonic()
         if waiting and remaining > 0:
             await asyncio.wait(waiting, timeout=remaining)
         await asyncio.sleep(0)  # let the acknowledgements' callbacks run
@@ -290,7 +293,7 @@ class Delivery:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
         if self._taken_back:
             self._taken_back.difference_update(members)
-        self._deliveries[delivery] = (time.monotonic(), members)
+        self._deliveries[delivery] = (self._clock.monotonic(), members)
         delivery.add_done_callback(functools.partial(self._on_delivery, members))
         self._on_free()
 
@@ -354,7 +357,7 @@ class Delivery:
 
     async def _resend(self, ticket: Ticket, index: int) -> None:
         where = f"{ticket.tp.topic}-{ticket.tp.partition}@{ticket.offset}"
-        backoff = _Backoff(self._publish_timeout_s)
+        backoff = _Backoff(self._publish_timeout_s, self._clock)
         try:
             while True:
                 # Its partition was handed over parked meanwhile: sent now, the answer would
@@ -366,7 +369,7 @@ class Delivery:
                 delivery, generation = await self._enqueue_fitting(ticket, index, backoff)
                 # aiokafka retries an unreachable broker forever; the loop's watchdog bounds
                 # our patience (`oldest_wait_s`).
-                self._deliveries[delivery] = (time.monotonic(), [(ticket, index)])
+                self._deliveries[delivery] = (self._clock.monotonic(), [(ticket, index)])
                 try:
                     await delivery
                 except MessageSizeTooLargeError as exc:
@@ -418,7 +421,7 @@ class Delivery:
         """Hand record `index` to the producer in a batch of its own (a refusal for its size is
         then the record's alone), shrinking it while it is over the producer's limit; return
         the future of its acknowledgement, and the generation of the producer it went to."""
-        backoff = backoff or _Backoff(self._publish_timeout_s)
+        backoff = backoff or _Backoff(self._publish_timeout_s, self._clock)
         while True:
             record = ticket.answer.records[index]
             generation = self._generation()
@@ -516,12 +519,13 @@ class _Backoff:
     """Retries of one delivery: transient broker errors wait and retry, doubling the wait, until
     `timeout_s` has passed; anything else, or later, is a BrokerError."""
 
-    def __init__(self, timeout_s: float) -> None:
-        self._deadline = time.monotonic() + timeout_s
+    def __init__(self, timeout_s: float, clock: Clock) -> None:
+        self._clock = clock
+        self._deadline = clock.monotonic() + timeout_s
         self._delay = 0.1
 
     async def after(self, exc: KafkaError, what: str, *, transient: bool = False) -> None:
-        if not (exc.retriable or transient) or time.monotonic() > self._deadline:
+        if not (exc.retriable or transient) or self._clock.monotonic() > self._deadline:
             raise BrokerError(f"{what} failed: {exc!r}") from exc
         logger.warning("%s failed (%r); retrying in %.1fs", what, exc, self._delay)
         await asyncio.sleep(self._delay)

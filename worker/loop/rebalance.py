@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Final
 
 from aiokafka import ConsumerRecord, TopicPartition
 
+from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
@@ -51,8 +51,10 @@ class Rebalances:
         committer: Committer,
         gate: PartitionGate,
         has_room: Callable[[], bool],
+        clock: Clock,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._metrics = metrics
         self._jobs = jobs
         self._delivery = delivery
@@ -130,7 +132,7 @@ class Rebalances:
                 logger.info(
                     "rebalance: %d jobs of %s get %.1fs", busy, sorted(map(str, revoked)), grace
                 )
-            deadline = time.monotonic() + grace
+            deadline = self._clock.monotonic() + grace
             await self._jobs.settle(revoked, grace)
             # A rebalance moves few partitions, or none (a member restarting, joining or
             # leaving elsewhere), but the group's protocol revokes them all: cancelling every
@@ -164,7 +166,7 @@ class Rebalances:
                     if (decision := self._parked.pop(tp, None)) is not None:
                         decision.set_result(False)
             await self._jobs.abort(revoked - kept)
-            await self._delivery.settle(running - kept, time.monotonic())
+            await self._delivery.settle(running - kept, self._clock.monotonic())
             self._gate.forget(revoked - kept)
             if kept:
                 logger.info(
@@ -250,7 +252,7 @@ class Rebalances:
                     cancelled,
                 )
             # Answers on their way are the new owner's to give (`Delivery.settle`).
-            await self._delivery.settle(moved, time.monotonic())
+            await self._delivery.settle(moved, self._clock.monotonic())
             # One whose revoke is still under way (a stop began meanwhile) is forgotten there,
             # after its hand-over: forgotten now, it would not be handed over at all.
             self._gate.forget(moved - self._revoking)

@@ -176,6 +176,7 @@ class Worker:
             on_acknowledged=self._wake_breaker,
             answer_stays=self._answer_stays,
             topic_limit=self._answers.reply_topic_limit,
+            clock=clock,
         )
         self._watchdog = Watchdog(settings, engine, self._delivery, clock=clock)
         self._rebalances = Rebalances(
@@ -186,6 +187,7 @@ class Worker:
             committer=self._committer,
             gate=self._gate,
             has_room=lambda: self._in_flight() < self.max_in_flight,
+            clock=clock,
         )
         self._starts = JobStarts(
             answers=self._answers,
