@@ -305,7 +305,7 @@ def test_serve_reports_a_missing_codec_in_one_line(monkeypatch, capsys):
     codecs["lz4"] = (lambda: False, codecs["lz4"][1])
     monkeypatch.setattr(AIOKafkaProducer, "_COMPRESSORS", codecs)
 
-    async def no_broker(settings: Settings) -> Any:
+    async def no_broker(settings: Settings, **_: Any) -> Any:
         from worker.core.limits import RecordLimits  # noqa: PLC0415
 
         return RecordLimits.from_topic_limits(settings, {})

@@ -55,7 +55,7 @@ async def test_healthz_answers_and_readyz_refuses_while_the_model_loads(monkeypa
     loaded = threading.Event()
     monkeypatch.setattr("worker.build.build_engine", lambda *_: SlowLoadingEngine(loaded))
 
-    async def no_broker(s: Settings) -> Any:
+    async def no_broker(s: Settings, **_: Any) -> Any:
         return RecordLimits.from_topic_limits(s, {})
 
     monkeypatch.setattr("worker.build.read_record_limits", no_broker)
