@@ -76,7 +76,8 @@ class RolloutClient:
     client it opens, those of `update_weights` and `status` too. `control_hmac_key`: the
     fleet's `--control-hmac-key`, which `update_weights` signs its commands with.
     `kafka_clients`: where its Kafka clients come from (aiokafka's by default; a simulation or
-    a test passes its own).
+    a test passes its own). `clock`: what jobs' deadlines are dated and checked on (the
+    system's by default).
     """
 
     def __init__(
