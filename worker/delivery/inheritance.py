@@ -15,11 +15,11 @@ from collections.abc import Iterable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaError
 
 from worker.delivery.alive import AliveWriters, LiveIncarnations
+from worker.delivery.committed_maps import CommittedMaps
 from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers, awaits_hand_over
-from worker.delivery.offset_map import OffsetMap, decode_offset_map
+from worker.delivery.offset_map import OffsetMap
 from worker.delivery.offsets import Commit, OffsetTracker
 
 __all__ = ["Inheritance"]
@@ -53,6 +53,7 @@ class Inheritance:
         self._incarnation = incarnation
         self._timeout_s = timeout_s
         self._read_committed = read_committed
+        self._maps = CommittedMaps(consumer, read_committed, timeout_s)
         self._live_incarnations = live_incarnations
         #: Partitions whose committed map is being read: none of their records may start yet.
         self.reading: set[TopicPartition] = set()
@@ -94,7 +95,7 @@ class Inheritance:
         if not unconfirmed:
             return offsets
         kept = {tp: c for tp, c in offsets.items() if tp not in unconfirmed}
-        read = await self._read_maps_and_ends(unconfirmed)
+        read = await self._maps.read_with_ends(unconfirmed)
         if read is None:
             logger.info(
                 "cannot read the committed offsets of %s before their first commit; it waits",
@@ -168,7 +169,7 @@ class Inheritance:
         partition read from (as `assigned`). Nothing while they still cannot be read."""
         if not self.unread or self._read_committed is None:
             return {}
-        maps = await self._read_maps(set(self.unread))
+        maps = await self._maps.read(set(self.unread))
         if maps is None:
             return {}
         # Revoked meanwhile: for their next owner to read.
@@ -230,7 +231,7 @@ class Inheritance:
             self._tracker.assigned(tp, previous, anchor=position, writer_alive=writer_alive)
         # Within the log, where aiokafka itself fetches from once it looks the position up.
         # Past its end, the log was truncated under the commit: the consumer's reset stands.
-        ends = await self._end_offsets(set(maps))
+        ends = await self._maps.ends(set(maps))
         return {
             tp: position
             for tp, (position, _) in maps.items()
@@ -248,7 +249,7 @@ class Inheritance:
         group formed)."""
         deadline = time.monotonic() + self._timeout_s
         while True:
-            maps = await self._read_maps(partitions)
+            maps = await self._maps.read(partitions)
             if maps is not None or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(_HAND_OVER_POLL_S)
@@ -259,49 +260,6 @@ class Inheritance:
                 len(partitions),
             )
         return maps
-
-    async def _read_maps(
-        self, partitions: set[TopicPartition]
-    ) -> dict[TopicPartition, tuple[int, OffsetMap | None]] | None:
-        """The committed position and offset map of each of `partitions` that has a commit
-        (None for a map that cannot be decoded); None when they cannot be read at all. Read
-        again and again while that lasts: the callers say it once."""
-        read = await self._read_maps_and_ends(partitions)
-        return None if read is None else read[0]
-
-    async def _read_maps_and_ends(
-        self, partitions: set[TopicPartition]
-    ) -> (
-        tuple[dict[TopicPartition, tuple[int, OffsetMap | None]], dict[TopicPartition, int]] | None
-    ):
-        """`_read_maps`, with the partitions' end offsets read for them (none when those could
-        not be read)."""
-        if self._read_committed is None:
-            return {}, {}
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                committed = await self._read_committed(sorted(partitions))
-            ends = await self._end_offsets(partitions)
-        except (KafkaError, TimeoutError) as exc:
-            logger.debug("cannot read the committed offset maps (%r)", exc)
-            return None
-        maps: dict[TopicPartition, tuple[int, OffsetMap | None]] = {}
-        for tp, (position, metadata) in committed.items():
-            if tp not in partitions or position < 0:
-                continue
-            try:
-                maps[tp] = (position, decode_offset_map(position, metadata, end=ends.get(tp)))
-            except Exception as exc:  # noqa: BLE001 - any unreadable map: plain at-least-once
-                logger.warning(
-                    "%s-%s@%d: ignoring the committed metadata (%s); records past the committed "
-                    "offset will run again",
-                    tp.topic,
-                    tp.partition,
-                    position,
-                    exc,
-                )
-                maps[tp] = (position, None)
-        return maps, ends
 
     async def _await_hand_overs(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]], alive: AliveWriters
@@ -327,7 +285,7 @@ class Inheritance:
         latest_deadline = deadline + self._timeout_s
         while waiting and time.monotonic() < deadline:
             await asyncio.sleep(_HAND_OVER_POLL_S)
-            again = await self._read_maps(waiting)
+            again = await self._maps.read(waiting)
             if again is None:
                 # The coordinator cannot be read: the hand-over may land (or have landed)
                 # unseen, and fetching from the position read before would have this owner
@@ -346,16 +304,3 @@ class Inheritance:
                 _HAND_OVER_WAIT_S,
             )
         return waiting
-
-    async def _end_offsets(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
-        """The partitions' end offsets, or none when they cannot be read: map offsets at or
-        past the end name no record (the log was truncated under them)."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                ends: dict[TopicPartition, int] = await self._consumer.end_offsets(
-                    sorted(partitions)
-                )
-        except (KafkaError, TimeoutError) as exc:
-            logger.warning("cannot read the partitions' end offsets (%r)", exc)
-            return {}
-        return ends

@@ -26,7 +26,7 @@ from worker.client import inflight
 from worker.client.inflight import InFlight
 from worker.client.rollout import RolloutClient
 from worker.control import catch_up, plane
-from worker.delivery import inheritance, offset_map
+from worker.delivery import committed_maps, offset_map
 from worker.delivery.commits import Committer
 from worker.delivery.hand_overs import RefusedHandOvers
 from worker.delivery.offset_map import OffsetMapError
@@ -196,7 +196,7 @@ def inherited_map_ignored() -> Iterator[None]:
     def decode(position: int, metadata: str, *, end: int | None = None) -> Any:
         raise OffsetMapError("not read")
 
-    with mock.patch.object(inheritance, "decode_offset_map", decode):
+    with mock.patch.object(committed_maps, "decode_offset_map", decode):
         yield
 
 
