@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sim
 
+from worker.dev.sim.hash_seed import run_under_the_sim_hash_seed
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.run import FLAG_SETS, FLEET_SIZES, drawn, replay_command, run
 
@@ -125,4 +126,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    run_under_the_sim_hash_seed()
     sys.exit(main())

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from worker.dev.sim.checker import Kind
 from worker.dev.sim.cluster import Flavour
+from worker.dev.sim.hash_seed import run_under_the_sim_hash_seed
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import PATHS
 from worker.dev.sim.run import HOSTILE_SHARES, Outcome, Scenario, drawn, flag_set_scenario, run
@@ -252,4 +253,5 @@ def run_one(args: argparse.Namespace, workers_seed_flags: tuple[int, int, str | 
 
 
 if __name__ == "__main__":
+    run_under_the_sim_hash_seed()
     sys.exit(main())
