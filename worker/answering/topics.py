@@ -11,16 +11,20 @@ hold up every other answer meanwhile. Such a job is answered `invalid_job` on th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from schemas import Job
+from worker.core.clients import KafkaClients
 from worker.core.clock import Clock
 from worker.core.config import Settings
+from worker.core.kafka import TopicConfigReader, broker_has_topic
 
 __all__ = ["AnswerTopics", "TopicLimitLookup", "TopicLookup"]
 
@@ -30,6 +34,27 @@ logger = logging.getLogger(__name__)
 TopicLookup = Callable[[str], Awaitable[bool]]
 #: A topic's `max.message.bytes`, None when it cannot be read.
 TopicLimitLookup = Callable[[str], Awaitable[int | None]]
+
+
+def broker_lookups(
+    settings: Settings,
+    producer: AIOKafkaProducer,
+    kafka_clients: KafkaClients,
+    topic_lookup: TopicLookup | None,
+    topic_limit_lookup: TopicLimitLookup | None,
+) -> tuple[TopicLookup, TopicLimitLookup | None, TopicConfigReader | None]:
+    """The lookups given, or the broker's: whether it has a topic (one metadata request on the
+    producer's connections) and, with that default, the topic's `max.message.bytes` (one
+    DescribeConfigs request on an admin client from `kafka_clients`, kept open for the next:
+    returned, for its owner to close)."""
+    if topic_lookup is not None:
+        return topic_lookup, topic_limit_lookup, None
+    lookup = functools.partial(broker_has_topic, producer)
+    if topic_limit_lookup is not None:
+        return lookup, topic_limit_lookup, None
+    reader = TopicConfigReader(settings, kafka_clients)
+    return lookup, reader.max_message_bytes_of, reader
+
 
 #: The longest a job waits for the metadata of its reply topic.
 REPLY_TOPIC_CHECK_S: Final = 5.0

@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from worker.answering.answers import AnswerBuilder
-from worker.answering.topics import TopicLimitLookup, TopicLookup
+from worker.answering.topics import TopicLimitLookup, TopicLookup, broker_lookups
 from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
-from worker.core.kafka import TopicConfigReader, broker_has_topic
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
@@ -54,22 +53,53 @@ def max_in_flight_for(configured: int | None, engine_concurrency: int) -> int:
     return configured or 2 * engine_concurrency
 
 
+@dataclass(frozen=True)
+class _Pacing:
+    """How many jobs the loop runs, and how often it wakes."""
+
+    max_in_flight: int
+    #: While the engine has a backlog, the loop refills in lots of this many.
+    refill_lot: int
+    #: How often the loop polls at the cap.
+    keepalive_s: float
+    #: How long the loop waits, at the cap, for a freed slot, a stop or a fatal error.
+    full_wait_s: float
+
+    @classmethod
+    def of(cls, settings: Settings, engine: Engine) -> _Pacing:
+        max_in_flight = max_in_flight_for(settings.max_in_flight, engine.max_concurrency)
+        # At the cap, polled as often as the group hears from the worker (its heartbeats):
+        # well inside max_poll_interval_ms, and a coordinator error surfaces as soon.
+        keepalive_s = min(settings.heartbeat_interval_ms, settings.max_poll_interval_ms / 4) / 1000
+        return cls(
+            max_in_flight,
+            # Jobs beyond what the engine runs at once wait in its queue and take a finished
+            # job's place there at once. While the engine has such a backlog the loop refills
+            # in lots of half the room for one: the engine stays busy on the rest meanwhile,
+            # and each lot costs one fetch and one write-ahead commit, where refilling every
+            # freed slot cost a commit per job or two. Without a backlog every freed slot is
+            # filled at once.
+            max(1, (max_in_flight - engine.max_concurrency) // 2),
+            keepalive_s,
+            # Otherwise it wakes only for the commit interval's tick and the keepalive poll:
+            # each wake-up with nothing to do is CPU taken beside the engine.
+            min(max(settings.poll_timeout_ms, settings.commit_interval_ms) / 1000, keepalive_s),
+        )
+
+
 class Worker:
     """Consumes jobs, runs them on an engine, publishes answers, commits answered offsets.
 
     Its parts are given (`worker.build` wires them; tests pass fakes): `limits` are those the
     producer was built with, `read_committed` reads the offset maps on assignment,
     `live_incarnations` the incarnations the group's live members announce (the consumer
-    announces `incarnation`; see `worker.core.incarnation`). The engine
-    is started and closed by its owner; `topic_lookup` says whether the broker has a job's
-    `reply_to` (default: one metadata request on the producer's connections; tests of
-    reply topics with fakes pass their own), and `topic_limit_lookup` its `max.message.bytes`
-    (default, with the default `topic_lookup`: one DescribeConfigs request on an admin client
-    from `kafka_clients`, kept open for the next). `clock`: what it reads the time from.
+    announces `incarnation`; see `worker.core.incarnation`). The engine is started and closed
+    by its owner; `topic_lookup` and `topic_limit_lookup` say whether the broker has a job's
+    `reply_to` and its `max.message.bytes` (default: the broker's, `broker_lookups`).
     `producer_factory` makes a producer like `producer`, to take over when a refused record
-    broke its idempotent sequence (without it, the worker stops then). `run()` starts
-    the clients, serves until `request_stop()` or a fatal error, drains, closes the clients,
-    and returns the exit status (0 clean, 1 fatal).
+    broke its idempotent sequence (without it, the worker stops then). `run()` starts the
+    clients, serves until `request_stop()` or a fatal error, drains, closes the clients, and
+    returns the exit status (0 clean, 1 fatal).
     """
 
     def __init__(
@@ -98,24 +128,16 @@ class Worker:
         self._producer = producer
         self._engine = engine
         self.metrics = metrics or Metrics()
-        self.max_in_flight = max_in_flight_for(settings.max_in_flight, engine.max_concurrency)
-        # Jobs beyond what the engine runs at once wait in its queue and take a finished job's
-        # place there at once. While the engine has such a backlog the loop refills in lots of
-        # half the room for one: the engine stays busy on the rest meanwhile, and each lot
-        # costs one fetch and one write-ahead commit, where refilling every freed slot cost a
-        # commit per job or two. Without a backlog every freed slot is filled at once.
-        self._refill_lot = max(1, (self.max_in_flight - engine.max_concurrency) // 2)
+        self._pacing = pacing = _Pacing.of(settings, engine)
+        self.max_in_flight = pacing.max_in_flight
         self._stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._fatal: FatalError | None = None
         self._serving = False
-        # Owned here when made here: closed with the other clients.
-        self._topic_configs: TopicConfigReader | None = None
-        if topic_lookup is None:
-            topic_lookup = functools.partial(broker_has_topic, producer)
-            if topic_limit_lookup is None:
-                self._topic_configs = TopicConfigReader(settings, kafka_clients)
-                topic_limit_lookup = self._topic_configs.max_message_bytes_of
+        # The admin client of the default limit lookup is closed with the other clients.
+        topic_lookup, topic_limit_lookup, topic_configs = broker_lookups(
+            settings, producer, kafka_clients, topic_lookup, topic_limit_lookup
+        )
         self._answers = AnswerBuilder(
             settings,
             engine,
@@ -149,20 +171,11 @@ class Worker:
         # The gate asks each reason afresh before every fetch: paused while a partition's
         # offset map nears its cap or is being read, while it runs a suspect of a crash, and
         # while its next job waits for newer weights.
-        # At the cap, polled as often as the group hears from the worker (its heartbeats):
-        # well inside max_poll_interval_ms, and a coordinator error surfaces as soon.
-        keepalive_s = min(settings.heartbeat_interval_ms, settings.max_poll_interval_ms / 4) / 1000
         self._gate = PartitionGate(
             consumer,
             (self._committer, self._breaker, self._holds),
-            keepalive_s=keepalive_s,
+            keepalive_s=pacing.keepalive_s,
             clock=clock,
-        )
-        # At the cap the loop wakes for a freed slot, a stop or a fatal error; otherwise only
-        # for the commit interval's tick and the keepalive poll: each wake-up with nothing to
-        # do is CPU taken beside the engine.
-        self._full_wait_s = min(
-            max(settings.poll_timeout_ms, settings.commit_interval_ms) / 1000, keepalive_s
         )
         self._delivery = Delivery(
             producer,
@@ -210,7 +223,7 @@ class Worker:
             delivery=self._delivery,
             producer=producer,
             gate=self._gate,
-            topic_configs=self._topic_configs,
+            topic_configs=topic_configs,
         )
         # Read when scraped, not written twice per job.
         self.metrics.in_flight.set_function(self._in_flight)
@@ -268,7 +281,7 @@ class Worker:
             self._wake.clear()
             self._committer.tick(due=self._breaker.commit_due())
             free = self.max_in_flight - self._in_flight()
-            if free <= 0 or (free < self._refill_lot and self._engine_has_backlog()):
+            if free <= 0 or (free < self._pacing.refill_lot and self._engine_has_backlog()):
                 # Full, or short of a lot while the engine has a backlog to run meanwhile.
                 # Otherwise any free slot is filled at once: waiting for several leaves the
                 # engine's batch short, which costs vLLM throughput. Short jobs free slots
@@ -276,7 +289,7 @@ class Worker:
                 # partition paused. A freed slot, a stop and a fatal error all wake this wait;
                 # its end only keeps the commit interval's ticks.
                 try:
-                    async with asyncio.timeout(self._full_wait_s):
+                    async with asyncio.timeout(self._pacing.full_wait_s):
                         await self._wake.wait()
                 except TimeoutError:
                     await self._starts.start(await gate.poll_paused())
