@@ -119,6 +119,11 @@ def answer(job_id: str, routed: RoutedExperts | None = None, **fields: Any) -> b
     return encode(Completed(job_id=job_id, completions=[c], prompt_token_count=1, **fields))
 
 
+def echo(client: RolloutClient, job_id: str) -> str:
+    """The submission of `job_id`'s sending in flight, which a worker's answer echoes."""
+    return client._inflight.pending[job_id].submission
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[Path]:
     root = tmp_path / "store"
@@ -146,8 +151,14 @@ async def test_a_forged_payload_fails_its_job_and_the_reader_goes_on(store: Path
         ref = reference(
             (store / "forged.bin").as_uri(), sha256=digest, shape=[4, 3, 4], dtype="uint16"
         )
-        feed.put(answer("victim", ref))
-        feed.put(answer("good", reference((store / "good.bin").as_uri())))
+        feed.put(answer("victim", ref, submission_id=echo(client, "victim")))
+        feed.put(
+            answer(
+                "good",
+                reference((store / "good.bin").as_uri()),
+                submission_id=echo(client, "good"),
+            )
+        )
         failed, whole = await outcome(victim), await outcome(good)
     finally:
         await client.close()
@@ -202,8 +213,10 @@ async def test_each_hostile_reference_fails_its_job_clearly_without_reading(
     client, feed = await offline_client(store)
     try:
         futures = [client.submit(job("hostile")), client.submit(job("good"))]
-        feed.put(answer("hostile", reference(uri, sha256=sha)))
-        feed.put(answer("good"))
+        feed.put(
+            answer("hostile", reference(uri, sha256=sha), submission_id=echo(client, "hostile"))
+        )
+        feed.put(answer("good", submission_id=echo(client, "good")))
         failed, good = [await outcome(f) for f in futures]
     finally:
         await client.close()
@@ -236,7 +249,13 @@ async def test_references_without_a_payload_root_are_refused(store: Path) -> Non
     client, feed = await offline_client(None)
     try:
         future = client.submit(job("ref"))
-        feed.put(answer("ref", reference((store / "good.bin").as_uri())))
+        feed.put(
+            answer(
+                "ref",
+                reference((store / "good.bin").as_uri()),
+                submission_id=echo(client, "ref"),
+            )
+        )
         failed = await outcome(future)
     finally:
         await client.close()
@@ -357,7 +376,7 @@ def test_fuzzed_results_fail_at_most_their_own_job_and_every_good_one_is_answere
                 try:
                     for value in values:
                         feed.put(value)
-                    feed.put(answer(f"good-{count}"))
+                    feed.put(answer(f"good-{count}", submission_id=echo(client, f"good-{count}")))
                     whole = await outcome(good)
                     _, peak = tracemalloc.get_traced_memory()
                 finally:
@@ -452,7 +471,13 @@ def test_a_part_that_disagrees_with_its_attempt_is_skipped_not_fatal() -> None:
         try:
             future = client.submit(job("split"))
             for index, count in ((0, 2), (1, 3), (1, 2)):
-                feed.put(answer("split", part=Part(index=index, count=count, attempt="a")))
+                feed.put(
+                    answer(
+                        "split",
+                        part=Part(index=index, count=count, attempt="a"),
+                        submission_id=echo(client, "split"),
+                    )
+                )
             return await outcome(future)
         finally:
             await client.close()

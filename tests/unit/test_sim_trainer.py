@@ -5,6 +5,7 @@ defects the simulation found, each at the unit level."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -14,7 +15,9 @@ from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import TopicPartition
 
 from schemas import Completed, Completion, Failed, SamplingSpec, decode_job, encode
-from tests.unit.test_rollout_answers import Topics, completed, failed, prompt
+from tests.unit.test_answers import builder as answer_builder
+from tests.unit.test_answers import record as job_record
+from tests.unit.test_rollout_answers import Topics, completed, prompt
 from worker.client.conversation import Conversation, ConversationError
 from worker.client.rollout import RolloutClient, RolloutError
 from worker.dev.sim.clients import Process, SimConsumer
@@ -433,19 +436,13 @@ async def test_a_generate_that_fails_leaves_none_of_its_jobs_in_flight(topics: T
     assert client.in_flight == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a worker's failure of a record it did not run as a job (crash-looped, an "
-    "internal error, a result too large or a reply topic refused) echoes no submission_id "
-    "(worker/answering/records.py, RecordShaper.rejected and _minimal_failed), and the client "
-    "takes a failure without one for any sending of its id (worker/client/inflight.py, "
-    "_answers)",
-)
 async def test_a_restarted_trainer_does_not_take_its_previous_runs_crash_looped_failure(
     topics: Topics,
 ) -> None:
     """The previous run's job, in flight at two worker deaths, is answered 'not run again'
-    after the restarted loop sent the same id: that failure is not the new sending's."""
+    (by the worker's own `AnswerBuilder.crash_looped`) after the restarted loop sent the same
+    id: that failure is the earlier sending's, not the new one's. Before, it echoed no
+    submission and the client took a failure without one for any sending of its id."""
     before = topics.client(timeout_s=3)
     before.submit({"job_id": "step0-g0", "prompt_token_ids": prompt(5)})
     previous = await topics.job(0)
@@ -454,10 +451,14 @@ async def test_a_restarted_trainer_does_not_take_its_previous_runs_crash_looped_
     after = topics.client(timeout_s=3)
     future = after.submit({"job_id": "step0-g0", "prompt_token_ids": prompt(5)})
     current = await topics.job(1)
-    crash_looped = failed(previous)
-    del crash_looped["submission_id"]  # as RecordShaper.rejected writes it
+    answer = await answer_builder().crash_looped(
+        TopicPartition("jobs", 0), job_record(json.dumps(previous).encode()), deaths=2
+    )
+    crash_looped = json.loads(answer.records[-1].value or b"")
+    assert crash_looped["type"] == "failed" and "not run again" in crash_looped["error"]["detail"]
     topics.publish(crash_looped)
     topics.publish(completed(current, [2]))
     result = await asyncio.wait_for(future, 2)
 
     assert isinstance(result, Completed)
+    assert result.completions[0].token_ids == [2]

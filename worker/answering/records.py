@@ -18,6 +18,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from msgspec import UNSET
 
 from schemas import ErrorCode, ErrorInfo, Failed, Job, peek_job_id, peek_reply_to
+from schemas.results import SubmissionId
 from worker.answering.encoder import encode_result
 from worker.answering.topics import AnswerTopics
 from worker.core.config import Settings
@@ -59,6 +60,14 @@ Headers = list[tuple[str, bytes]]
 _COMPLETED_LABELS: Final = (("completed", ""),)
 
 
+class _SubmissionIdOnly(msgspec.Struct):
+    submission_id: SubmissionId | None = None
+
+
+# Decodes the one field and checks it as a result's `submission_id` is checked where it is read.
+_SUBMISSION_ID_DECODER: Final = msgspec.json.Decoder(_SubmissionIdOnly)
+
+
 class Outcome(enum.Enum):
     """What a job record came to, as the metrics count it."""
 
@@ -94,6 +103,10 @@ class Answer(msgspec.Struct, frozen=True):
     outcome: Outcome
     #: Why it failed (None when completed).
     code: ErrorCode | None = None
+    #: The `submission_id` of the record answered, when it named a valid one: every failed
+    #: result that replaces one of these records echoes it, so its sender can tell which
+    #: sending of the job id it answers.
+    submission_id: str | None = None
 
     def metric_labels(self) -> tuple[tuple[str, str], ...]:
         """`vkw_jobs_total` labels: one per record kind this answer holds."""
@@ -122,7 +135,7 @@ class RecordShaper:
         topic = self._topics.of(job)
         headers = trace.record_headers()
         records = tuple(self._result_record(job.job_id, value, topic, headers) for value in values)
-        return Answer(job.job_id, records, Outcome.COMPLETED)
+        return Answer(job.job_id, records, Outcome.COMPLETED, submission_id=job.submission_id)
 
     def failed(
         self,
@@ -151,7 +164,7 @@ class RecordShaper:
                 weight_version=partial.weight_version,
             )
         out = self._failed_record(failed, self._topics.of(job), trace.record_headers())
-        return Answer(job.job_id, (out,), Outcome.FAILED, code)
+        return Answer(job.job_id, (out,), Outcome.FAILED, code, job.submission_id)
 
     def rejected(
         self,
@@ -165,8 +178,9 @@ class RecordShaper:
     ) -> Answer:
         """Answer a record that did not become a job: a failed result when its job_id can be
         read (on its `reply_to` when that is answered on: `AnswerTopics.check` it first),
-        carrying the record's `trace` headers, and a dead-letter copy of the original record
-        (its headers, trace headers among them, as they came) as `dead_letter` says."""
+        echoing its `submission_id` when that can be read and is valid, carrying the record's
+        `trace` headers, and a dead-letter copy of the original record (its headers, trace
+        headers among them, as they came) as `dead_letter` says."""
         job_id = peek_job_id(record.value) if record.value is not None else None
         logger.warning(
             "record %s-%s@%s (job_id %s): %s", tp.topic, tp.partition, record.offset, job_id, detail
@@ -180,11 +194,15 @@ class RecordShaper:
             records.append(self._dead_letter(tp, record, code, detail, reply))
         if job_id is None:
             return Answer(None, tuple(records), Outcome.DEAD_LETTERED, code)
+        submission = _peek_submission_id(record.value)
         failed = Failed(
-            job_id=job_id, error=ErrorInfo(code=code, detail=detail), worker=self._worker_id
+            job_id=job_id,
+            error=ErrorInfo(code=code, detail=detail),
+            worker=self._worker_id,
+            submission_id=UNSET if submission is None else submission,
         )
         records.append(self._failed_record(failed, topic, trace.record_headers()))
-        return Answer(job_id, tuple(records), Outcome.FAILED, code)
+        return Answer(job_id, tuple(records), Outcome.FAILED, code, submission)
 
     def smaller(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
         """`answer` with record `index` replaced by a smaller one, after `refused_by` refused
@@ -197,10 +215,14 @@ class RecordShaper:
         detail = f"result is {len(record.value or b'')} bytes; {refused_by} refused it"
         code = ErrorCode.RESULT_TOO_LARGE
         failed = self._minimal_failed(
-            answer.job_id, code, detail, False, record.topic, headers=record.headers
+            answer.job_id,
+            answer.submission_id,
+            ErrorInfo(code=code, detail=detail),
+            record.topic,
+            headers=record.headers,
         )
         updated = _replace(answer, index, failed)
-        return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
+        return msgspec.structs.replace(updated, outcome=Outcome.FAILED, code=code)
 
     def unwritable(self, answer: Answer, index: int, refused_by: str) -> Answer | None:
         """`answer` with record `index`, on a reply topic that refuses this worker's writes,
@@ -214,10 +236,14 @@ class RecordShaper:
         detail = f"reply_to {record.topic!r} cannot be answered on: {refused_by}"
         code = ErrorCode.INVALID_JOB
         failed = self._minimal_failed(
-            answer.job_id, code, detail, False, self._topics.results, headers=record.headers
+            answer.job_id,
+            answer.submission_id,
+            ErrorInfo(code=code, detail=detail),
+            self._topics.results,
+            headers=record.headers,
         )
         updated = _replace(answer, index, failed)
-        return Answer(updated.job_id, updated.records, Outcome.FAILED, code)
+        return msgspec.structs.replace(updated, outcome=Outcome.FAILED, code=code)
 
     def _failed_record(self, failed: Failed, topic: str, headers: Headers) -> OutRecord:
         """`failed` as a record, or the minimal failed result when that does not fit (metadata
@@ -225,9 +251,13 @@ class RecordShaper:
         out = self._result_record(failed.job_id, encode_result(failed), topic, headers)
         if self._refusal_for_size(out) is None:
             return out
-        error = failed.error
+        submission = failed.submission_id
         return self._minimal_failed(
-            failed.job_id, error.code, error.detail, error.retryable, topic, headers=headers
+            failed.job_id,
+            None if isinstance(submission, msgspec.UnsetType) else submission,
+            failed.error,
+            topic,
+            headers=headers,
         )
 
     def _refusal_for_size(self, record: OutRecord) -> str | None:
@@ -239,21 +269,22 @@ class RecordShaper:
     def _minimal_failed(
         self,
         job_id: str | None,
-        code: ErrorCode,
-        detail: str,
-        retryable: bool,
+        submission_id: str | None,
+        error: ErrorInfo,
         topic: str,
         *,
         headers: Headers,
     ) -> OutRecord:
         """The last fallback: a failed result with a short detail and nothing else of the job
-        but its trace headers (bounded: under 9 KiB together)."""
+        but its submission and trace headers (bounded: under 9 KiB together)."""
+        detail = error.detail
         if len(detail) > _MINIMAL_DETAIL_CHARS:
             detail = detail[: _MINIMAL_DETAIL_CHARS - 3] + "..."
         failed = Failed(
             job_id=job_id,
-            error=ErrorInfo(code=code, detail=detail, retryable=retryable),
+            error=ErrorInfo(code=error.code, detail=detail, retryable=error.retryable),
             worker=self._worker_id,
+            submission_id=UNSET if submission_id is None else submission_id,
         )
         return self._result_record(job_id, encode_result(failed), topic, headers, minimal=True)
 
@@ -325,4 +356,16 @@ class RecordShaper:
 def _replace(answer: Answer, index: int, record: OutRecord) -> Answer:
     records = list(answer.records)
     records[index] = record
-    return Answer(answer.job_id, tuple(records), answer.outcome, answer.code)
+    return msgspec.structs.replace(answer, records=tuple(records))
+
+
+def _peek_submission_id(value: bytes | None) -> str | None:
+    """The `submission_id` of a record that did not become a job, if it is a map naming a
+    valid one; an invalid one (not a string, empty, too long) is not echoed, as a reader of
+    results would refuse the whole answer that carried it."""
+    if value is None:
+        return None
+    try:
+        return _SUBMISSION_ID_DECODER.decode(value).submission_id
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None

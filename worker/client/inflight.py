@@ -1,9 +1,10 @@
 """The jobs a `RolloutClient` has sent and not yet answered, and which result answers which.
 
 No Kafka here: the client produces and reads, this decides. A result is taken only for the
-sending of a job in flight (its `submission_id`, or the prompt it echoes from a worker that
-echoes none); split results are reassembled; a `retryable` failure is sent again under a new
-id and submission; a job past its timeout is answered `expired`."""
+sending of a job in flight, by the `submission_id` it echoes; split results are reassembled; a
+`retryable` failure is sent again under a new id and submission; a job past its timeout is
+answered `expired`, or fails with `RolloutError` when only answers echoing no submission came
+for it."""
 
 from __future__ import annotations
 
@@ -47,7 +48,16 @@ class RolloutError(Exception):
 class Pending:
     """One job in flight: the caller's job and future, and the sending it travels under."""
 
-    __slots__ = ("deadline", "future", "job", "retries", "submission", "trace", "wire_id")
+    __slots__ = (
+        "deadline",
+        "future",
+        "job",
+        "retries",
+        "submission",
+        "trace",
+        "unechoed",
+        "wire_id",
+    )
 
     def __init__(
         self, job: Job, future: asyncio.Future[Result], deadline: float, trace: TraceContext
@@ -63,6 +73,9 @@ class Pending:
         # The submission it travels under now: new for every sending, so an answer to an
         # earlier sending of the same id (a re-run, an earlier trainer) is told apart.
         self.submission = new_submission_id()
+        # The last answer to the id in flight that echoed no submission: not taken, since it
+        # may answer an earlier sending, but said when the job times out.
+        self.unechoed: Result | None = None
 
 
 class InFlight:
@@ -110,9 +123,6 @@ class InFlight:
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         pending = Pending(job, future, self._clock.wall() + self._timeout_s, trace)
         self.pending[job.job_id] = pending
-        # An answer to the id's earlier submission was remembered as answered: a worker that
-        # echoes no submission answers this one under the same name.
-        self._assembler.forget(job.job_id)
         # A caller that stops waiting (a cancelled `generate`, `wait_for` around the future)
         # cancels the future: the job is then forgotten, so `in_flight` drops and its id may be
         # submitted again.
@@ -140,7 +150,10 @@ class InFlight:
                 continue
             del self.pending[wire_id]
             self._discard_parts(pending)
-            pending.future.set_result(_expired(pending, self._timeout_s))
+            if pending.unechoed is None:
+                pending.future.set_result(_expired(pending, self._timeout_s))
+            else:
+                pending.future.set_exception(_unechoed(pending, pending.unechoed, self._timeout_s))
             self._progress()
 
     async def take_record(self, value: bytes | None) -> None:
@@ -157,6 +170,13 @@ class InFlight:
         pending = None if result.job_id is None else self.pending.get(result.job_id)
         if pending is None:
             return  # another client's job, or one answered already: nothing of it is kept
+        if isinstance(result.submission_id, msgspec.UnsetType):
+            # A worker that could not read the job's submission (or one older than
+            # submissions): the answer may be to an earlier sending of this id, by this
+            # trainer or by a run before it.
+            logger.warning("an answer to job %s that echoes no submission skipped", result.job_id)
+            pending.unechoed = result
+            return
         if not _answers(pending, result):
             # A late answer to an earlier sending of this id: another prompt, or the same one
             # generated for a caller who has since stopped waiting for it.
@@ -203,7 +223,6 @@ class InFlight:
         pending.wire_id = wire_id
         pending.submission = new_submission_id()
         self.pending[wire_id] = pending
-        self._assembler.forget(wire_id)
         self._resend(pending)
         return True
 
@@ -225,7 +244,6 @@ class InFlight:
     def _discard_parts(self, pending: Pending) -> None:
         """Drop the parts held for the sending of `pending` that is in flight."""
         self._assembler.discard(pending.wire_id, pending.submission)
-        self._assembler.discard(pending.wire_id)
 
     def _progress(self) -> None:
         self._answered += 1
@@ -234,21 +252,8 @@ class InFlight:
 
 
 def _answers(pending: Pending, result: Result) -> bool:
-    """Whether `result` answers the sending of `pending` in flight: the submission it echoes,
-    or, from a worker that echoes none, the prompt and completion count it echoes. A failure
-    without one (a worker that could not read the job) cannot be told apart, and is taken."""
-    if not isinstance(result.submission_id, msgspec.UnsetType):
-        return result.submission_id == pending.submission
-    if isinstance(result, Failed):
-        return True
-    job = pending.job
-    if len(result.completions) > job.sampling.n:
-        return False
-    prompt = job.prompt_token_ids
-    if prompt is None:
-        return True  # a text prompt: its tokens are the worker's to say
-    echoed = result.prompt_token_ids
-    return result.prompt_token_count == len(prompt) and (echoed is None or echoed == prompt)
+    """Whether `result` answers the sending of `pending` in flight: it echoes its submission."""
+    return result.submission_id == pending.submission
 
 
 def _expired(pending: Pending, timeout_s: float) -> Failed:
@@ -265,6 +270,20 @@ def _expired(pending: Pending, timeout_s: float) -> Failed:
         metadata=pending.job.metadata,
         worker="rollout-client",
         submission_id=msgspec.UNSET if submission is None else submission,
+    )
+
+
+def _unechoed(pending: Pending, answer: Result, timeout_s: float) -> RolloutError:
+    """Why a job that only answers echoing no submission came for ends at its timeout."""
+    what = (
+        f"a failure ({answer.error.code.value}: {answer.error.detail})"
+        if isinstance(answer, Failed)
+        else "a completed result"
+    )
+    return RolloutError(
+        f"job {pending.job.job_id}: no answer to its sending within {timeout_s:.0f}s; "
+        f"{what} echoing no submission_id came, which may answer an earlier sending of the "
+        "id (a worker that could not read the job's submission_id, or one older than it)"
     )
 
 

@@ -10,7 +10,8 @@
   `SLACK_S`, with its results or a `RolloutError`; `trainer_hung`: a call of a client still
   running that never ended;
 - `trainer_error`: a call ends in an error only for a reason the client documents: a job the
-  broker refused (`could not be produced`) or a client closed under it. In particular a call
+  broker refused (`could not be produced`), a client closed under it, or a job for which only
+  answers echoing no submission came by its deadline (`echoing no submission_id`). In particular a call
   run again after the one before it ended is not refused (its ids `already in flight`, a turn
   `still in flight`): a failed call leaves nothing behind that stops its re-run;
 - `trainer_left_pending`: when a loop has run every step, its client holds nothing in flight;
@@ -33,7 +34,11 @@ __all__ = ["DOCUMENTED_ERRORS", "SLACK_S", "check_trainers"]
 SLACK_S: Final = 0.5
 
 #: What a call may fail with (`RolloutError`s the client documents for a job in flight).
-DOCUMENTED_ERRORS: Final = ("could not be produced", "the client was closed")
+DOCUMENTED_ERRORS: Final = (
+    "could not be produced",
+    "the client was closed",
+    "echoing no submission_id",
+)
 
 
 def check_trainers(history: History, end: float) -> list[Violation]:
