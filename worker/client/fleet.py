@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
@@ -233,10 +234,13 @@ class Fleet:
             self._consumer.seek(tp, offset)
         deadline = time.monotonic() + timeout_s
         while wanted - set(got) and time.monotonic() < deadline:
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            # Rounded up: the last fraction of a millisecond, rounded down, asked for no wait
+            # at all, and the loop spun without time passing for it (for ever on a clock that
+            # moves only while everything waits, as the simulation's does).
+            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
             try:
-                async with asyncio.timeout(max(left_ms, 1) / 1000 + 1.0):
-                    batch = await self._consumer.getmany(timeout_ms=min(200, max(left_ms, 0)))
+                async with asyncio.timeout(left_ms / 1000 + 1.0):
+                    batch = await self._consumer.getmany(timeout_ms=min(200, left_ms))
             except TimeoutError:
                 break
             for records in batch.values():
