@@ -47,7 +47,7 @@ def test_a_wait_for_acknowledgements_that_never_come_ends_at_its_timeout() -> No
                     raise AssertionError("the wait reads without end")
                 return await real(*args, **kwargs)
 
-            consumer.getmany = counted  # type: ignore[method-assign]
+            consumer.getmany = counted
             started = loop.time()
             got = await fleet.acks("cmd-1", ["w0"], {TopicPartition("status", 0): 0}, 0.0105)
             return got, loop.time() - started
