@@ -14,19 +14,28 @@ import pytest
 from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import TopicPartition
 
-from schemas import Completed, Completion, Failed, SamplingSpec, decode_job, encode
+from schemas import (
+    CommandAck,
+    Completed,
+    Completion,
+    Failed,
+    SamplingSpec,
+    WorkerStatus,
+    decode_job,
+    encode,
+)
 from tests.unit.test_answers import builder as answer_builder
 from tests.unit.test_answers import record as job_record
 from tests.unit.test_rollout_answers import Topics, completed, prompt
 from worker.client.conversation import Conversation, ConversationError
 from worker.client.rollout import RolloutClient, RolloutError
 from worker.dev.sim.clients import Process, SimConsumer
-from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
-from worker.dev.sim.cluster import Cluster
+from worker.dev.sim.clock import EPOCH_S, VirtualClock, VirtualLoop, virtual_time
+from worker.dev.sim.cluster import Cluster, StoredRecord
 from worker.dev.sim.history import History
 from worker.dev.sim.kafka_clients import SimKafkaClients
 from worker.dev.sim.run import Scenario, flag_set_scenario, run
-from worker.dev.sim.trainer_checks import SLACK_S, check_trainers
+from worker.dev.sim.trainer_checks import SLACK_S, UPDATE_SLACK_S, check_trainers
 
 T = TypeVar("T")
 
@@ -355,6 +364,119 @@ def test_a_loop_that_ran_every_step_holds_nothing_in_flight() -> None:
     trainer.returned(1.5, number, _completed())
     trainer.loop_end(3.0, in_flight=2)
     assert trainer.invariants() == ["trainer_left_pending"]
+
+
+def test_a_result_on_weights_older_than_its_job_asked_for_is_stale() -> None:
+    """docs/operator/control-plane.md, "Versions on results": a job's `min_weight_version`
+    is never run on older weights."""
+    trainer = _Trainer()
+    number = trainer.call(1.0, {**_asked(), "min_version": 3})
+    trainer.returned(1.5, number, _completed(version=2))
+    again = trainer.call(2.0, {**_asked(ask="a#1/1", submission="s1"), "min_version": 3})
+    trainer.returned(2.5, again, _completed(ask="a#1/1", submission="s1", version=3))
+    trainer.loop_end(3.0)
+    assert trainer.invariants() == ["trainer_stale_weights"]
+
+
+def _heartbeat(worker: str, at: float, interval_s: float = 5.0) -> StoredRecord:
+    status = WorkerStatus(
+        worker=worker,
+        group="sim",
+        model="m",
+        weight_version=0,
+        paused=False,
+        in_flight=0,
+        lag=0,
+        engine_healthy=True,
+        uptime_s=at,
+        at=EPOCH_S + at,
+        interval_s=interval_s,
+    )
+    return StoredRecord(0, int(at * 1000), None, encode(status), [], worker)
+
+
+def _ack(worker: str, at: float, command_id: str = "cmd-1", outcome: str = "ok") -> StoredRecord:
+    ack = CommandAck(
+        worker=worker,
+        group="sim",
+        command_id=command_id,
+        kind="update_weights",
+        outcome=outcome,  # type: ignore[arg-type]
+        duration_s=0.1,
+        weight_version=1,
+        at=EPOCH_S + at,
+    )
+    return StoredRecord(0, int(at * 1000), None, encode(ack), [], worker)
+
+
+def _update(trainer: _Trainer, asked: float, returned: float, timeout_s: float = 10.0) -> None:
+    trainer.now = asked
+    trainer.history.add(
+        "rl_update", trainer=trainer.name, call=0, version=1, force=False, timeout_s=timeout_s
+    )
+    trainer.now = returned
+    trainer.history.add(
+        "rl_updated", trainer=trainer.name, call=0, command_id="cmd-1", workers=["w0"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "flagged"),
+    [
+        ([_heartbeat("w0", 8.0), _heartbeat("w1", 9.0), _ack("w0", 10.5)], True),
+        ([_heartbeat("w0", 8.0), _heartbeat("w1", 9.0), _ack("w0", 10.5), _ack("w1", 12.5)], True),
+        ([_heartbeat("w0", 8.0), _heartbeat("w1", 9.0), _ack("w0", 10.5), _ack("w1", 11.5)], False),
+        (
+            [_heartbeat("w0", 8.0), _heartbeat("w1", 9.0), *map(_ack, ["w0", "w1"], [10.5, 11])],
+            False,
+        ),
+        (
+            [_heartbeat("w0", 8.0), _heartbeat("w1", 9.0), _ack("w0", 10.5), _ack("w1", 11, "x")],
+            True,
+        ),
+        (
+            [
+                _heartbeat("w0", 8.0),
+                _heartbeat("w1", 9.0),
+                _ack("w0", 10.5),
+                _ack("w1", 11, outcome="failed"),
+            ],
+            True,
+        ),
+        ([_heartbeat("w0", 8.0), _heartbeat("w1", -20.0), _ack("w0", 10.5)], False),
+        ([_heartbeat("w0", 8.0), _heartbeat("w1", 10.2), _ack("w0", 10.5)], False),
+    ],
+    ids=[
+        "a-live-worker-never-acked",
+        "acked-after-the-call-returned",
+        "every-live-worker-acked-in-time",
+        "both-acked",
+        "acked-another-command",
+        "acked-failed",
+        "silent-for-longer-than-its-window",
+        "first-heard-after-the-call-began",
+    ],
+)
+def test_an_update_returns_only_once_every_live_worker_acknowledged_it(
+    status: list[StoredRecord], flagged: bool
+) -> None:
+    trainer = _Trainer()
+    _update(trainer, asked=10.0, returned=12.0)
+    trainer.loop_end(13.0)
+    found = sorted(v.invariant for v in check_trainers(trainer.history, 100.0, [status]))
+    assert found == (["trainer_update_unacknowledged"] if flagged else [])
+
+
+def test_an_update_call_ends_by_its_timeout_or_is_late_or_hung() -> None:
+    late = _Trainer()
+    _update(late, asked=1.0, returned=1.0 + 10.0 + UPDATE_SLACK_S + 0.1)
+    late.loop_end(30.0)
+    assert late.invariants() == ["trainer_update_late"]
+
+    hung = _Trainer()
+    hung.now = 1.0
+    hung.history.add("rl_update", trainer=hung.name, call=0, version=1, timeout_s=10.0)
+    assert hung.invariants() == ["trainer_hung", "trainer_unfinished"]
 
 
 # -- runs -------------------------------------------------------------------------------------

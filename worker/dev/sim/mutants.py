@@ -22,7 +22,8 @@ import msgspec
 
 from schemas import ResultAssembler
 from worker.answering.runner import JobRunner
-from worker.client import inflight
+from worker.client import inflight, steering
+from worker.client.fleet import Fleet
 from worker.client.inflight import InFlight
 from worker.client.rollout import RolloutClient
 from worker.control import catch_up, plane
@@ -545,6 +546,27 @@ def resubmission_renames_the_job() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def update_returns_at_the_first_ack() -> Iterator[None]:
+    """The client's `update_weights` stops waiting at the first worker's acknowledgement and
+    judges only the acknowledgements that came: it returns while other live workers of the
+    target still serve the old weights."""
+    real_acks = Fleet.acks
+    real_check = steering._check_every_worker_updated
+
+    async def acks(self: Fleet, command_id: str, workers: Any, since: Any, timeout_s: float) -> Any:
+        return await real_acks(self, command_id, sorted(workers)[:1], since, timeout_s)
+
+    def check(version: int, live: Any, got: Any, timeout_s: float) -> None:
+        real_check(version, list(got) or live, got, timeout_s)
+
+    with (
+        mock.patch.object(Fleet, "acks", acks),
+        mock.patch.object(steering, "_check_every_worker_updated", check),
+    ):
+        yield
+
+
 MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "commit_before_ack": commit_before_ack,
     "skip_record": skip_record,
@@ -577,4 +599,5 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "finished_ids_by_job_id": finished_ids_by_job_id,
     "expiry_on_the_monotonic_clock": expiry_on_the_monotonic_clock,
     "resubmission_renames_the_job": resubmission_renames_the_job,
+    "update_returns_at_the_first_ack": update_returns_at_the_first_ack,
 }

@@ -274,7 +274,8 @@ def settings_for(scenario: Scenario) -> Settings:
             "status_interval_s": 5.0,
         }
         if scenario.control
-        else {"status_interval_s": 3600.0}
+        # The trainer flag set's client waits for every worker it hears from (its heartbeats).
+        else {"status_interval_s": 5.0 if scenario.trainer else 3600.0}
     )
     return Settings(
         bootstrap_servers="sim:9092",
@@ -460,7 +461,7 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
                 CONTROL, STATUS, settings.group_id, end, settings.stale_weights_at_start == "hold"
             ),
         )
-    violations += check_trainers(history, end)
+    violations += check_trainers(history, end, cluster.topics[STATUS].logs)
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
     return Outcome(
         scenario,
@@ -482,9 +483,18 @@ def _client_trainers(
     their own: the rest of the run draws what it would without them."""
     cluster.create_topic(REPLY_TRAINER, 4)
     rng = random.Random(f"trainer-{scenario.seed}")  # noqa: S311 - a replayable run
-    topics = TrainerTopics(jobs=JOBS, results=RESULTS, reply=REPLY_TRAINER)
+    topics = TrainerTopics(
+        jobs=JOBS,
+        results=RESULTS,
+        reply=REPLY_TRAINER,
+        control=CONTROL,
+        status=STATUS,
+        group=settings_for(scenario).group_id,
+    )
     return asyncio.create_task(
-        run_trainers(cluster, topics, rng, scenario.duration_s, finished, clock=clock),
+        run_trainers(
+            cluster, topics, rng, scenario.duration_s, finished, clock=clock, checkpoint=_checkpoint
+        ),
         name="client trainers",
     )
 

@@ -7,6 +7,11 @@ unchanged, given a `SimKafkaClients` (`worker.core.clients.KafkaClients`) that b
 shape: steps of groups, each group one job of `n` samples, or, with turns, one `Conversation`
 per sample, every turn through `RolloutClient.turn`. A call that fails or expires is run again
 (a turn with another tool response, a group with a shorter `max_tokens`), so every step ends.
+Between some steps the first trainer updates the fleet's weights through
+`RolloutClient.update_weights` (a checkpoint the simulated workers load, now and then one they
+refuse, a forced rollback), and asks the next steps' jobs for that version
+(`min_weight_version`); a `RolloutError` is recorded and the loop goes on. The client offers
+no transfer, so none is sent here.
 
 What a trainer meets, drawn from the seed (`TrainerPlan`):
 
@@ -21,7 +26,8 @@ What a trainer meets, drawn from the seed (`TrainerPlan`):
 - an outage of the broker while calls are made, beside the fault schedule's own.
 
 Every call and what it ended with is recorded in the history (`rl_call`, `rl_return`,
-`rl_error`), with each job's asking (its `submission_id` and a tag in its metadata, new for
+`rl_error`; `rl_update`, `rl_updated`, `rl_update_error` for weight updates), with each job's
+asking (its `submission_id` and a tag in its metadata, new for
 every asking and every run); `worker.dev.sim.trainer_checks` judges them.
 """
 
@@ -32,7 +38,7 @@ import contextlib
 import itertools
 import random
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
@@ -45,6 +51,7 @@ from schemas import (
     ErrorCode,
     ErrorInfo,
     Failed,
+    InflightMode,
     Job,
     Result,
     SamplingSpec,
@@ -77,6 +84,11 @@ ASK_KEY: Final = "ask"
 RETRY_CALL_S: Final = 0.5
 #: Tokens of a toy tool response between turns.
 TOOL_TOKENS: Final = 12
+#: How a weight update treats the jobs in flight, drawn for each update.
+UPDATE_MODES: Final[tuple[InflightMode, ...]] = ("wait", "keep", "abort", "restart")
+
+#: A mock checkpoint the fleet can load, by name (`v<n>`; `other-architecture-...` is refused).
+Checkpoint = Callable[[str], str]
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,10 @@ class TrainerTopics:
     results: str
     #: The topic a trainer with `reply_to` reads its answers from.
     reply: str
+    #: The fleet's control and status topics and consumer group, which weight updates go to.
+    control: str = "vkw.control"
+    status: str = "vkw.status"
+    group: str = "vllm-kafka-worker"
 
 
 @dataclass(frozen=True)
@@ -114,12 +130,20 @@ class TrainerPlan:
     restart_at: float | None = None
     restart_by_kill: bool = True
     restart_after_s: float = 1.0
+    #: Updates the fleet's weights after every this many steps (None: never).
+    update_every: int | None = None
+    #: Bounds each `update_weights` call.
+    update_timeout_s: float = 30.0
 
 
 def drawn_plans(rng: random.Random, duration_s: float) -> list[TrainerPlan]:
     """The trainers of one run: `a` always, `b` (on the results topic, without `reply_to`)
     in half the runs, sending `a`'s job ids in half of those."""
     first = _plan(rng, "a", duration_s, reply_to=rng.random() < 0.5)
+    # One trainer owns the weights: two would refuse each other's versions.
+    first = replace(
+        first, update_every=rng.choice([1, 1, 2]), update_timeout_s=rng.uniform(5.0, 40.0)
+    )
     plans = [first]
     if rng.random() < 0.5:
         second = _plan(rng, "b", duration_s, reply_to=False)
@@ -211,6 +235,7 @@ def _asked(job: Job) -> dict[str, Any]:
         "prompt": len(job.prompt_token_ids or ()),
         "n": job.sampling.n,
         "max_tokens": job.sampling.max_tokens,
+        "min_version": job.min_weight_version,
     }
 
 
@@ -229,7 +254,23 @@ def _answered(result: Result) -> dict[str, Any]:
         "indices": [c.index for c in result.completions],
         "longest": max((len(c.token_ids) for c in result.completions), default=0),
         "part": result.is_part,
+        "version": result.weight_version if isinstance(result.weight_version, int) else None,
     }
+
+
+class _Weights:
+    """The weights one trainer puts on the fleet, across the restarts of its loop (a restarted
+    trainer resumes from its last checkpoint's version)."""
+
+    def __init__(self, rng: random.Random, checkpoint: Checkpoint) -> None:
+        self.rng = rng
+        self.checkpoint = checkpoint
+        #: The newest version asked for.
+        self.version = 0
+        #: The version every live worker acknowledged last: the jobs of the steps after it ask
+        #: for it (`min_weight_version`), as an on-policy trainer does.
+        self.floor: int | None = None
+        self.calls = itertools.count()
 
 
 class _Loop:
@@ -241,12 +282,18 @@ class _Loop:
         client: RolloutClient,
         calls: _Calls,
         incarnation: str,
+        weights: _Weights | None = None,
     ) -> None:
         self._plan = plan
         self._client = client
         self._calls = calls
         self._incarnation = incarnation
         self._askings = itertools.count()
+        self._weights = weights
+
+    @property
+    def _floor(self) -> int | None:
+        return None if self._weights is None else self._weights.floor
 
     def _ask(self) -> dict[str, str]:
         return {ASK_KEY: f"{self._incarnation}/{next(self._askings)}"}
@@ -258,8 +305,52 @@ class _Loop:
             else:
                 await self._conversations(step)
             history.add("rl_step", trainer=self._incarnation, step=step)
+            every = self._plan.update_every
+            if self._weights is not None and every is not None and (step + 1) % every == 0:
+                await self._update_weights(self._weights, history)
             await asyncio.sleep(self._plan.train_s)
         history.add("rl_loop_end", trainer=self._incarnation, in_flight=self._client.in_flight)
+
+    async def _update_weights(self, weights: _Weights, history: History) -> None:
+        """One weight update through the client, as a trainer sends it after a step: mostly
+        the next version, now and then a checkpoint the fleet refuses, or a forced rollback to
+        the version before."""
+        draw = weights.rng.random()
+        force = draw < 0.15 and weights.version > 1
+        if force:
+            version = weights.version - 1
+        else:
+            weights.version += 1
+            version = weights.version
+        name = f"other-architecture-v{version}" if draw > 0.9 else f"v{version}"
+        mode = weights.rng.choice(UPDATE_MODES)
+        number = next(weights.calls)
+        timeout_s = self._plan.update_timeout_s
+        history.add(
+            "rl_update",
+            trainer=self._incarnation,
+            call=number,
+            version=version,
+            force=force,
+            mode=mode,
+            checkpoint=name,
+            timeout_s=timeout_s,
+        )
+        try:
+            acks = await self._client.update_weights(
+                weights.checkpoint(name), version, mode=mode, timeout_s=timeout_s, force=force
+            )
+        except RolloutError as exc:
+            history.add("rl_update_error", trainer=self._incarnation, call=number, error=str(exc))
+            return
+        history.add(
+            "rl_updated",
+            trainer=self._incarnation,
+            call=number,
+            command_id=next(iter(acks.values())).command_id,
+            workers=sorted(acks),
+        )
+        weights.floor = version
 
     async def _groups(self, step: int) -> None:
         """Each group one job of `n` samples, in one `generate`; the groups that failed or
@@ -298,6 +389,7 @@ class _Loop:
             return_routed_experts=True,
             metadata={"step": str(step), "group": str(group), **self._ask()},
             submission_id=new_submission_id(),
+            min_weight_version=self._floor,
         )
 
     async def _generate(self, jobs: list[Job]) -> list[Result] | None:
@@ -360,7 +452,13 @@ class _Loop:
         """Ask for the conversation's next turn; whether it completed."""
         expected = f"{conversation.conversation_id}-turn{len(conversation.turns)}"
         call = asyncio.ensure_future(
-            self._client.turn(conversation, new, sampling=sampling, metadata=self._ask())
+            self._client.turn(
+                conversation,
+                new,
+                sampling=sampling,
+                metadata=self._ask(),
+                min_weight_version=self._floor,
+            )
         )
         # The call runs up to its first wait: its job is built and submitted by then.
         await asyncio.sleep(0)
@@ -391,10 +489,11 @@ async def run_trainers(
     finished: asyncio.Event,
     *,
     clock: Clock,
+    checkpoint: Checkpoint,
 ) -> None:
     """The trainers of one run (`drawn_plans`), the echo and the trainers' broker outage, until
     cancelled; `finished` is set once every trainer's last loop has run every step. Their
-    clients read `clock`."""
+    clients read `clock`; the trainer that updates weights names checkpoints by `checkpoint`."""
     history = cluster.history
     plans = drawn_plans(rng, duration_s)
     for plan in plans:
@@ -408,7 +507,10 @@ async def run_trainers(
     outage_s = rng.uniform(0.5, 4.0)
     with seeded_uuids(random.Random(rng.getrandbits(64))):  # noqa: S311 - a replayable run
         trainers = [
-            asyncio.create_task(_trainer(plan, cluster, topics, rng, clock), name=f"rl {plan.name}")
+            asyncio.create_task(
+                _trainer(plan, cluster, topics, rng, clock=clock, checkpoint=checkpoint),
+                name=f"rl {plan.name}",
+            )
             for plan in plans
         ]
         tasks = list(trainers)
@@ -438,10 +540,17 @@ async def _trainer(
     cluster: Cluster,
     topics: TrainerTopics,
     rng: random.Random,
+    *,
     clock: Clock,
+    checkpoint: Checkpoint,
 ) -> None:
     """Run `plan`'s loop; at its restart, end that run and start another on a new client."""
     loop = asyncio.get_running_loop()
+    weights = (
+        None
+        if plan.update_every is None
+        else _Weights(random.Random(rng.getrandbits(64)), checkpoint)  # noqa: S311 - replayable
+    )
     await asyncio.sleep(plan.start_at)
     incarnation = 1
     while True:
@@ -451,6 +560,9 @@ async def _trainer(
             bootstrap_servers="sim:9092",
             jobs_topic=topics.jobs,
             results_topic=topics.reply if plan.reply_to else topics.results,
+            control_topic=topics.control,
+            status_topic=topics.status,
+            group_id=topics.group,
             reply_to=plan.reply_to,
             timeout_s=plan.timeout_s,
             max_retries=plan.max_retries,
@@ -461,7 +573,7 @@ async def _trainer(
         )
         cluster.history.add("rl_begin", trainer=name)
         calls = _Calls(cluster.history, name, plan.timeout_s)
-        run = asyncio.create_task(_run_loop(plan, client, calls, name, cluster.history))
+        run = asyncio.create_task(_run_loop(plan, client, calls, name, cluster.history, weights))
         restart_at = plan.restart_at if incarnation == 1 else None
         if restart_at is None:
             await run
@@ -484,8 +596,13 @@ async def _trainer(
         incarnation += 1
 
 
-async def _run_loop(
-    plan: TrainerPlan, client: RolloutClient, calls: _Calls, name: str, history: History
+async def _run_loop(  # noqa: PLR0917
+    plan: TrainerPlan,
+    client: RolloutClient,
+    calls: _Calls,
+    name: str,
+    history: History,
+    weights: _Weights | None,
 ) -> None:
     """Start `client` (again after a backoff while the broker cannot be reached), run the loop
     on it, close it."""
@@ -498,7 +615,7 @@ async def _run_loop(
             continue
         break
     history.add("rl_started", trainer=name)
-    await _Loop(plan, client, calls, name).run(history)
+    await _Loop(plan, client, calls, name, weights).run(history)
     await client.close()
 
 

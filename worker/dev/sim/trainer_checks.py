@@ -16,15 +16,30 @@
   `still in flight`): a failed call leaves nothing behind that stops its re-run;
 - `trainer_left_pending`: when a loop has run every step, its client holds nothing in flight;
 - `trainer_unfinished`: the last run of every trainer's loop (after any restart) runs every
-  step by the end: every failed or expired turn and group was run again and completed.
+  step by the end: every failed or expired turn and group was run again and completed;
+- `trainer_update_unacknowledged`: `update_weights` returns only once every live worker of the
+  target acknowledged the update `ok`: a worker whose heartbeat on the status topic, appended
+  before the call, was still live when it returned (within `MISSED_HEARTBEATS` of its
+  intervals) has an `ok` acknowledgement of that command on the status topic by then;
+- `trainer_update_late`: an update call ends by its `timeout_s` and `UPDATE_SLACK_S`, returning
+  or raising `RolloutError`; one that never ends while its client runs is `trainer_hung`;
+- `trainer_stale_weights`: a completed result of a job that asked for `min_weight_version`
+  carries that version or a newer one. That is what the documents promise of the versions a
+  job runs on after an update (docs/operator/control-plane.md, "Versions on results"); they
+  do not promise a job sent after `update_weights` returned without it the new weights (a
+  worker that was not live then may serve it first), so that is not judged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
+from schemas import CommandAck, SchemaError, WorkerStatus, decode_status
+from worker.client.fleet import MISSED_HEARTBEATS
 from worker.dev.sim.checker import Violation
+from worker.dev.sim.clock import EPOCH_S
+from worker.dev.sim.cluster import StoredRecord
 from worker.dev.sim.history import Event, History
 
 __all__ = ["DOCUMENTED_ERRORS", "SLACK_S", "check_trainers"]
@@ -32,6 +47,10 @@ __all__ = ["DOCUMENTED_ERRORS", "SLACK_S", "check_trainers"]
 #: How long after its deadline a call may end: the client answers expired jobs from a sweep
 #: every 0.2 s (`worker.client.rollout._SWEEP_S`); the rest is margin for the loop's turns.
 SLACK_S: Final = 0.5
+
+#: How long after its `timeout_s` an update call may end: the client closes the clients it
+#: opened for the call after its deadline.
+UPDATE_SLACK_S: Final = 5.0
 
 #: What a call may fail with (`RolloutError`s the client documents for a job in flight).
 DOCUMENTED_ERRORS: Final = (
@@ -41,11 +60,15 @@ DOCUMENTED_ERRORS: Final = (
 )
 
 
-def check_trainers(history: History, end: float) -> list[Violation]:
-    """Every violation of the trainer-level invariants in `history`, the run over at `end`;
-    the first of each invariant, saying how many more there were."""
+def check_trainers(
+    history: History, end: float, status_logs: Iterable[Sequence[StoredRecord]] = ()
+) -> list[Violation]:
+    """Every violation of the trainer-level invariants in `history`, the run over at `end`,
+    and `status_logs` (every record of the status topic, by partition); the first of each
+    invariant, saying how many more there were."""
     found: dict[str, list[Violation]] = {}
-    for violation in _violations(history, end):
+    violations = [*_violations(history, end), *_update_violations(history, end, status_logs)]
+    for violation in violations:
         found.setdefault(violation.invariant, []).append(violation)
     out = []
     for invariant, violations in found.items():
@@ -139,6 +162,104 @@ def _ended(call: Event, end: Event) -> Iterator[Violation]:
     for job, result in zip(asked, results, strict=True):
         if (wrong := _not_the_answer(job, result)) is not None:
             yield Violation("trainer_wrong_answer", f"{what}: job {job['job']}: {wrong}", end.at)
+        floor, version = job.get("min_version"), result.get("version")
+        if "failed" not in result and floor is not None and (version is None or version < floor):
+            yield Violation(
+                "trainer_stale_weights",
+                f"{what}: job {job['job']} asked for weights {floor} or newer; its result "
+                f"carries {version}",
+                end.at,
+            )
+
+
+def _update_violations(
+    history: History, end: float, status_logs: Iterable[Sequence[StoredRecord]]
+) -> Iterator[Violation]:
+    """The update calls' invariants (`trainer_update_unacknowledged`, `trainer_update_late`,
+    `trainer_hung`)."""
+    heartbeats, acked = _read_status(status_logs)
+    calls: dict[tuple[str, int], Event] = {}
+    stopped: dict[str, float] = {}
+    for event in history.events:
+        fields = event.fields
+        if event.kind == "rl_update":
+            calls[(fields["trainer"], fields["call"])] = event
+        elif event.kind in ("rl_killed", "rl_closing"):
+            stopped.setdefault(fields["trainer"], event.at)
+        elif event.kind in ("rl_updated", "rl_update_error"):
+            call = calls.pop((fields["trainer"], fields["call"]), None)
+            if call is None:
+                continue
+            what = (
+                f"{fields['trainer']} update {fields['call']} to version "
+                f"{call.fields['version']} (at {call.at:.3f}s)"
+            )
+            deadline = call.at + call.fields["timeout_s"]
+            if event.at > deadline + UPDATE_SLACK_S:
+                yield Violation(
+                    "trainer_update_late",
+                    f"{what} ended at {event.at:.3f}s, past its deadline {deadline:.3f}s",
+                    event.at,
+                )
+            if event.kind == "rl_updated":
+                live = _live_at(heartbeats, call.at, event.at)
+                missing = sorted(
+                    w for w in live if acked.get((fields["command_id"], w), end) > event.at
+                )
+                if missing:
+                    yield Violation(
+                        "trainer_update_unacknowledged",
+                        f"{what} returned at {event.at:.3f}s; live workers "
+                        f"{', '.join(missing)} had not acknowledged it",
+                        event.at,
+                    )
+    for (trainer, number), call in calls.items():
+        deadline = call.at + call.fields["timeout_s"] + UPDATE_SLACK_S
+        if stopped.get(trainer, end) <= deadline or end <= deadline:
+            continue
+        yield Violation(
+            "trainer_hung",
+            f"{trainer} update {number} (at {call.at:.3f}s) never ended; its deadline was "
+            f"{deadline:.3f}s",
+            deadline,
+        )
+
+
+def _read_status(
+    status_logs: Iterable[Sequence[StoredRecord]],
+) -> tuple[list[tuple[float, WorkerStatus]], dict[tuple[str, str], float]]:
+    """The heartbeats on the status topic, each with when it was appended; and when the first
+    `ok` acknowledgement of each (command id, worker) was appended."""
+    heartbeats: list[tuple[float, WorkerStatus]] = []
+    acked: dict[tuple[str, str], float] = {}
+    for log in status_logs:
+        for record in log:
+            try:
+                message = decode_status(record.value or b"")
+            except SchemaError:
+                continue
+            appended = record.timestamp_ms / 1000
+            if isinstance(message, WorkerStatus):
+                heartbeats.append((appended, message))
+            elif isinstance(message, CommandAck) and message.outcome == "ok":
+                key = (message.command_id, message.worker)
+                acked[key] = min(acked.get(key, appended), appended)
+    return heartbeats, acked
+
+
+def _live_at(
+    heartbeats: list[tuple[float, WorkerStatus]], asked: float, returned: float
+) -> set[str]:
+    """The workers a client reading the status topic between `asked` and `returned` finds live
+    whenever it reads: a heartbeat appended before `asked` that is still within its liveness
+    window at `returned`."""
+    live = set()
+    for appended, status in heartbeats:
+        at = status.at - EPOCH_S
+        window = MISSED_HEARTBEATS * status.interval_s
+        if appended <= asked and returned - window <= at <= asked:
+            live.add(status.worker)
+    return live
 
 
 def _not_the_answer(job: dict[str, Any], result: dict[str, Any]) -> str | None:
