@@ -23,7 +23,6 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError
 
 from schemas import (
     CommandAck,
@@ -36,12 +35,12 @@ from schemas import (
     Target,
     WorkerStatus,
     as_job,
-    encode,
 )
 from schemas.payloads import payload_root as to_payload_root
 from worker.client.conversation import Conversation
 from worker.client.fleet import start_clients
-from worker.client.inflight import RETRY_SEPARATOR, InFlight, Pending, RolloutError
+from worker.client.inflight import RETRY_SEPARATOR, InFlight, RolloutError
+from worker.client.sending import Sender
 from worker.client.steering import Steering
 from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.clock import SYSTEM_CLOCK, Clock
@@ -112,7 +111,6 @@ class RolloutClient:
         }
         self._jobs_topic = jobs_topic
         self._results_topic = results_topic
-        self._reply_to = results_topic if reply_to else None
         self._steering = Steering(
             self._connection,
             control_topic=control_topic,
@@ -127,16 +125,20 @@ class RolloutClient:
             max_retries=max_retries,
             resolve=resolve_payloads,
             payload_root=root,
-            resend=lambda pending: self._track(asyncio.create_task(self._send(pending))),
+            resend=lambda pending: self._sender.send(pending),  # noqa: PLW0108 - made below
             on_progress=on_progress,
             clock=clock,
         )
         self._clock = clock
         self._producer: AIOKafkaProducer | None = None
+        self._sender = Sender(
+            self._inflight,
+            lambda: self._producer,
+            jobs_topic=jobs_topic,
+            reply_to=results_topic if reply_to else None,
+        )
         self._consumer: AIOKafkaConsumer | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._send_lock = asyncio.Lock()
-        self._sends: set[asyncio.Task[None]] = set()
         # Why the client cannot answer jobs any more (a background task ended), or None.
         self._stopped: str | None = None
 
@@ -178,9 +180,9 @@ class RolloutClient:
             task.add_done_callback(self._background_stopped)
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self._sends]:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._sends, return_exceptions=True)
+        await asyncio.gather(*self._tasks, self._sender.cancel(), return_exceptions=True)
         self._tasks = []
         self._inflight.fail_all(RolloutError("the client was closed"))
         for client in (self._consumer, self._producer):
@@ -219,7 +221,7 @@ class RolloutClient:
         if self._stopped is not None:
             raise RolloutError(f"the client stopped: {self._stopped}")
         pending = self._inflight.add(as_job(job), trace)
-        self._track(asyncio.create_task(self._send(pending)))
+        self._sender.send(pending)
         return pending.future
 
     async def generate(
@@ -306,47 +308,6 @@ class RolloutClient:
         """The latest heartbeat of every live worker of `target` (default: `group_id`);
         RolloutError when the status topic cannot be read within `timeout_s`."""
         return await self._steering.status(target, timeout_s=timeout_s)
-
-    async def _send(self, pending: Pending) -> None:
-        """Produce the sending of `pending` in flight (its `wire_id` and `submission`)."""
-        assert self._producer is not None  # noqa: S101 - submit checked
-        job, wire_id = pending.job, pending.wire_id
-        deadline = pending.deadline if job.deadline is None else min(job.deadline, pending.deadline)
-        wire = msgspec.structs.replace(
-            job,
-            job_id=wire_id,
-            submission_id=pending.submission,
-            deadline=deadline,
-            reply_to=self._reply_to or job.reply_to,
-        )
-        # One task at a time appends to the producer's batches: thousands of jobs submitted
-        # at once, each waiting for room in a full batch, would wake each other for nothing.
-        try:
-            async with self._send_lock:
-                # A session's turns share a key, so they share a partition and its worker.
-                delivery = await self._producer.send(
-                    self._jobs_topic,
-                    value=encode(wire),
-                    key=(job.session_id or wire_id).encode(),
-                    headers=pending.trace.record_headers(),
-                )
-            await delivery
-        except KafkaError as exc:
-            logger.exception("job %s could not be produced", job.job_id)
-            error = RolloutError(f"job {job.job_id} could not be produced: {exc!r}")
-            self._inflight.not_sent(pending, error)
-
-    def _track(self, task: asyncio.Task[None]) -> None:
-        """Keep a send task referenced until it ends (the loop holds tasks only weakly)."""
-        self._sends.add(task)
-        task.add_done_callback(self._send_done)
-
-    def _send_done(self, task: asyncio.Task[None]) -> None:
-        self._sends.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            # `_send` answers the broker's refusals itself; anything else is a bug, said now.
-            logger.error("a job's send failed", exc_info=exc)
-            self._inflight.fail_all(RolloutError(f"a send failed: {exc!r}"))
 
     def _background_stopped(self, task: asyncio.Task[None]) -> None:
         """The reader and the sweeper run until `close`: if one ends, no pending job can be
