@@ -785,7 +785,7 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "answers_by_job_id_only": ("trainer", 700003, 3, "trainer_wrong_answer"),
     "finished_ids_by_job_id": ("trainer", 700003, 3, "trainer_unfinished"),
     "expiry_on_the_monotonic_clock": ("trainer", 700003, 3, "trainer_late"),
-    "resubmission_renames_the_job": ("trainer", 700003, 3, "trainer_error"),
+    "resubmission_renames_the_job": ("trainer", 700000, 3, "trainer_error"),
     "update_returns_at_the_first_ack": ("trainer", 700000, 3, "trainer_update_unacknowledged"),
 }
 
