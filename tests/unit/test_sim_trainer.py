@@ -496,7 +496,8 @@ def test_a_run_with_the_trainer_replays_exactly() -> None:
 
 def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echoes() -> None:
     """The net reaches what it is for: calls that expire and are run again, answers to
-    earlier askings appended again, and every call judged."""
+    earlier askings appended again, weight updates through the client and jobs that ask for
+    their versions, and every call judged."""
     outcome = run(flag_set_scenario("trainer", 2, 3))
     results = [r for e in outcome.history.of("rl_return") for r in e.fields["results"]]
     expired = [r for r in results if r.get("failed") == "expired"]
@@ -505,6 +506,10 @@ def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echo
     assert len(completed_) > len(expired)
     assert any(outcome.history.of("rl_echoed"))
     assert any(outcome.history.of("rl_loop_end"))
+    updated = [e.fields["call"] for e in outcome.history.of("rl_updated")]
+    assert len(updated) >= 2, "the loop put fewer than two versions on the fleet"
+    floors = [j.get("min_version") for e in outcome.history.of("rl_call") for j in e.fields["jobs"]]
+    assert max(f or 0 for f in floors) >= 2, "no job asked for the weights the loop put"
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
