@@ -513,6 +513,16 @@ def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echo
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
+def test_a_forced_rollback_through_the_client_is_the_weights_the_fleet_converges_to() -> None:
+    """Seed 9300006, three workers: the loop put version 4 on the fleet, then rolled it back
+    to 3, which every worker serves at the end. The run's checker took the highest version
+    ever applied (4) for the fleet's, and flagged every worker `weights_diverged`."""
+    outcome = run(flag_set_scenario("trainer", 9300006, 3))
+    updates = [e.fields for e in outcome.history.of("rl_update")]
+    assert any(u["force"] for u in updates), "the seed no longer rolls back"
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
 def test_without_the_trainer_no_trainer_event_is_recorded() -> None:
     outcome = run(Scenario(seed=4, duration_s=15.0, settle_s=15.0))
     assert not [e for e in outcome.history.events if e.kind.startswith("rl_")]

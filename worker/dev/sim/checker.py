@@ -38,9 +38,10 @@ Invariants (each violation names one):
   can no longer land, and the next owner cannot tell it from a kill), as is a process that
   stopped with no way to land its hand-over (no generation for its member since its last
   landed commit, and at its exit the coordinator away or the group rebalancing);
-- `weights_diverged`: every live worker serves, at the end, the latest weights any worker
-  acknowledged applying (read from the status topic's acknowledgements; a worker's served
-  version is what its status reports).
+- `weights_diverged`: every live worker serves, at the end, the weights of the last update, in
+  control-topic order, that any worker acknowledged applying (read from the status topic's
+  acknowledgements, a forced rollback's too; a worker's served version is what its status
+  reports).
 
 One broker property excuses `unanswered` and `stalled`, and only where it is seen: on a broker
 that evicts no member (noida-db, `Flavour.NOIDA`), a static member scaled in that could not
@@ -352,9 +353,11 @@ def wedged_from(history: History, bounds: Bounds) -> float | None:
 
 
 def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
-    """The highest weight version a worker acknowledged applying (`ok` update_weights)."""
+    """The weight version of the last update in the control topic that a worker acknowledged
+    applying (`ok` update_weights): not the highest, since a forced rollback that came later
+    puts the fleet below it (the trainer flag set's loop sends them)."""
     topic = cluster.topics.get(status_topic)
-    latest: int | None = None
+    latest: tuple[int, int] | None = None
     for log in topic.logs if topic is not None else []:
         for record in log:
             try:
@@ -366,8 +369,9 @@ def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
                 and message.kind == "update_weights"
                 and message.outcome == "ok"
             ):
-                latest = max(latest or 0, message.weight_version)
-    return latest
+                order = -1 if message.offset is None else message.offset
+                latest = max(latest or (order, 0), (order, message.weight_version))
+    return None if latest is None else latest[1]
 
 
 def _commits_and_exits(history: History) -> list[Violation]:
