@@ -346,6 +346,12 @@ def test_a_call_that_never_ends_hangs_unless_its_client_was_stopped() -> None:
     [
         ("RolloutError: job rl-a-s0-g0 could not be produced: KafkaTimeoutError()", False),
         ("RolloutError: the client was closed", False),
+        (
+            "RolloutError: job rl-a-s0-g0: no answer to its sending within 2s; a failure "
+            "(engine_error: not run again) echoing no submission_id came, which may answer "
+            "an earlier sending of the id",
+            False,
+        ),
         ("RolloutError: job rl-a-s0-g0 is already in flight on this client", True),
         ("ConversationError: turn rl-a-s0-g0-c0-turn1 is still in flight: record it", True),
     ],
