@@ -529,6 +529,16 @@ def test_a_forced_rollback_through_the_client_is_the_weights_the_fleet_converges
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
+def test_a_rollback_that_failed_on_one_worker_leaves_the_loop_able_to_finish() -> None:
+    """Seed 9400009, three workers: a forced rollback from 2 to 1 was applied by two workers
+    and not answered by the third. The loop kept asking its jobs for version 2, which the
+    rolled-back workers held until each expired, and never ran its last step."""
+    outcome = run(flag_set_scenario("trainer", 9400009, 3))
+    failed = [e.fields for e in outcome.history.of("rl_update_error")]
+    assert failed, "the seed no longer fails an update"
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
 def test_without_the_trainer_no_trainer_event_is_recorded() -> None:
     outcome = run(Scenario(seed=4, duration_s=15.0, settle_s=15.0))
     assert not [e for e in outcome.history.events if e.kind.startswith("rl_")]

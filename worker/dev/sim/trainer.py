@@ -342,6 +342,10 @@ class _Loop:
             )
         except RolloutError as exc:
             history.add("rl_update_error", trainer=self._incarnation, call=number, error=str(exc))
+            if force and weights.floor is not None:
+                # Some workers may have rolled back, and a restarted one takes the rollback
+                # from the control topic: jobs asking for more would wait on them for ever.
+                weights.floor = min(weights.floor, version)
             return
         history.add(
             "rl_updated",
