@@ -539,6 +539,15 @@ def test_a_rollback_that_failed_on_one_worker_leaves_the_loop_able_to_finish() -
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 
+def test_a_late_answer_to_an_earlier_sending_carries_its_own_generations_weights() -> None:
+    """Seed 9400002, five workers: one process generated a turn on weights 0, then its re-run
+    (the same job id) on weights 1, and sent the first answer after the second generation.
+    The run's checker compared it with the process's last generation of that id and flagged
+    `wrong_weights`; each answer carries its own generation's version."""
+    outcome = run(flag_set_scenario("trainer", 9400002, 5))
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
 def test_without_the_trainer_no_trainer_event_is_recorded() -> None:
     outcome = run(Scenario(seed=4, duration_s=15.0, settle_s=15.0))
     assert not [e for e in outcome.history.events if e.kind.startswith("rl_")]

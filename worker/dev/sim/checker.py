@@ -681,7 +681,7 @@ def _stamps(history: History, sent: dict[str, list[_Sent]]) -> list[Violation]:
     """`wrong_weights`: a completed result carries the version of the weights that generated
     it (the engine's last generation of that job in that process before it was sent), and
     the process sending it still served those weights when it generated it."""
-    generated: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    generated: dict[tuple[str, str], list[tuple[float, int, bool]]] = {}
     starts: dict[str, list[tuple[float, str]]] = {}
     for event in history.of("generated", "start"):
         if event.kind == "start":
@@ -689,7 +689,9 @@ def _stamps(history: History, sent: dict[str, list[_Sent]]) -> list[Violation]:
             starts.setdefault(worker.split("#")[0], []).append((event.at, worker))
         else:
             key = (event.fields["worker"], event.fields["job"])
-            generated.setdefault(key, []).append((event.at, event.fields["version"]))
+            generated.setdefault(key, []).append(
+                (event.at, event.fields["version"], bool(event.fields.get("interrupted")))
+            )
     violations: list[Violation] = []
     for job_id, answers in sorted(sent.items()):
         for answer in answers:
@@ -704,7 +706,10 @@ def _stamps(history: History, sent: dict[str, list[_Sent]]) -> list[Violation]:
             runs = generated.get((process, job_id), [])
             j = bisect.bisect_right(runs, (answer.submitted, float("inf")))
             made_with = runs[j - 1][1] if j else None
-            if made_with != answer.weight_version:
+            # A job id sent to one process twice (a trainer's re-run of it) is generated twice:
+            # the earlier sending's answer, sent late, carries its own whole generation's.
+            whole = {version for _, version, interrupted in runs[:j] if not interrupted}
+            if made_with != answer.weight_version and answer.weight_version not in whole:
                 violations.append(
                     Violation(
                         "wrong_weights",
