@@ -238,3 +238,20 @@ async def test_an_interrupt_the_control_plane_did_not_ask_for_is_a_retryable_eng
 def test_version_spans_round_trip():
     span = VersionSpan(version=3, start=0, end=9)
     assert msgspec.json.decode(msgspec.json.encode(span), type=VersionSpan) == span
+
+
+@pytest.mark.parametrize("mode", ["restart", "keep"])
+async def test_a_rollback_below_a_running_jobs_min_weight_version_answers_it_retryable(
+    tmp_path, mode
+):
+    # Seed 7300090 of the trainer flag set (one worker): a turn asking for version 2 or newer
+    # was running when another trainer rolled the fleet back to 1 with `restart`; it ran
+    # again on version 1 and its result carried the weights it had refused.
+    policy, inner = engine()
+    await policy.load_checkpoint(checkpoint(tmp_path, "v2"), 2, "wait")
+    running = await started(policy, job(min_weight_version=2), inner)
+    await policy.load_checkpoint(checkpoint(tmp_path, "v1"), 1, mode)
+    with pytest.raises(JobAbortedError, match="rolled back to version 1") as info:
+        await running
+    assert info.value.retryable
+    assert (await policy.generate(job("k"), "k")).weight_version == 1

@@ -169,6 +169,16 @@ class SteerableEngine:
         job = request.job
         while True:
             await self._pass_gate(request)
+            wanted = job.min_weight_version
+            if wanted is not None and self.weight_version < wanted:
+                # Rolled back below the version the job asked for since it was let through
+                # (or while it ran, restarted or continued): run now, its result would carry
+                # weights it refused. Answered retryable: sent again, it waits for them.
+                raise JobAbortedError(
+                    f"the weights were rolled back to version {self.weight_version}, below "
+                    f"the job's min_weight_version {wanted}",
+                    None,
+                )
             request.running = True
             self._running += 1
             self._idle.clear()
@@ -254,6 +264,7 @@ class SteerableEngine:
                 ),
                 metadata=job.metadata,
                 deadline=job.deadline,
+                min_weight_version=job.min_weight_version,
             )
             continued = await self.generate(
                 rest, f"{request_id}/{c.index}", trace_headers=trace_headers
