@@ -1179,6 +1179,18 @@ FOUND_DEFECTS = {
     "cannot be read is held, and read again, until it can be)": (
         flag_set_scenario("hostile", 930013, 8)
     ),
+    "a turn asking for version 2 or newer was running when the other trainer rolled the fleet "
+    "back to 1 with `restart`: it ran again on version 1 and its result carried weights it had "
+    "refused (trainer_stale_weights; fixed in worker/engines/steerable.py, "
+    "SteerableEngine._generate: below the job's min_weight_version it is answered retryable)": (
+        flag_set_scenario("trainer", 7300090, 1)
+    ),
+    "the simulated trainer's forced rollback was cut short by its loop's restart; the "
+    "restarted loop asked every job for the version it had rolled back from, and each turn "
+    "expired until the end (trainer_unfinished; the simulation's trainer: a rollback lowers "
+    "the version its jobs ask for from the send on, worker/dev/sim/trainer.py)": (
+        flag_set_scenario("trainer", 7300052, 1)
+    ),
     "an update for w3 alone, sent while it was down, was superseded by the fleet's update; w3's "
     "restart acknowledged the fleet's update first and died (acknowledgements lost) before "
     "acknowledging the older one, and that later acknowledgement was read as an answer to "

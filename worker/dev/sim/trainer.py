@@ -326,6 +326,12 @@ class _Loop:
         mode = weights.rng.choice(UPDATE_MODES)
         number = next(weights.calls)
         timeout_s = self._plan.update_timeout_s
+        if force and weights.floor is not None:
+            # From the send on, some workers may serve the rollback, and a restarted one takes
+            # it from the control topic: jobs asking for more would wait on them for ever,
+            # whether the call fails, or never returns because the loop restarts meanwhile
+            # (seed 7300052 at one worker: every turn of the restarted loop expired).
+            weights.floor = min(weights.floor, version)
         history.add(
             "rl_update",
             trainer=self._incarnation,
@@ -342,10 +348,6 @@ class _Loop:
             )
         except RolloutError as exc:
             history.add("rl_update_error", trainer=self._incarnation, call=number, error=str(exc))
-            if force and weights.floor is not None:
-                # Some workers may have rolled back, and a restarted one takes the rollback
-                # from the control topic: jobs asking for more would wait on them for ever.
-                weights.floor = min(weights.floor, version)
             return
         history.add(
             "rl_updated",
