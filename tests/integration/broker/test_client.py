@@ -81,6 +81,8 @@ class Responder:
 
 
 def done(job: Job, text: str = "ok", **kwargs: Any) -> Completed:
+    """A worker's answer to `job`, echoing its submission as every worker's answer does."""
+    kwargs.setdefault("submission_id", echo(job))
     return Completed(
         job_id=job.job_id,
         completions=[Completion(index=0, token_ids=[1, 2], text=text, finish_reason="stop")],
@@ -176,6 +178,7 @@ async def test_retryable_failures_are_resubmitted_up_to_the_limit(
                 Failed(
                     job_id=j.job_id,
                     error=ErrorInfo(code=ErrorCode.ENGINE_ERROR, detail="oom", retryable=True),
+                    submission_id=echo(j),
                 )
             ]
         if original == "hopeless":
@@ -183,11 +186,16 @@ async def test_retryable_failures_are_resubmitted_up_to_the_limit(
                 Failed(
                     job_id=j.job_id,
                     error=ErrorInfo(code=ErrorCode.ABORTED, detail="again", retryable=True),
+                    submission_id=echo(j),
                 )
             ]
         if original == "invalid":
             return [
-                Failed(job_id=j.job_id, error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="no"))
+                Failed(
+                    job_id=j.job_id,
+                    error=ErrorInfo(code=ErrorCode.INVALID_JOB, detail="no"),
+                    submission_id=echo(j),
+                )
             ]
         return [done(j)]
 
@@ -242,7 +250,9 @@ async def test_payload_references_are_read_checked_and_inlined(
         path = good if j.job_id == "ref" else tmp_path / "gone.bin"
         ref = inline.as_reference(path.as_uri(), sha)
         c = Completion(index=0, token_ids=[1, 2], text="", finish_reason="stop", routed_experts=ref)
-        return [Completed(job_id=j.job_id, completions=[c], prompt_token_count=1)]
+        return [
+            Completed(job_id=j.job_id, completions=[c], prompt_token_count=1, submission_id=echo(j))
+        ]
 
     async with (
         Responder(bs, jobs_topic, results_topic, answer),
