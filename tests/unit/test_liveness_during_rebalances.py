@@ -369,3 +369,30 @@ def test_a_partition_whose_map_cannot_be_read_is_held_until_it_is_and_its_suspec
     assert positions == {TP: 1}
     assert TP not in committer.held() and committer.unread == set()
     assert committer.partition(TP).deaths == {1: 3}
+
+
+def test_a_partition_whose_read_failed_while_unread_maps_were_read_again_stays_unread():
+    # The maps of the unread partitions are read again in the background; a partition
+    # assigned meanwhile whose own read failed was not asked for, and must not be taken as read.
+    later = TopicPartition(TP.topic, TP.partition + 1)
+    consumer = FakeConsumer()
+    consumer.add(TP, b"{}")
+    away = [True]
+    committer: Committer
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        if away[0]:
+            raise GroupCoordinatorNotAvailableError()
+        committer.unread.add(later)  # assigned, and unread, during this read
+        return {TP: (0, "")}
+
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics(), read_committed)
+
+    async def assign_then_read_again() -> dict[TopicPartition, int]:
+        await committer.assigned({TP})
+        away[0] = False
+        return await committer.read_unread()
+
+    assert TP in run_on_virtual_time(assign_then_read_again())
+    assert committer.unread == {later} and later in committer.held()

@@ -169,11 +169,13 @@ class Inheritance:
         partition read from (as `assigned`). Nothing while they still cannot be read."""
         if not self.unread or self._read_committed is None:
             return {}
-        maps = await self._maps.read(set(self.unread))
+        asked = set(self.unread)
+        maps = await self._maps.read(asked)
         if maps is None:
             return {}
-        # Revoked meanwhile: for their next owner to read.
-        read = set(self.unread)
+        # Those revoked meanwhile are for their next owner to read; any assigned meanwhile
+        # were not asked for.
+        read = asked & self.unread
         maps = {tp: entry for tp, entry in maps.items() if tp in read}
         self.unread -= read
         for tp in read:

@@ -117,6 +117,9 @@ class Rebalances:
     async def revoked(self, revoked: set[TopicPartition]) -> None:
         """Let the revoked partitions' jobs finish for a bounded time, hand them over, and park
         those with jobs still running until the next assignment (`assigned`)."""
+        # The maps still unread are read again after the next assignment: read now, one could
+        # be taken for a partition this revoke is forgetting.
+        await self.close()
         # Parked at an earlier revoke and not assigned since: decided at the next assignment.
         revoked = revoked - set(self._parked)
         # The callback runs beside the loop, and the partitions stay assigned until it returns:
@@ -226,6 +229,7 @@ class Rebalances:
             self._rereading = None
 
     async def close(self) -> None:
+        """Stop reading unread maps again (at a revoke, and at the worker's close)."""
         if self._rereading is not None:
             self._rereading.cancel()
             await asyncio.gather(self._rereading, return_exceptions=True)
