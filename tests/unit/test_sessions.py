@@ -246,6 +246,17 @@ async def test_a_turn_never_asks_for_older_weights_than_the_turn_before_it_ran_o
     assert third.min_weight_version == 9
 
 
+async def test_the_weight_floor_is_the_oldest_version_the_next_turn_may_run_on() -> None:
+    engine = MockEngine(SETTINGS)
+    unbounded, bounded = Conversation(), Conversation(min_weight_version=7)
+    assert (unbounded.weight_floor, bounded.weight_floor) == (None, 7)
+
+    unbounded.record(await answer(engine, unbounded.next_job(tokens(20)), version=4))
+    bounded.record(await answer(engine, bounded.next_job(tokens(20)), version=9))
+
+    assert (unbounded.weight_floor, bounded.weight_floor) == (4, 9)
+
+
 async def test_a_failed_turn_leaves_the_conversation_where_it_was() -> None:
     engine = MockEngine(SETTINGS)
     conversation = Conversation(sampling=SamplingSpec(max_tokens=3))

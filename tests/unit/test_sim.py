@@ -1210,6 +1210,13 @@ FOUND_DEFECTS = {
     "930013's: a partition whose map cannot be read is held until it can be)": (
         flag_set_scenario("late_hand_overs", 5100007, 5)
     ),
+    "trainer a rolled the fleet back from 3 to 2 while trainer b's conversations were between "
+    "turns; each next turn asked for the version the previous one ran on (3), which no worker "
+    "served any more, and the simulated loop asked it again until the end (trainer_unfinished; "
+    "the simulation's trainer drops a conversation whose floor the fleet no longer serves, "
+    "worker/dev/sim/trainer.py, _Loop._rolled_back_below)": flag_set_scenario(
+        "trainer", 7600039, 1
+    ),
 }
 
 

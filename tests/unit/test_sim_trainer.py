@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -500,6 +504,27 @@ def test_a_run_with_the_trainer_replays_exactly() -> None:
     assert sum(1 for _ in first.history.of("rl_call")) > 5
 
 
+def test_the_first_run_of_a_process_replays_as_the_runs_after_it() -> None:
+    """A library imported for the first time during a run draws ids at import (OpenTelemetry's
+    context keys): they shifted the trainers' submission and command ids in the first run of
+    a process only, so a sweep's seed could differ from its replay."""
+    script = (
+        "from worker.dev.sim.run import Scenario, run; "
+        "s = Scenario(seed=3, duration_s=30.0, settle_s=30.0, trainer=True); "
+        "print(run(s).digest, run(s).digest)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    first, second = done.stdout.split()
+    assert first == second
+
+
 def test_the_trainer_flag_set_drives_the_client_through_expiries_reruns_and_echoes() -> None:
     """The net reaches what it is for: calls that expire and are run again, answers to
     earlier askings appended again, weight updates through the client and jobs that ask for
@@ -545,6 +570,17 @@ def test_a_late_answer_to_an_earlier_sending_carries_its_own_generations_weights
     The run's checker compared it with the process's last generation of that id and flagged
     `wrong_weights`; each answer carries its own generation's version."""
     outcome = run(flag_set_scenario("trainer", 9400002, 5))
+    assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
+
+
+def test_a_conversation_whose_floor_the_fleet_no_longer_serves_is_dropped() -> None:
+    """Seed 7600039, one worker: trainer a rolled the fleet back from 3 to 2 while trainer b's
+    conversations stood between turns on 3. Their next turns could only expire; the loop now
+    drops each such conversation (as a trainer drops a sample) and finishes its steps."""
+    outcome = run(flag_set_scenario("trainer", 7600039, 1))
+    dropped = [e.fields for e in outcome.history.of("rl_conversation_dropped")]
+    assert dropped, "the seed no longer rolls back below a conversation"
+    assert all(max(d["served"]) < d["floor"] for d in dropped)
     assert outcome.violations == [], "\n".join(map(str, outcome.violations[:5]))
 
 

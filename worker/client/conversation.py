@@ -99,6 +99,14 @@ class Conversation:
         return [*last.prompt_token_ids, *last.completion.token_ids]
 
     @property
+    def weight_floor(self) -> int | None:
+        """The oldest weights its next turn may run on: the conversation's `min_weight_version`
+        or the version its last turn ran on, whichever is newer. After a forced rollback below
+        it, no worker runs the next turn until the fleet serves it again."""
+        floors = [v for v in (self._min_version, self._last_version()) if v is not None]
+        return max(floors) if floors else None
+
+    @property
     def in_flight(self) -> Job | None:
         """The job of the turn asked for and not yet answered, if any."""
         return self._asked
@@ -124,11 +132,7 @@ class Conversation:
         sampling = sampling or self._sampling
         _check_one_completion(sampling)
         history = self.token_ids
-        floors = [
-            v
-            for v in (min_weight_version, self._min_version, self._last_version())
-            if v is not None
-        ]
+        floors = [v for v in (min_weight_version, self.weight_floor) if v is not None]
         job = as_job(
             Job(
                 job_id=f"{self.conversation_id}-turn{len(self._turns)}",

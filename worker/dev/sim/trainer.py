@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -82,6 +83,8 @@ JOB_PREFIX: Final = "rl-"
 ASK_KEY: Final = "ask"
 #: Seconds between the tries of a call the client refused (not started, a send refused).
 RETRY_CALL_S: Final = 0.5
+#: How long a loop waits for the fleet's heartbeats before it asks a failed turn again.
+STATUS_TIMEOUT_S: Final = 5.0
 #: Tokens of a toy tool response between turns.
 TOOL_TOKENS: Final = 12
 #: How a weight update treats the jobs in flight, drawn for each update.
@@ -180,9 +183,19 @@ def _plan(rng: random.Random, name: str, duration_s: float, *, reply_to: bool) -
 @contextlib.contextmanager
 def seeded_uuids(rng: random.Random) -> Iterator[None]:
     """`uuid.uuid4` drawn from `rng` while inside: submission ids are part of what a run
-    appends, and a run must replay byte for byte."""
+    appends, and a run must replay byte for byte. Only the project's own calls draw from
+    `rng`; a library's draw from a stream of their own, since a module imported for the first
+    time during a run draws at import (OpenTelemetry's context keys: four ids), and would
+    otherwise shift the project's ids in the first run of a process only."""
     real = uuid.uuid4
-    uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)
+    others = random.Random("library ids")  # noqa: S311 - a replayable run
+
+    def drawn() -> uuid.UUID:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        source = rng if caller.split(".", 1)[0] in {"worker", "schemas"} else others
+        return uuid.UUID(int=source.getrandbits(128), version=4)
+
+    uuid.uuid4 = drawn
     try:
         yield
     finally:
@@ -216,6 +229,15 @@ class _Calls:
             trainer=self._trainer,
             call=number,
             results=[_answered(result) for result in results],
+        )
+
+    def dropped(self, conversation: str, floor: int, served: list[int]) -> None:
+        self._history.add(
+            "rl_conversation_dropped",
+            trainer=self._trainer,
+            conversation=conversation,
+            floor=floor,
+            served=served,
         )
 
     def raised(self, number: int, error: BaseException) -> None:
@@ -426,9 +448,14 @@ class _Loop:
             for i in range(plan.n)
         ]
         for turn in range(plan.turns):
-            await asyncio.gather(*(self._turn(step, group, turn, c) for group, c in conversations))
+            going_on = await asyncio.gather(
+                *(self._turn(step, group, turn, c) for group, c in conversations)
+            )
+            conversations = [c for c, on in zip(conversations, going_on, strict=True) if on]
 
-    async def _turn(self, step: int, group: int, turn: int, conversation: Conversation) -> None:
+    async def _turn(self, step: int, group: int, turn: int, conversation: Conversation) -> bool:
+        """Ask for the turn until it completes (True), or until the conversation is given up
+        (False)."""
         plan = self._plan
         same = random.Random(f"{plan.run_id}/{step}/{group}")  # noqa: S311 - not a secret
         prompt = [same.randrange(20, 30_000) for _ in range(same.randrange(3, 9))]
@@ -448,9 +475,30 @@ class _Loop:
                 seed=step * 100 + group * 10 + turn,
             )
             if await self._one_turn(conversation, new, sampling):
-                return
+                return True
+            if await self._rolled_back_below(conversation):
+                return False
             asking += 1
             await asyncio.sleep(0)
+
+    async def _rolled_back_below(self, conversation: Conversation) -> bool:
+        """Whether every live worker serves weights older than the conversation's next turn
+        may run on: a forced rollback (another trainer's, or this one's) went below the version
+        its last turn ran on. Its next turn would wait for that version until it expires, and
+        running it on the older policy would mix two policies in one sample: a trainer drops
+        the sample (seed 7600039 at one worker: every later asking of such a turn expired)."""
+        floor = conversation.weight_floor
+        if floor is None:
+            return False
+        try:
+            statuses = await self._client.status(timeout_s=STATUS_TIMEOUT_S)
+        except RolloutError:
+            return False
+        served = sorted({status.weight_version for status in statuses.values()})
+        if not served or served[-1] >= floor:
+            return False
+        self._calls.dropped(conversation.conversation_id, floor, served)
+        return True
 
     async def _one_turn(
         self, conversation: Conversation, new: list[int], sampling: SamplingSpec
