@@ -6,7 +6,8 @@ Run `python bench/mutants.py [--first-seed S] [--cap 200] [--processes P] [--fla
 `worker.dev.sim.run.drawn(k)` names (the flag sets of `FLAG_SETS` in turn: the default fleet;
 hostile records with weight updates that kill the engine; static members on noida-db; the
 trainer's whole control plane; trainers on the real client; noida-db with outages after late
-hand-overs; hostile records with stops during hand-overs); with `--flags SET`, that set only and
+hand-overs; hostile records with stops during hand-overs; hostile records with offset maps
+capped at 48 bytes); with `--flags SET`, that set only and
 fleet size (3, 5, 1)[k mod 3]. A seed counts as a catch only where the real worker passes it.
 A row per mutant: the seeds it took to the first catch, the invariants that caught it, the
 flag set and the command that replays it. A mutant not caught within the cap is a hole in the

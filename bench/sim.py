@@ -53,6 +53,7 @@ def scenario(args: argparse.Namespace, seed: int, workers: int) -> Scenario:
         flavour=Flavour(args.flavour),
         static_members=args.static or args.flavour == "noida",
         offset_metadata_max_bytes=args.offset_metadata_max_bytes,
+        offset_map_max_bytes=args.offset_map_max_bytes,
         mutant=args.mutant,
         control=args.control,
         trainer=args.trainer,
@@ -135,7 +136,15 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--flavour", choices=[f.value for f in Flavour], default="kafka")
     parser.add_argument("--static", action="store_true", help="static group members")
-    parser.add_argument("--offset-metadata-max-bytes", type=int, default=4096)
+    parser.add_argument(
+        "--offset-metadata-max-bytes", type=int, default=4096, help="the broker's cap"
+    )
+    parser.add_argument(
+        "--offset-map-max-bytes",
+        type=int,
+        default=2048,
+        help="the workers' cap (--offset-map-max-bytes): a map over it leaves sections out",
+    )
     parser.add_argument(
         "--control",
         action="store_true",

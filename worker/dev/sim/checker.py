@@ -17,7 +17,9 @@ Invariants (each violation names one):
   kill, an exit, the group removing it while it lived, a missed poll interval), a hand-over
   of the job's partition the group refused, or an outage in which no commit could land, each
   while no landed commit covered the job; an acknowledgement lost (or, without an idempotent
-  producer, late); the trainer sending the job again. A job a clean hand-over names as
+  producer, late); the trainer sending the job again; a landed map its worker declared had
+  left its answered section out to fit its cap (`map_degraded`), for the records it left out
+  (plain at-least-once for those, the docs say). A job a clean hand-over names as
   running, its answer handed to the producer before the hand-over and appended after the
   rebalance began, is the next owner's to run, and may be answered twice when the old
   owner's delivery lands after all (sent again after the hand-over, it may not). Nothing
@@ -516,6 +518,9 @@ class _Causes:
     resent: set[str] = field(default_factory=set)
     #: tp -> commits landed: (when, position, offsets its map names answered)
     commits: dict[str, list[tuple[float, int, frozenset[int]]]] = field(default_factory=dict)
+    #: tp -> commits landed whose map its worker declared had left its answered section
+    #: out to fit the cap: (when, position, offsets its map still names answered)
+    degraded: dict[str, list[tuple[float, int, frozenset[int]]]] = field(default_factory=dict)
 
     def process(self, client: str, at: float) -> str | None:
         """The process of worker `client` (a client id ending in its worker id) alive at `at`."""
@@ -557,6 +562,13 @@ class _Causes:
         for began, ended in self.lost_acks:
             if began - _MS <= first.appended <= ended or began - _MS <= first.submitted <= ended:
                 return f"acknowledgements lost from {began:.3f}s"
+        for landed, position, answered in self.degraded.get(tp, []):
+            if (
+                first.submitted - _MS <= landed <= again.submitted + _MS
+                and offset >= position
+                and offset not in answered
+            ):
+                return f"a map that left answered offsets out to fit its cap at {landed:.3f}s"
         return None
 
 
@@ -569,6 +581,7 @@ def _causes(  # noqa: PLR0912, PLR0915 - one branch per kind of event
     process_of_client: dict[str, str] = {}
     alive: set[str] = set()
     began: dict[str, float] = {}
+    declared: set[tuple[str, int, str]] = set()
     for event in history.events:
         fields = event.fields
         kind = event.kind
@@ -597,10 +610,13 @@ def _causes(  # noqa: PLR0912, PLR0915 - one branch per kind of event
         elif kind == "commit_refused":
             for tp in fields["tps"]:
                 causes.refusals.setdefault((fields["client"], tp), []).append(event.at)
+        elif kind == "map_degraded":
+            declared.add((fields["tp"], fields["offset"], fields["metadata"]))
         elif kind == "commit":
-            causes.commits.setdefault(fields["tp"], []).append(
-                (event.at, fields["offset"], answered_in.get(id(event), frozenset()))
-            )
+            landed = (event.at, fields["offset"], answered_in.get(id(event), frozenset()))
+            causes.commits.setdefault(fields["tp"], []).append(landed)
+            if (fields["tp"], fields["offset"], fields.get("metadata") or "") in declared:
+                causes.degraded.setdefault(fields["tp"], []).append(landed)
         elif kind == "trainer_resend":
             causes.resent.add(fields["job"])
         elif kind == "fault_lose_acks":

@@ -20,7 +20,7 @@ from unittest import mock
 from worker.delivery.commits import Committer
 from worker.delivery.hand_overs import RefusedHandOvers
 from worker.delivery.inheritance import Inheritance
-from worker.delivery.offsets import PartitionOffsets
+from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 from worker.delivery.outbox import Outbox
 from worker.delivery.publish import Delivery
 from worker.dev.sim.fleet import SimEngine
@@ -181,6 +181,26 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
 
         return recorded
 
+    declared: set[tuple[str, int, str]] = set()
+
+    def degraded(real: Any) -> Any:
+        """Record each commit a worker planned with its answered section left out to fit its
+        cap (`map_degraded`): the docs give those records plain at-least-once, and the
+        checker excuses exactly their second answers (`worker.dev.sim.checker`)."""
+
+        @functools.wraps(real)
+        def declared_plan(self: OffsetTracker, *args: Any, **kwargs: Any) -> Any:
+            planned = real(self, *args, **kwargs)
+            for tp, plan in planned.items():
+                position, metadata = plan.commit
+                key = (f"{tp.topic}-{tp.partition}", position, metadata)
+                if "answered" in plan.dropped and key not in declared:
+                    declared.add(key)
+                    history.add("map_degraded", tp=key[0], offset=position, metadata=metadata)
+            return planned
+
+        return declared_plan
+
     def in_flight(_self: Any, _args: tuple[Any, ...], result: Any) -> int:
         return len(result)
 
@@ -196,6 +216,7 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         (Rebalances, "_decide_parked", decided),
         (RefusedHandOvers, "refused", after("hand_overs_refused", lambda _s, a, _r: len(a[0]))),
         (Inheritance, "_await_hand_overs", before_async("hand_overs_awaited")),
+        (OffsetTracker, "plan", degraded),
         (PartitionOffsets, "overtaken", after("positions_taken_over", lambda *_: 1)),
         (Outbox, "drop", after("answers_taken_back", lambda _s, _a, r: len(r))),
         (Delivery, "_on_delivery", delivered),

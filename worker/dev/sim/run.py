@@ -80,6 +80,9 @@ HOSTILE_SHARES: Final = {
 SLOW_FACTOR: Final = 30
 #: The share of slow jobs the net's flag sets send (`FLAG_SETS`).
 SLOW_SHARE: Final = 0.02
+#: The workers' map cap of the `capped_maps` flag set: at the default (2048) a worker holds a
+#: partition back before its map must leave anything out, so no seed degrades one.
+CAPPED_MAP_BYTES: Final = 48
 #: The share of late hand-overs that a coordinator outage follows in the net's flag sets.
 LATE_HAND_OVER_OUTAGES: Final = 0.5
 #: The share of hand-overs during a rebalance whose member a SIGTERM reaches in the net's
@@ -189,6 +192,7 @@ FLAG_SETS: Final[dict[str, tuple[str, ...]]] = {
     "trainer": ("--slow-jobs", str(SLOW_SHARE), "--trainer"),
     "late_hand_overs": (*_NOIDA, "--late-hand-over-outages", str(LATE_HAND_OVER_OUTAGES)),
     "stopped_hand_overs": (*_HOSTILE, "--stops-in-hand-overs", str(STOPS_IN_HAND_OVERS)),
+    "capped_maps": (*_HOSTILE, "--offset-map-max-bytes", str(CAPPED_MAP_BYTES)),
 }
 #: The fleet sizes those runs take in turn.
 FLEET_SIZES: Final = (3, 5, 1)
@@ -203,7 +207,7 @@ def drawn(k: int) -> tuple[str, int]:
 def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = None) -> Scenario:
     """What `bench/sim.py --seed SEED --workers WORKERS` with the flags of `FLAG_SETS[flags]`
     runs (its defaults: 8 partitions and 4 jobs a second per worker)."""
-    hostile = flags in {"hostile", "stopped_hand_overs"}
+    hostile = flags in {"hostile", "stopped_hand_overs", "capped_maps"}
     noida = flags in {"noida", "late_hand_overs"}
     return Scenario(
         seed=seed,
@@ -221,6 +225,9 @@ def flag_set_scenario(flags: str, seed: int, workers: int, mutant: str | None = 
         trainer=flags == "trainer",
         late_hand_over_outages=LATE_HAND_OVER_OUTAGES if flags == "late_hand_overs" else 0.0,
         stops_in_hand_overs=STOPS_IN_HAND_OVERS if flags == "stopped_hand_overs" else 0.0,
+        offset_map_max_bytes=CAPPED_MAP_BYTES
+        if flags == "capped_maps"
+        else Scenario.offset_map_max_bytes,
     )
 
 
@@ -251,6 +258,8 @@ class Outcome:
     #: When the group began to wait for ever for a member that could not leave, on a broker
     #: that evicts nobody (`worker.dev.sim.checker.wedged_from`): liveness is not judged.
     wedged_at: float | None = None
+    #: What the checker judged the run by.
+    bounds: Bounds | None = None
 
     @property
     def digest(self) -> str:
@@ -473,6 +482,7 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
         ledger,
         cluster,
         wedged_at=wedged_from(history, bounds),
+        bounds=bounds,
     )
 
 
