@@ -774,6 +774,7 @@ MUTANT_CATCHES: dict[str, tuple[str, int, int, str]] = {
     "queued_answers_kept_at_revoke": ("default", 700051, 1, "duplicates"),
     "refused_answer_not_shrunk": ("hostile", 700001, 3, "stalled"),
     "stale_weight_stamp": ("hostile", 700004, 5, "wrong_weights"),
+    "restart_keeps_the_running_jobs": ("control", 9200003, 3, "restart_kept_old_weights"),
     "map_run_ends_early": ("noida", 700029, 3, "duplicates"),
     # `bench/mutants.py --flags control --first-seed 700000`.
     "catch_up_takes_refused_updates": ("control", 700004, 5, "stale_start"),

@@ -34,6 +34,7 @@ from worker.delivery.offset_map import OffsetMapError
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import Outbox
 from worker.delivery.publish import Delivery
+from worker.engines.steerable import SteerableEngine
 from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.rebalance import Rebalances
 from worker.loop.starts import JobStarts
@@ -382,6 +383,20 @@ def stale_weight_stamp() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def restart_keeps_the_running_jobs() -> Iterator[None]:
+    """Takes an update that says `restart` as `keep`: the running jobs continue on the new
+    weights instead of running again from the start, so their answers, finished after the
+    acknowledgement, still carry tokens of the old weights."""
+    real = SteerableEngine._update
+
+    async def update(self: SteerableEngine, mode: Any, load: Any) -> None:
+        await real(self, "keep" if mode == "restart" else mode, load)
+
+    with mock.patch.object(SteerableEngine, "_update", update):
+        yield
+
+
+@contextlib.contextmanager
 def catch_up_takes_refused_updates() -> Iterator[None]:
     """A starting worker's catch-up takes every update on the control topic, also those the
     fleet refused: it loads weights the rest of the fleet does not serve."""
@@ -589,6 +604,7 @@ MUTANTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "resent_after_hand_over": resent_after_hand_over,
     "refused_answer_not_shrunk": refused_answer_not_shrunk,
     "stale_weight_stamp": stale_weight_stamp,
+    "restart_keeps_the_running_jobs": restart_keeps_the_running_jobs,
     "catch_up_takes_refused_updates": catch_up_takes_refused_updates,
     "catch_up_keeps_the_last_record_of_an_id": catch_up_keeps_the_last_record_of_an_id,
     "rollback_below_start_version_dropped": rollback_below_start_version_dropped,

@@ -33,6 +33,7 @@ from worker.dev.sim.fleet import Fleet
 from worker.dev.sim.history import History
 from worker.dev.sim.mutants import MUTANTS
 from worker.dev.sim.paths import observed
+from worker.dev.sim.restart_checks import check_restarts
 from worker.dev.sim.trainer import TrainerTopics, run_trainers
 from worker.dev.sim.trainer_checks import check_trainers
 from worker.engines.mock import MockEngineSettings
@@ -471,6 +472,13 @@ async def _simulate(  # noqa: PLR0912 - a branch per optional part of a run
             ),
         )
     violations += check_trainers(history, end, cluster.topics[STATUS].logs)
+    violations += check_restarts(
+        history,
+        cluster,
+        answer_topics=bounds.answer_topics,
+        status_topic=STATUS,
+        control_topic=CONTROL,
+    )
     answered = sum(len(log) for log in cluster.topics[RESULTS].logs)
     return Outcome(
         scenario,
