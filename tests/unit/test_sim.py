@@ -1218,6 +1218,12 @@ FOUND_DEFECTS = {
     "worker/dev/sim/trainer.py, _Loop._rolled_back_below)": flag_set_scenario(
         "trainer", 7600039, 1
     ),
+    "w2 acknowledged a restart update to 10, then loaded 12 and answered a job on it before its "
+    "acknowledgement of 12 was appended: the checker's restart rule took 12 for old weights "
+    "(restart_kept_old_weights; the simulation's checker: the versions loaded from the "
+    "restart's load on are new, worker/dev/sim/restart_checks.py)": (
+        flag_set_scenario("capped_maps", 9300103, 3)
+    ),
 }
 
 

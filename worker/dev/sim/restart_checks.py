@@ -8,7 +8,8 @@ a worker's acknowledgement `ok` of a `restart` update to version V (the status t
 command's mode read from the control topic at the offset the acknowledgement names) is the
 worker's latest update before one of its completed answers, the same process generated that
 job after the acknowledgement (`generated`, `worker.dev.sim.paths`), and a completion's version
-spans name anything but V. A job whose generation ended before the acknowledgement may still
+spans name a version the process did not load from its load of V on (`loaded`, `transferred`):
+the weights it served before. A job whose generation ended before the acknowledgement may still
 be answered after it with the old weights (its answer waited to be sent): it is not judged.
 """
 
@@ -46,12 +47,15 @@ def check_restarts(
     updates = _updates_acknowledged(cluster, status_topic, restarting)
     starts: dict[str, list[tuple[float, str]]] = {}
     generated: dict[tuple[str, str], list[float]] = {}
-    for event in history.of("start", "generated"):
+    loads: dict[str, list[tuple[float, int]]] = {}
+    for event in history.of("start", "generated", "loaded", "transferred"):
         process = event.fields["worker"]
         if event.kind == "start":
             starts.setdefault(process.split("#")[0], []).append((event.at, process))
-        else:
+        elif event.kind == "generated":
             generated.setdefault((process, event.fields["job"]), []).append(event.at)
+        else:
+            loads.setdefault(process, []).append((event.at, event.fields["version"]))
     for topic in answer_topics:
         for record in _records(cluster, topic):
             try:
@@ -79,7 +83,7 @@ def check_restarts(
                 for completion in result.completions
                 for span in (completion.weight_versions or [])
             }
-            if spans - {version}:
+            if spans - _loaded_since(loads.get(process, []), version, acked_at):
                 return [
                     Violation(
                         "restart_kept_old_weights",
@@ -132,6 +136,14 @@ def _updates_acknowledged(
                 (record.timestamp_ms / 1000, message.weight_version, message.offset in restarting)
             )
     return {worker: sorted(acked) for worker, acked in updates.items()}
+
+
+def _loaded_since(loads: list[tuple[float, int]], version: int, acked_at: float) -> set[int]:
+    """The versions a process may generate on after acknowledging an update to `version`:
+    that one, and each it loaded from that load on (a later update, whose acknowledgement may
+    be appended after an answer it made, or a rollback to the old version)."""
+    loaded_at = max((at for at, v in loads if v == version and at <= acked_at), default=acked_at)
+    return {version} | {v for at, v in loads if at >= loaded_at}
 
 
 def _alive(started: list[tuple[float, str]], at: float) -> str | None:
