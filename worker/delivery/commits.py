@@ -10,7 +10,6 @@ the records it names are not generated again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,12 +17,6 @@ from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import (
-    CommitFailedError,
-    IllegalStateError,
-    KafkaError,
-    OffsetMetadataTooLargeError,
-)
 
 from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.config import Settings
@@ -31,34 +24,21 @@ from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
 from worker.delivery.alive import LiveIncarnations
+from worker.delivery.commit_call import CommitMaker
+from worker.delivery.commit_lag import CommitLag, StalledCommits
+from worker.delivery.commit_plan import CommitPlanner
 from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers
 from worker.delivery.inheritance import Inheritance
-from worker.delivery.offsets import (
-    Commit,
-    OffsetTracker,
-    PartitionOffsets,
-    Planned,
-    describe_commits,
-)
+from worker.delivery.offsets import Commit, OffsetTracker, PartitionOffsets
+from worker.delivery.parking import Parking
 
 __all__ = ["CommittedReader", "Committer", "GroupOffsetsReader", "LiveIncarnations"]
 
 logger = logging.getLogger(__name__)
 
 
-# Above this share of `offset_map_max_bytes` for what this owner finished out of order, a
-# partition takes no new records until that shrinks: the gap closes instead of the map growing
-# past what the broker stores. Inherited offsets and deaths do not count: holding cannot shrink
-# them (they leave the map only as they are fetched).
-_HOLD_AT: Final = 0.75
-
 # How often a stopping worker tries its hand-over again while the coordinator does not take it.
 _HAND_OVER_RETRY_S: Final = 0.5
-
-# Commits normally land within an interval of the answers they cover: answers that waited this
-# many intervals (and at least this long) mean commits stopped landing.
-_COMMITS_STALLED_AFTER: Final = 4
-_COMMITS_STALLED_MIN_S: Final = 2.0
 
 # The longest a batch of jobs waits for the commit that names them as running.
 _WRITE_AHEAD_WAIT_S: Final = 1.0
@@ -99,7 +79,13 @@ class GroupOffsetsReader:
 
 
 class Committer:
-    """Commits, per partition, the highest offset below which every record is answered."""
+    """Commits, per partition, the highest offset below which every record is answered.
+
+    Its parts: a `CommitPlanner` says what each commit holds, a `CommitMaker` makes them one
+    at a time, `Parking` hands revoked partitions over and adopts them back, `Inheritance`
+    reads what the previous owners committed, `CommitLag` and `StalledCommits` watch what the
+    commits leave behind. This class decides when to commit, and forgets revoked partitions
+    in all of them."""
 
     def __init__(
         self,
@@ -113,106 +99,84 @@ class Committer:
         on_background_done: Callable[[], None] = lambda: None,
         uncommitted_answers_max: int | None = None,
     ) -> None:
-        self._consumer = consumer
         #: Called when a commit in the background ended (and another may start): what waits
         #: for one to land (the breaker) may go on.
         self._on_background_done = on_background_done
         self._interval_s = settings.commit_interval_ms / 1000
-        #: Answers a death would make run again: past this many, while commits do not land
-        #: (`_COMMITS_STALLED_AFTER`), no record is fetched (see `held`).
-        self._uncommitted_answers_max = uncommitted_answers_max
-        self._stalled_after_s = max(
-            _COMMITS_STALLED_AFTER * self._interval_s, _COMMITS_STALLED_MIN_S
-        )
-        self._held_for_commits = False
-        self._timeout_s = settings.commit_timeout_s
-        self._map_max_bytes = settings.offset_map_max_bytes
+        self._timeout_s = timeout_s = settings.commit_timeout_s
         self._metrics = metrics
         #: Named in every map this process commits: the next owner of a partition whose
         #: hand-over did not land asks the group whether this process is still a member.
         self.incarnation = incarnation or new_incarnation()
-        self.tracker = OffsetTracker(writer=self.incarnation)
-        self._read_committed = read_committed
+        self.tracker = tracker = OffsetTracker(writer=self.incarnation)
+        self._planner = CommitPlanner(tracker, metrics, map_max_bytes=settings.offset_map_max_bytes)
+        #: Answers a death would make run again: past `uncommitted_answers_max`, while commits
+        #: do not land, no record is fetched (see `held`).
+        self._stalled = StalledCommits(
+            tracker, interval_s=self._interval_s, limit=uncommitted_answers_max
+        )
+        self._lag = CommitLag(consumer, tracker, metrics)
         self._hand_overs = RefusedHandOvers(
             consumer,
             metrics,
-            timeout_s=self._timeout_s,
+            timeout_s=timeout_s,
             read_committed=read_committed,
             # Adopted back before it landed, a partition still takes its last landed commit
             # for what the group holds: planning that again, it would commit nothing, and the
             # group keep a clean hand-over over the jobs it runs (a death then blames none).
-            on_landed=self.tracker.committed,
+            on_landed=tracker.committed,
         )
         self._inheritance = Inheritance(
             consumer,
-            self.tracker,
+            tracker,
             self._hand_overs,
             incarnation=self.incarnation,
-            timeout_s=self._timeout_s,
+            timeout_s=timeout_s,
             read_committed=read_committed,
             live_incarnations=live_incarnations,
         )
+        self._maker = CommitMaker(
+            consumer,
+            metrics,
+            tracker=tracker,
+            planner=self._planner,
+            inheritance=self._inheritance,
+            hand_overs=self._hand_overs,
+            lag=self._lag,
+            timeout_s=timeout_s,
+        )
+        self._parking = Parking(
+            tracker,
+            metrics,
+            maker=self._maker,
+            planner=self._planner,
+            inheritance=self._inheritance,
+            read_committed=read_committed,
+            forget=self.forget,
+            timeout_s=timeout_s,
+        )
         self._last = 0.0
         self._task: asyncio.Task[None] | None = None
-        self._one_at_a_time = asyncio.Lock()
-        # Partitions whose offset map was near its cap at their last commit.
-        self._near_cap: set[TopicPartition] = set()
-        self._maps_refused = False
         self._slow_commits_warned = False
         self._stuck: asyncio.Task[None] | None = None
-        # Partitions warned about, by the sections their map left out to fit.
-        self._degraded: dict[TopicPartition, tuple[str, ...]] = {}
-        # From the stop on, every commit is a clean hand-over (see `hand_over`).
-        self._handing_over = False
 
     @property
     def maps_on(self) -> bool:
         """Commits carry offset maps (configured, and the broker takes them)."""
-        return self._map_max_bytes > 0 and not self._maps_refused
+        return self._planner.maps_on
 
     def held(self) -> set[TopicPartition]:
         """Partitions not to fetch now: their committed map is still being read after the
         assignment, or what this owner finished out of order nears the map's cap while records
-        of theirs are in flight (until the gap closes). With nothing in flight nothing is
-        finished out of order, so no partition is held for it: the reason is re-examined at
-        every commit and on every fetch."""
-        near_cap = {tp for tp in self._near_cap if not self.tracker.partition(tp).idle}
+        of theirs are in flight (until the gap closes), or answers wait for commits that stall
+        (`StalledCommits`). Re-examined at every commit and on every fetch."""
         inheritance = self._inheritance
-        return inheritance.reading | inheritance.unread | near_cap | self._held_until_commits_land()
-
-    def _held_until_commits_land(self) -> set[TopicPartition]:
-        """Every partition, while more answers than `uncommitted_answers_max` wait for a
-        commit and the oldest has waited `_stalled_after_s` (commits land every interval
-        otherwise): a coordinator that is away takes no commit, and a worker that went on
-        answering would leave ever more work for a death to redo. The jobs in flight finish;
-        the next landed commit lifts the hold."""
-        limit = self._uncommitted_answers_max
-        if limit is None:
-            return set()
-        held = self.tracker.items()
-        waiting, oldest = 0, None
-        for _, partition in held:
-            count, since = partition.uncommitted_answers
-            waiting += count
-            if since is not None and (oldest is None or since < oldest):
-                oldest = since
-        stalled = (
-            waiting > limit
-            and oldest is not None
-            and time.monotonic() - oldest >= self._stalled_after_s
+        return (
+            inheritance.reading
+            | inheritance.unread
+            | self._planner.near_cap()
+            | self._stalled.held()
         )
-        if stalled != self._held_for_commits:
-            self._held_for_commits = stalled
-            if stalled:
-                logger.warning(
-                    "%d answers wait for commits that have not landed for %.1fs; fetching "
-                    "no new records until one lands",
-                    waiting,
-                    time.monotonic() - (oldest or 0.0),
-                )
-            else:
-                logger.info("commits land again; fetching records")
-        return {tp for tp, _ in held} if stalled else set()
 
     def partition(self, tp: TopicPartition) -> PartitionOffsets:
         """The offsets of `tp`: `start` each fetched record on it, and finish it there."""
@@ -286,13 +250,12 @@ class Committer:
         uncounted whatever runs, so a suspect starts once those landed, rather than never
         (which held every partition for good)."""
         await self.commit_now()
-        limit = self._map_max_bytes if self.maps_on else 0
-        return not self.tracker.plan(None, limit=limit)
+        return not self.tracker.plan(None, limit=self._planner.map_limit)
 
     async def hand_over(self) -> None:
         """The worker is stopping: commit a clean hand-over now, so a supervisor's kill during
         the drain blames no job; every later commit says the same."""
-        self._handing_over = True
+        self._maker.handing_over = True
         await self.commit_now(clean=True)
 
     async def hand_over_until(self, deadline: float) -> bool:
@@ -305,8 +268,8 @@ class Committer:
         is common (a broker restart, a coordinator moving); the shutdown grace is the time to
         wait it out.
         """
-        self._handing_over = True
-        limit = self._map_max_bytes if self.maps_on else 0
+        self._maker.handing_over = True
+        limit = self._planner.map_limit
         while True:
             await self.commit_now(clean=True)
             # Also the partitions revoked meanwhile whose hand-over did not land: the member,
@@ -349,31 +312,7 @@ class Committer:
         Those of `keep` (partitions with jobs still running) are parked instead of forgotten
         (`OffsetTracker.park`), for `adopt` to take back should the next assignment give them
         back unchanged; returns them (none when the hand-over timed out)."""
-        kept: set[TopicPartition] = set()
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                async with self._one_at_a_time:
-                    self._keep_unlanded(await self._commit_planned(partitions, clean=True))
-                    if keep and self._read_committed is not None:
-                        # Also where the group refused the hand-over (some brokers end the
-                        # generation as the rebalance begins): `adopt` then finds this
-                        # member's last commit, which the partition's offsets remember.
-                        kept = keep & partitions
-                        self.tracker.park(kept)
-                    self.forget(partitions - kept)
-        except TimeoutError:
-            self._metrics.commits.labels("retry").inc()
-            logger.warning(
-                "hand-over commit did not finish in %.1fs; it is made again after rejoining, "
-                "or before this worker stops",
-                self._timeout_s,
-            )
-            # Planned again: should the commit on its way land after all, the group then holds
-            # something newer than this member's last landed commit, and this one is not made.
-            self._keep_unlanded(self._plan(partitions, clean=True))
-        finally:
-            self.forget(partitions - kept)
-        return kept
+        return await self._parking.revoked(partitions, keep)
 
     async def adopt(self, assigned: set[TopicPartition]) -> set[TopicPartition]:
         """Of the parked partitions, hold again those `assigned` back whose committed offset
@@ -381,43 +320,7 @@ class Committer:
         theirs meanwhile, so their jobs still running go on, as if no rebalance had happened.
         The others are forgotten (their jobs are for their owner now to run). Returns the
         partitions adopted. The rest of `assigned` stays held until `assigned` reads them."""
-        parked = dict(self.tracker.parked())
-        if not parked:
-            return set()
-        # Held from here: the others until their maps are read (`assigned`), which the caller
-        # does next; fetched meanwhile, their records would start from a position not yet
-        # settled.
-        self._inheritance.reading |= assigned
-        back = {tp for tp in parked if tp in assigned}
-        adopted: set[TopicPartition] = set()
-        if back and self._read_committed is not None:
-            try:
-                async with asyncio.timeout(self._timeout_s):
-                    committed = await self._read_committed(sorted(back))
-            except (KafkaError, TimeoutError) as exc:
-                # Unread, another member's commit cannot be ruled out: inherited instead.
-                logger.info("cannot read the committed offsets of returned partitions (%r)", exc)
-                committed = {}
-            for tp in sorted(back):
-                if tp in committed and committed[tp] == parked[tp].committed:
-                    self.tracker.unpark(tp)
-                    adopted.add(tp)
-        self.forget(set(parked) - adopted)
-        # Forgetting let go of those assigned back that were not adopted: held again.
-        self._inheritance.reading = (self._inheritance.reading | assigned) - adopted
-        return adopted
-
-    def _keep_unlanded(self, offsets: dict[TopicPartition, Commit]) -> None:
-        """A hand-over the group refused or did not answer in time: made again later
-        (`RefusedHandOvers.land`), after rejoining or by a stopping worker, rather than
-        dropped. The next owner, finding a live writer's map that names jobs as running, waits
-        a little for it; once this worker stopped, it would count a death against each.
-
-        Only a hand-over that did not land: one that landed while more jobs were answered is
-        what the next owner reads, and does not wait past (a later commit could land after
-        it read, and its own commit then move the position back)."""
-        if offsets:
-            self._hand_overs.refused(offsets, {tp: self.tracker.last_commit(tp) for tp in offsets})
+        return await self._parking.adopt(assigned)
 
     async def assigned(self, partitions: set[TopicPartition]) -> dict[TopicPartition, int]:
         """Read what the previous owners of `partitions` committed into the tracker, after
@@ -437,12 +340,9 @@ class Committer:
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Revoked: their next owner starts from the committed position."""
         self.tracker.forget(partitions)
-        self._near_cap -= partitions
+        self._planner.forget(partitions)
         self._inheritance.forget(partitions)
-        for tp in partitions:
-            self._degraded.pop(tp, None)
-            with contextlib.suppress(KeyError):
-                self._metrics.consumer_lag.remove(tp.topic, str(tp.partition))
+        self._lag.forget(partitions)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -452,6 +352,15 @@ class Committer:
     def committed_position(self, tp: TopicPartition) -> int | None:
         return self.tracker.committed_position(tp)
 
+    def uncommitted(self) -> int:
+        """Records started and not yet below the committed position of their partition."""
+        return self._lag.uncommitted()
+
+    def lag(self) -> int | None:
+        """Records behind the ends of the assigned partitions, from the committed positions;
+        None before anything is known."""
+        return self._lag.lag()
+
     def _commit_done(self, task: asyncio.Task[None]) -> None:
         self._task = None
         if not task.cancelled() and (exc := task.exception()) is not None:
@@ -460,164 +369,4 @@ class Committer:
         self._on_background_done()
 
     async def _commit(self, partitions: set[TopicPartition] | None, *, clean: bool = False) -> None:
-        # One commit at a time, planned once the previous one ended: a commit planned while
-        # another is on its way could land after a revoke forgot the partition (the hand-over
-        # waits on a slow coordinator while the interval's commit goes out beside it), and the
-        # new owner, maybe this member again, would read the older position and commit
-        # behind it.
-        async with self._one_at_a_time:
-            await self._commit_planned(partitions, clean=clean)
-
-    async def _commit_planned(
-        self, partitions: set[TopicPartition] | None, *, clean: bool = False
-    ) -> dict[TopicPartition, Commit]:
-        """Plan and make one commit; what it committed that the group did not answer in time
-        (or answered with a transient error), to be made again: nothing when it landed or was
-        refused."""
-        offsets = self._plan(partitions, clean=clean or self._handing_over)
-        if offsets:
-            offsets = await self._inheritance.first_commits(offsets)
-        if not offsets:
-            self._update_lag()  # the partitions' ends move without us
-            return {}
-        try:
-            # aiokafka waits for a lost coordinator indefinitely; bound it and retry later.
-            async with asyncio.timeout(self._timeout_s):
-                await self._consumer.commit(offsets)
-        except TimeoutError:
-            self._metrics.commits.labels("retry").inc()
-            logger.warning(
-                "commit of %s timed out; retrying at the next commit", describe_commits(offsets)
-            )
-            return offsets
-        except OffsetMetadataTooLargeError:
-            # The broker's offset.metadata.max.bytes is below offset_map_max_bytes: commit the
-            # positions alone, now and from now on (answered records may then run again).
-            self._metrics.commits.labels("retry").inc()
-            logger.warning(
-                "the broker refuses offset maps this large; committing positions only "
-                "(set --offset-map-max-bytes below the broker's offset.metadata.max.bytes)"
-            )
-            self._maps_refused = True
-            return await self._commit_planned(partitions, clean=clean)
-        except (CommitFailedError, IllegalStateError) as exc:
-            # The group rebalanced under us: these records will be redelivered to the new owner,
-            # unless this was the hand-over, which is made again once this member rejoins.
-            self._metrics.commits.labels("failed").inc()
-            if clean and partitions is not None:
-                self._keep_unlanded(offsets)
-                logger.info(
-                    "hand-over commit of %s refused during the rebalance (%s); it is made "
-                    "again after rejoining",
-                    describe_commits(offsets),
-                    exc,
-                )
-                return {}
-            logger.warning(
-                "commit of %s failed (%s); the records will be redelivered",
-                describe_commits(offsets),
-                exc,
-            )
-            return {}
-        except KafkaError as exc:
-            self._metrics.commits.labels("retry").inc()
-            logger.warning(
-                "commit of %s failed (%s); retrying at the next commit",
-                describe_commits(offsets),
-                exc,
-            )
-            return offsets
-        self.tracker.committed(offsets)
-        self._inheritance.landed(offsets)
-        self._metrics.commits.labels("ok").inc()
-        logger.debug("committed %s", describe_commits(offsets))
-        self._update_lag()
-        return {}
-
-    def _plan(
-        self, partitions: set[TopicPartition] | None, *, clean: bool
-    ) -> dict[TopicPartition, Commit]:
-        """The commits to make, maps within their cap; hold partitions whose own out-of-order
-        answers near it. Never raises: a bug in building a map costs the map, not the commit."""
-        limit = 0 if self._maps_refused else self._map_max_bytes
-        try:
-            planned = self.tracker.plan(partitions, clean=clean, limit=limit)
-        except Exception:
-            logger.exception("cannot build the offset maps; committing positions alone")
-            return self._positions_alone(partitions)
-        offsets: dict[TopicPartition, Commit] = {}
-        for tp, plan in planned.items():
-            offsets[tp] = plan.commit
-            self._note_degraded(tp, plan, limit)
-            if limit and plan.own_bytes >= _HOLD_AT * limit:
-                self._near_cap.add(tp)
-            else:
-                self._near_cap.discard(tp)
-        return offsets
-
-    def _positions_alone(
-        self, partitions: set[TopicPartition] | None
-    ) -> dict[TopicPartition, Commit]:
-        offsets: dict[TopicPartition, Commit] = {}
-        for tp, partition in self.tracker.items():
-            position = partition.commit_position()
-            if (partitions is None or tp in partitions) and position is not None:
-                offsets[tp] = (position, "")
-        return offsets
-
-    def _note_degraded(self, tp: TopicPartition, plan: Planned, limit: int) -> None:
-        """Warn (once per change) and count when a map left sections out to fit."""
-        if plan.dropped == self._degraded.get(tp, ()):
-            return
-        if not plan.dropped:
-            del self._degraded[tp]
-            return
-        self._degraded[tp] = plan.dropped
-        for section in plan.dropped:
-            self._metrics.offset_map_degraded.labels(section).inc()
-        consequence = {
-            "answered": "records answered out of order may run again",
-            "running": "a death now would go uncounted by the crash-loop breaker",
-            "deaths": "some earlier deaths are forgotten",
-        }
-        logger.warning(
-            "%s-%s@%d: the offset map is over --offset-map-max-bytes (%d); left out: %s",
-            tp.topic,
-            tp.partition,
-            plan.commit[0],
-            limit,
-            "; ".join(f"{s} ({consequence[s]})" for s in plan.dropped),
-        )
-
-    def uncommitted(self) -> int:
-        """Records started and not yet below the committed position of their partition."""
-        total = 0
-        for _, partition in self.tracker.items():
-            position = partition.commit_position()
-            committed = partition.committed
-            total += partition.pending
-            if position is not None and committed is not None:
-                total += max(position - committed[0] - partition.pending, 0)
-        return total
-
-    def lag(self) -> int | None:
-        """Records behind the ends of the assigned partitions, from the committed positions;
-        None before anything is known."""
-        total, known = 0, False
-        for tp in self._consumer.assignment():
-            highwater = self._consumer.highwater(tp)
-            position = self.tracker.committed_position(tp)
-            if highwater is not None and position is not None:
-                total += max(highwater - position, 0)
-                known = True
-        return total if known else None
-
-    def _update_lag(self) -> None:
-        # Lag is measured from the committed position, so it moves only with commits.
-        for tp in self._consumer.assignment():
-            highwater = self._consumer.highwater(tp)
-            position = self.tracker.committed_position(tp)
-            if highwater is not None and position is not None:
-                self._metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(
-                    max(highwater - position, 0)
-                )
+        await self._maker.commit(partitions, clean=clean)

@@ -33,6 +33,7 @@ from worker.delivery.hand_overs import RefusedHandOvers
 from worker.delivery.offset_map import OffsetMapError
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import Outbox
+from worker.delivery.parking import Parking
 from worker.delivery.publish import Delivery
 from worker.engines.steerable import SteerableEngine
 from worker.loop.breaker import CrashLoopBreaker
@@ -146,11 +147,11 @@ def adopt_unchecked() -> Iterator[None]:
     """Adopts every parked partition assigned back without reading whether the group's commit
     is still this member's: another member may have run and committed it meanwhile, and both
     answer its jobs."""
-    real = Committer.adopt
+    real = Parking.adopt
 
-    async def adopt(self: Committer, assigned: set[Any]) -> set[Any]:
+    async def adopt(self: Parking, assigned: set[Any]) -> set[Any]:
         read = self._read_committed
-        parked = dict(self.tracker.parked())
+        parked = dict(self._tracker.parked())
 
         async def as_handed_over(partitions: list[Any]) -> dict[Any, Any]:
             return {tp: parked[tp].committed for tp in partitions}
@@ -161,7 +162,7 @@ def adopt_unchecked() -> Iterator[None]:
         finally:
             self._read_committed = read
 
-    with mock.patch.object(Committer, "adopt", adopt):
+    with mock.patch.object(Parking, "adopt", adopt):
         yield
 
 

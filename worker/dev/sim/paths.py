@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
+from worker.delivery.commit_plan import CommitPlanner
 from worker.delivery.commits import Committer
 from worker.delivery.hand_overs import RefusedHandOvers
 from worker.delivery.inheritance import Inheritance
@@ -209,7 +210,7 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         (Committer, "adopt", after_async("adopted", in_flight)),
         (Committer, "drop_parked", after("parked_dropped", lambda *_: 1)),
         (
-            Committer,
+            CommitPlanner,
             "_note_degraded",
             after("maps_degraded", lambda _s, a, _r: int(bool(a[1].dropped))),
         ),
