@@ -677,7 +677,7 @@ async def _parked_with_answer_on_its_way(start_loop: Callable[..., Any], *, expi
         await wait_for(lambda: loop.worker._delivery.pending, what="q's answer to be queued")
         await turns_pass(consumer)
     await loop.worker.on_partitions_revoked({P0})
-    assert loop.worker._rebalances._parked, "P0 is parked with slow running"
+    assert P0 in loop.worker._rebalances._parked.awaiting(), "P0 is parked with slow running"
     hand_over = decode_offset_map(1, consumer.metadata[-1][P0])
     assert consumer.commits[-1] == {P0: 1}
     assert hand_over.clean and {1, 3} <= set(hand_over.running)

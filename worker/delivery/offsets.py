@@ -10,12 +10,12 @@ import sys
 import time
 from collections import deque
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import NamedTuple
 
 from aiokafka import TopicPartition
 
 from worker.delivery.offset_map import OffsetMap, Run, encode_bounded_runs, encoded_length
+from worker.delivery.parked import ParkedPartitions
 
 __all__ = ["Commit", "OffsetTracker", "PartitionOffsets", "Planned", "describe_commits"]
 
@@ -365,9 +365,10 @@ class OffsetTracker:
 
     def __init__(self, writer: int = 0) -> None:
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
-        # Revoked partitions whose jobs still run, until the next assignment says whether they
-        # came back (`park`): not held, so nothing starts on them or commits them meanwhile.
-        self._parked: dict[TopicPartition, PartitionOffsets] = {}
+        #: Revoked partitions whose jobs still run, until the next assignment says whether
+        #: they came back (`park`): not held, so nothing starts on them or commits them
+        #: meanwhile.
+        self.parked_partitions = ParkedPartitions()
         self.writer = writer
 
     def assigned(
@@ -410,7 +411,7 @@ class OffsetTracker:
         """
         partition = self._partitions.get(tp)
         if partition is None:
-            partition = self._parked.get(tp)
+            partition = self.parked_partitions.offsets().get(tp)
         if partition is None:
             partition = self._partitions[tp] = PartitionOffsets()
         return partition
@@ -423,7 +424,7 @@ class OffsetTracker:
         or suspect run again as new."""
         partition = self._partitions.get(tp)
         if partition is None:
-            partition = self._parked.get(tp)
+            partition = self.parked_partitions.offsets().get(tp)
         return {} if partition is None else partition.deaths
 
     def park(self, partitions: set[TopicPartition]) -> None:
@@ -432,15 +433,15 @@ class OffsetTracker:
         they are forgotten."""
         for tp in partitions:
             if (partition := self._partitions.pop(tp, None)) is not None:
-                self._parked[tp] = partition
+                self.parked_partitions.park(tp, partition)
 
     def parked(self) -> Mapping[TopicPartition, PartitionOffsets]:
         """The partitions parked now, with their offsets (read-only)."""
-        return MappingProxyType(self._parked)
+        return self.parked_partitions.offsets()
 
     def unpark(self, tp: TopicPartition) -> PartitionOffsets:
         """Hold the parked `tp` again, as it was when it was revoked."""
-        partition = self._partitions[tp] = self._parked.pop(tp)
+        partition = self._partitions[tp] = self.parked_partitions.unpark(tp)
         return partition
 
     def to_commit(
@@ -489,7 +490,7 @@ class OffsetTracker:
         """Drop revoked partitions: their next owner starts from the committed position."""
         for tp in partitions:
             self._partitions.pop(tp, None)
-            self._parked.pop(tp, None)
+            self.parked_partitions.drop(tp)
 
     def last_commit(self, tp: TopicPartition) -> Commit | None:
         """What this worker last committed for `tp` (None: nothing, or not held)."""

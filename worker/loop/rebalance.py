@@ -65,8 +65,9 @@ class Rebalances:
         self._revoking: set[TopicPartition] = set()
         # Revoked partitions whose jobs go on running until the next assignment says whether
         # the partition came back (True: they are answered and committed here as if nothing
-        # happened) or moved (False: they are cancelled, their answers dropped unsent).
-        self._parked: dict[TopicPartition, asyncio.Future[bool]] = {}
+        # happened) or moved (False: they are cancelled, their answers dropped unsent): the
+        # tracker's record, which also keeps their offsets aside.
+        self._parked = committer.tracker.parked_partitions
         # Partitions being revoked with a record started that will not run (`not_run`).
         self._not_to_keep: set[TopicPartition] = set()
         # Partitions adopted since they were assigned: aiokafka may still position one at its
@@ -80,7 +81,7 @@ class Rebalances:
         """Whether records of `tp`, an assigned partition, may start: not while it is being
         revoked (a record started then would run after the hand-over, and again at the next
         owner), nor while it is parked."""
-        return tp not in self._revoking and tp not in self._parked
+        return tp not in self._revoking and self._parked.verdict(tp) is None
 
     def revoking(self, tp: TopicPartition) -> bool:
         return tp in self._revoking
@@ -107,7 +108,7 @@ class Rebalances:
     async def answer_stays(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
         """Whether an answer finished on `partition` may be sent: False when it was parked
         meanwhile and the next assignment gave it to another member (waits for that verdict)."""
-        parked = self._parked.get(tp)
+        parked = self._parked.verdict(tp)
         if parked is None or not (
             self._committer.parked(tp) is partition or self._committer.holds(tp, partition)
         ):
@@ -121,7 +122,7 @@ class Rebalances:
         # be taken for a partition this revoke is forgetting.
         await self.close()
         # Parked at an earlier revoke and not assigned since: decided at the next assignment.
-        revoked = revoked - set(self._parked)
+        revoked = revoked - self._parked.awaiting()
         # The callback runs beside the loop, and the partitions stay assigned until it returns:
         # nothing of theirs may start meanwhile, or it would run after the hand-over, and
         # again at the next owner.
@@ -146,8 +147,7 @@ class Rebalances:
             # over as running and parked: their jobs and answers on their way go on, and an
             # answer finished meanwhile waits for the verdict rather than being sent.
             running = {tp for tp in revoked if self._jobs.busy({tp})} - self._not_to_keep
-            loop = asyncio.get_running_loop()
-            self._parked |= {tp: loop.create_future() for tp in running}
+            self._parked.await_verdicts(running)
             await self._delivery.settle(revoked - running, deadline)
             # Their answers still on their way go out only once the next assignment gives
             # them back: the hand-over names those jobs as running, so sent meanwhile, an
@@ -159,15 +159,14 @@ class Rebalances:
                 # Not kept after all: a record started meanwhile that will not run
                 # (`not_run`), or a stop began meanwhile and decided its jobs already.
                 for tp in kept.copy():
-                    decision = self._parked.get(tp)
+                    decision = self._parked.verdict(tp)
                     if tp in self._not_to_keep or decision is None or decision.done():
                         self._committer.drop_parked(tp)
                         kept.discard(tp)
             finally:
                 # Not kept (the hand-over timed out): cancelled, as the grace's end does.
                 for tp in running - kept:
-                    if (decision := self._parked.pop(tp, None)) is not None:
-                        decision.set_result(False)
+                    self._parked.decide(tp, stays=False)
             await self._jobs.abort(revoked - kept)
             await self._delivery.settle(running - kept, self._clock.monotonic())
             self._gate.forget(revoked - kept)
@@ -243,10 +242,7 @@ class Rebalances:
     async def _decide_parked(self, adopted: set[TopicPartition]) -> None:
         """The parked partitions not `adopted` moved: their jobs are cancelled (those answered
         meanwhile drop their answers), and whatever held them is forgotten."""
-        parked, self._parked = self._parked, {}
-        moved = set(parked) - adopted
-        for tp, decision in parked.items():
-            decision.set_result(tp in adopted)
+        moved = self._parked.decide_all(adopted)
         if moved:
             # Cancelled before anything is awaited: none may send an answer meanwhile.
             if cancelled := await self._jobs.cancel(moved):

@@ -185,7 +185,7 @@ def moved_jobs_run_on() -> Iterator[None]:
     real = Rebalances._decide_parked
 
     async def decide(self: Rebalances, adopted: set[Any]) -> None:
-        await real(self, adopted | set(self._parked))
+        await real(self, adopted | self._parked.awaiting())
 
     with mock.patch.object(Rebalances, "_decide_parked", decide):
         yield

@@ -107,7 +107,7 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
     def decided(real: Any) -> Any:
         @functools.wraps(real)
         async def counted(self: Rebalances, adopted: set[Any]) -> None:
-            count("parked_moved", len(set(self._parked) - adopted))
+            count("parked_moved", len(self._parked.awaiting() - adopted))
             await real(self, adopted)
 
         return counted
