@@ -1,8 +1,9 @@
 """The one owner of fetching: which partitions are paused and why, and where each is rewound.
 
 The crash-loop breaker, the version holds and the committer each decide which partitions must
-not be fetched for now (`HoldReason`); the gate asks them afresh before every fetch, so no
-hold outlives its reason, and it alone pauses, resumes and seeks the consumer. The loop keeps
+not be fetched for now (`HoldReason`, `worker.loop.partition_states`); the gate asks them
+afresh before every fetch, so no hold outlives its reason, and it alone pauses, resumes and
+seeks the consumer. The loop keeps
 polling while partitions are held, so the group never evicts the worker for it.
 """
 
@@ -27,10 +28,6 @@ class HoldReason(Protocol):
 
     def held(self) -> set[TopicPartition]:
         """The partitions held now; asked before every fetch, so it may re-examine them."""
-        ...
-
-    def forget(self, partitions: set[TopicPartition]) -> None:
-        """`partitions` were revoked: whatever held them is their next owner's business."""
         ...
 
 
@@ -117,10 +114,6 @@ class PartitionGate:
     def rewind(self, tp: TopicPartition, offset: int) -> None:
         """Fetch `tp` from `offset` next: records fetched past it are fetched again later."""
         self._consumer.seek(tp, offset)
-
-    def forget(self, revoked: set[TopicPartition]) -> None:
-        for reason in self._reasons:
-            reason.forget(revoked)
 
     def holds_everything(self) -> bool:
         """Every assigned partition is held (and there is at least one): a fetch would only

@@ -27,6 +27,7 @@ from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery
 from worker.loop.gate import PartitionGate
 from worker.loop.inflight import InFlight
+from worker.loop.partition_states import PartitionStates
 
 __all__ = ["Rebalances"]
 
@@ -49,6 +50,7 @@ class Rebalances:
         jobs: InFlight,
         delivery: Delivery,
         committer: Committer,
+        states: PartitionStates,
         gate: PartitionGate,
         has_room: Callable[[], bool],
         clock: Clock,
@@ -59,6 +61,7 @@ class Rebalances:
         self._jobs = jobs
         self._delivery = delivery
         self._committer = committer
+        self._states = states
         self._gate = gate
         self._has_room = has_room
         # Partitions whose revoke callback is running: none of their records starts.
@@ -103,7 +106,7 @@ class Rebalances:
         if tp in self._revoking:
             self._not_to_keep.add(tp)
         elif self._committer.parked(tp) is partition:
-            self._committer.drop_parked(tp)
+            self._states.drop_parked(tp)
 
     async def answer_stays(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
         """Whether an answer finished on `partition` may be sent: False when it was parked
@@ -161,7 +164,7 @@ class Rebalances:
                 for tp in kept.copy():
                     decision = self._parked.verdict(tp)
                     if tp in self._not_to_keep or decision is None or decision.done():
-                        self._committer.drop_parked(tp)
+                        self._states.drop_parked(tp)
                         kept.discard(tp)
             finally:
                 # Not kept (the hand-over timed out): cancelled, as the grace's end does.
@@ -169,7 +172,7 @@ class Rebalances:
                     self._parked.decide(tp, stays=False)
             await self._jobs.abort(revoked - kept)
             await self._delivery.settle(running - kept, self._clock.monotonic())
-            self._gate.forget(revoked - kept)
+            self._states.forget(revoked - kept)
             if kept:
                 logger.info(
                     "%d jobs of %s run on through the rebalance",
@@ -255,4 +258,4 @@ class Rebalances:
             await self._delivery.settle(moved, self._clock.monotonic())
             # One whose revoke is still under way (a stop began meanwhile) is forgotten there,
             # after its hand-over: forgotten now, it would not be handed over at all.
-            self._gate.forget(moved - self._revoking)
+            self._states.forget(moved - self._revoking)

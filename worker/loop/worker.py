@@ -36,6 +36,7 @@ from worker.engines.protocol import Engine
 from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.gate import PartitionGate
 from worker.loop.inflight import InFlight
+from worker.loop.partition_states import PartitionStates
 from worker.loop.rebalance import Rebalances
 from worker.loop.shutdown import Shutdown
 from worker.loop.starts import JobStarts
@@ -168,15 +169,11 @@ class Worker:
         self._holds = VersionHolds(
             lambda: engine.weight_version, settings.max_version_hold_s, clock=clock
         )
-        # The gate asks each reason afresh before every fetch: paused while a partition's
+        # The gate asks each part afresh before every fetch: paused while a partition's
         # offset map nears its cap or is being read, while it runs a suspect of a crash, and
-        # while its next job waits for newer weights.
-        self._gate = PartitionGate(
-            consumer,
-            (self._committer, self._breaker, self._holds),
-            keepalive_s=pacing.keepalive_s,
-            clock=clock,
-        )
+        # while its next job waits for newer weights. A revoke forgets them all there too.
+        states = PartitionStates(self._committer, self._breaker, self._holds)
+        self._gate = PartitionGate(consumer, (states,), keepalive_s=pacing.keepalive_s, clock=clock)
         self._delivery = Delivery(
             producer,
             settings,
@@ -198,6 +195,7 @@ class Worker:
             jobs=self._jobs,
             delivery=self._delivery,
             committer=self._committer,
+            states=states,
             gate=self._gate,
             has_room=lambda: self._in_flight() < self.max_in_flight,
             clock=clock,
