@@ -216,3 +216,27 @@ async def test_an_assigned_partition_held_already_is_not_held_for_a_read_that_ne
     assert committer.held() == {other}  # until its map is read
     await committer.assigned({other})
     assert committer.held() == set()
+
+
+async def test_a_final_hand_over_the_broker_takes_only_as_a_position_ends_the_stop_once_it_lands():
+    """The broker's offset.metadata.max.bytes is below --offset-map-max-bytes and the stop's
+    hand-over is the first commit to learn it: refused with its map, it is made again as a
+    position alone and lands. The stop then has nothing left to wait for; judged by the map
+    it could no longer commit, it tried again until its whole grace was spent."""
+    consumer = FakeConsumer()
+    consumer.metadata_limit = 0  # every map refused, positions taken
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics())
+    partition = committer.partition(TP)
+    for offset in (0, 1, 2):
+        partition.start(offset)
+    partition.finish(0)
+    partition.finish(2)
+
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    assert await committer.hand_over_until(began + 1.0)
+    assert loop.time() - began < 0.5
+    assert not committer.maps_on
+    assert consumer.commits == [{TP: 1}]
+    assert consumer.metadata == [{TP: ""}]

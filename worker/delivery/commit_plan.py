@@ -53,10 +53,11 @@ class CommitPlanner:
         """Commits carry offset maps (configured, and the broker takes them)."""
         return self._map_max_bytes > 0 and not self._maps_refused
 
-    @property
-    def map_limit(self) -> int:
-        """The most characters a map may have now (0: positions alone)."""
-        return self._map_max_bytes if self.maps_on else 0
+    def settled(self, *, clean: bool = False) -> bool:
+        """Whether the group holds what a commit of every partition would say now, with maps
+        as they can be committed now (none once the broker refused them)."""
+        limit = self._map_max_bytes if self.maps_on else 0
+        return not self._tracker.plan(None, clean=clean, limit=limit)
 
     def refuse_maps(self) -> None:
         """The broker refused a map this large: positions alone from now on."""

@@ -250,7 +250,7 @@ class Committer:
         uncounted whatever runs, so a suspect starts once those landed, rather than never
         (which held every partition for good)."""
         await self.commit_now()
-        return not self.tracker.plan(None, limit=self._planner.map_limit)
+        return self._planner.settled()
 
     async def hand_over(self) -> None:
         """The worker is stopping: commit a clean hand-over now, so a supervisor's kill during
@@ -269,16 +269,14 @@ class Committer:
         wait it out.
         """
         self._maker.handing_over = True
-        limit = self._planner.map_limit
         while True:
             await self.commit_now(clean=True)
             # Also the partitions revoked meanwhile whose hand-over did not land: the member,
             # not yet gone, may still commit them in its generation.
             await self._hand_overs.land()
-            if (
-                not self.tracker.plan(None, clean=True, limit=limit)
-                and not self._hand_overs.unlanded
-            ):
+            # Judged by the maps as they can be committed now: once the broker refused them,
+            # a landed position says it all.
+            if self._planner.settled(clean=True) and not self._hand_overs.unlanded:
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
