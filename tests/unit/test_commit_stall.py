@@ -12,7 +12,7 @@ import asyncio
 
 from aiokafka import TopicPartition
 
-from tests.fakes import FakeConsumer, run_on_virtual_time
+from tests.fakes import FakeConsumer, ManualClock, run_on_virtual_time
 from worker.core.config import settings_from
 from worker.core.metrics import Metrics
 from worker.delivery.commits import Committer
@@ -107,3 +107,21 @@ def test_an_answer_that_leaves_the_commit_as_the_broker_holds_it_does_not_wait()
         assert committer.held() == set()
 
     run_on_virtual_time(body())
+
+
+def test_how_long_answers_waited_for_a_commit_is_read_on_the_committers_clock() -> None:
+    """The wait is timed on the clock the worker is built with, not the machine's: under the
+    simulation's virtual clock, or a test's, a stall is seen when that clock says so."""
+    settings = settings_from(
+        {"jobs_topic": "jobs", "results_topic": "r", "engine": "mock", "commit_interval_ms": 100},
+        {},
+    )
+    clock = ManualClock()
+    committer = Committer(
+        FakeConsumer(), settings, Metrics(), uncommitted_answers_max=4, clock=clock
+    )
+    answer(committer, TP, range(5))
+    clock.now += 1.9  # under the 2 s in which commits normally land
+    assert committer.held() == set()
+    clock.now += 0.2
+    assert committer.held() == {TP}

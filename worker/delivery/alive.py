@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiokafka.errors import KafkaError
+
+from worker.core.clock import Clock
 
 __all__ = ["AliveWriters", "LiveIncarnations"]
 
@@ -31,8 +32,11 @@ class AliveWriters:
     the writer's hand-over (`waited`); a writer it still cannot vouch for, whose hand-over
     never landed, counts as dead (the breaker's counts stay on the safe side)."""
 
-    def __init__(self, own: int, ask: LiveIncarnations | None, timeout_s: float) -> None:
+    def __init__(
+        self, own: int, ask: LiveIncarnations | None, timeout_s: float, *, clock: Clock
+    ) -> None:
         self._own = own
+        self._clock = clock
         self._ask = ask
         self._timeout_s = timeout_s
         self._asked = False
@@ -68,12 +72,12 @@ class AliveWriters:
         member's jobs suspects of a death that did not happen; the partitions wait paused
         meanwhile, and nothing of theirs could be committed before it is back anyway). A group
         that answers that it cannot say (None) is not asked again."""
-        deadline = time.monotonic() + within_s
+        deadline = self._clock.monotonic() + within_s
         while True:
             try:
                 return await self._ask_once()
             except (KafkaError, TimeoutError) as exc:
-                if time.monotonic() >= deadline:
+                if self._clock.monotonic() >= deadline:
                     logger.warning("cannot ask the group which members are alive (%r)", exc)
                     return None
             await asyncio.sleep(_ASK_AGAIN_S)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from worker.core.clock import Clock
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker
 
@@ -80,8 +80,11 @@ class StalledCommits:
     death to redo. The jobs in flight finish; the next landed commit lifts the hold. No hold
     without a `limit`."""
 
-    def __init__(self, tracker: OffsetTracker, *, interval_s: float, limit: int | None) -> None:
+    def __init__(
+        self, tracker: OffsetTracker, *, interval_s: float, limit: int | None, clock: Clock
+    ) -> None:
         self._tracker = tracker
+        self._clock = clock
         self._limit = limit
         self._stalled_after_s = max(_COMMITS_STALLED_AFTER * interval_s, _COMMITS_STALLED_MIN_S)
         self._stalled = False
@@ -101,7 +104,7 @@ class StalledCommits:
         stalled = (
             waiting > limit
             and oldest is not None
-            and time.monotonic() - oldest >= self._stalled_after_s
+            and self._clock.monotonic() - oldest >= self._stalled_after_s
         )
         if stalled != self._stalled:
             self._stalled = stalled
@@ -110,7 +113,7 @@ class StalledCommits:
                     "%d answers wait for commits that have not landed for %.1fs; fetching "
                     "no new records until one lands",
                     waiting,
-                    time.monotonic() - (oldest or 0.0),
+                    self._clock.monotonic() - (oldest or 0.0),
                 )
             else:
                 logger.info("commits land again; fetching records")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Final
 
@@ -19,6 +18,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.config import Settings
 from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
@@ -98,7 +98,9 @@ class Committer:
         incarnation: int | None = None,
         on_background_done: Callable[[], None] = lambda: None,
         uncommitted_answers_max: int | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self._clock = clock
         #: Called when a commit in the background ended (and another may start): what waits
         #: for one to land (the breaker) may go on.
         self._on_background_done = on_background_done
@@ -108,12 +110,12 @@ class Committer:
         #: Named in every map this process commits: the next owner of a partition whose
         #: hand-over did not land asks the group whether this process is still a member.
         self.incarnation = incarnation or new_incarnation()
-        self.tracker = tracker = OffsetTracker(writer=self.incarnation)
+        self.tracker = tracker = OffsetTracker(writer=self.incarnation, clock=clock)
         self._planner = CommitPlanner(tracker, metrics, map_max_bytes=settings.offset_map_max_bytes)
         #: Answers a death would make run again: past `uncommitted_answers_max`, while commits
         #: do not land, no record is fetched (see `held`).
         self._stalled = StalledCommits(
-            tracker, interval_s=self._interval_s, limit=uncommitted_answers_max
+            tracker, interval_s=self._interval_s, limit=uncommitted_answers_max, clock=clock
         )
         self._lag = CommitLag(consumer, tracker, metrics)
         self._hand_overs = RefusedHandOvers(
@@ -134,6 +136,7 @@ class Committer:
             timeout_s=timeout_s,
             read_committed=read_committed,
             live_incarnations=live_incarnations,
+            clock=clock,
         )
         self._maker = CommitMaker(
             consumer,
@@ -200,7 +203,7 @@ class Committer:
         `due` now) and none is running."""
         if self._task is not None:
             return
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if not due and now - self._last < self._interval_s:
             return
         self._last = now
@@ -217,7 +220,7 @@ class Committer:
         """
         if not self.maps_on:
             return
-        started = time.monotonic()
+        started = self._clock.monotonic()
         if self._task is not None and self._task is not self._stuck:
             # The commit on its way may be quick: wait for it first.
             await asyncio.wait([self._task], timeout=_WRITE_AHEAD_WAIT_S)
@@ -235,10 +238,10 @@ class Committer:
         # what a previous owner ran would blame those records again if this process dies.
         # It commits all that is answered too, so it counts as the interval's commit: under a
         # steady stream of starts, the interval adds no request of its own.
-        self._last = time.monotonic()
+        self._last = self._clock.monotonic()
         self._task = asyncio.create_task(self._commit(None), name="write-ahead commit")
         self._task.add_done_callback(self._commit_done)
-        remaining = _WRITE_AHEAD_WAIT_S - (time.monotonic() - started)
+        remaining = _WRITE_AHEAD_WAIT_S - (self._clock.monotonic() - started)
         await asyncio.wait([self._task], timeout=max(remaining, 0.01))
 
     async def write_ahead_exact(self) -> bool:
@@ -260,7 +263,7 @@ class Committer:
 
     async def hand_over_until(self, deadline: float) -> bool:
         """Commit the clean hand-over, again and again, until the group holds it or
-        `deadline` (a `time.monotonic()` reading) passes; whether it landed.
+        `deadline` (a reading of its clock's `monotonic`) passes; whether it landed.
 
         A stopping worker whose hand-over never lands leaves a map that names its jobs as
         running: the next owner, finding the writer gone, counts a death against each and
@@ -278,7 +281,7 @@ class Committer:
             # a landed position says it all.
             if self._planner.settled(clean=True) and not self._hand_overs.unlanded:
                 return True
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self._clock.monotonic()
             if remaining <= 0:
                 return False
             await asyncio.sleep(min(_HAND_OVER_RETRY_S, remaining))

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Iterable
 from typing import Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from worker.core.clock import Clock
 from worker.delivery.alive import AliveWriters, LiveIncarnations
 from worker.delivery.committed_maps import CommittedMaps
 from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers, awaits_hand_over
@@ -46,8 +46,10 @@ class Inheritance:
         timeout_s: float,
         read_committed: CommittedReader | None = None,
         live_incarnations: LiveIncarnations | None = None,
+        clock: Clock,
     ) -> None:
         self._consumer = consumer
+        self._clock = clock
         self._tracker = tracker
         self._hand_overs = hand_overs
         self._incarnation = incarnation
@@ -191,7 +193,9 @@ class Inheritance:
     ) -> dict[TopicPartition, int]:
         """Take the maps read into the tracker (waiting a little for live owners'
         hand-overs); where to fetch each partition from."""
-        alive = AliveWriters(self._incarnation, self._live_incarnations, self._timeout_s)
+        alive = AliveWriters(
+            self._incarnation, self._live_incarnations, self._timeout_s, clock=self._clock
+        )
         for tp in await self._await_hand_overs(maps, alive):
             self._read_at[tp] = maps[tp][0]
         alive.waited()
@@ -249,10 +253,10 @@ class Inheritance:
         hand-over the last owner landed since, and this owner's first commit would move the
         position back (seed 88476 of `--flavour noida --static`: a broker outage began as the
         group formed)."""
-        deadline = time.monotonic() + self._timeout_s
+        deadline = self._clock.monotonic() + self._timeout_s
         while True:
             maps = await self._maps.read(partitions)
-            if maps is not None or time.monotonic() >= deadline:
+            if maps is not None or self._clock.monotonic() >= deadline:
                 break
             await asyncio.sleep(_HAND_OVER_POLL_S)
         if maps is None:
@@ -283,9 +287,9 @@ class Inheritance:
                 # Alive, or not known to be dead (the group was rebalancing): a live writer
                 # lands its hand-over as soon as it rejoins.
                 waiting.add(tp)
-        deadline = time.monotonic() + _HAND_OVER_WAIT_S
+        deadline = self._clock.monotonic() + _HAND_OVER_WAIT_S
         latest_deadline = deadline + self._timeout_s
-        while waiting and time.monotonic() < deadline:
+        while waiting and self._clock.monotonic() < deadline:
             await asyncio.sleep(_HAND_OVER_POLL_S)
             again = await self._maps.read(waiting)
             if again is None:
@@ -293,7 +297,9 @@ class Inheritance:
                 # unseen, and fetching from the position read before would have this owner
                 # commit behind it (seed 81012 of `--workers 16 --flavour noida --static`).
                 # Waited for while that lasts, up to --commit-timeout-s more.
-                deadline = min(max(deadline, time.monotonic() + _HAND_OVER_POLL_S), latest_deadline)
+                deadline = min(
+                    max(deadline, self._clock.monotonic() + _HAND_OVER_POLL_S), latest_deadline
+                )
                 continue
             for tp, (position, latest) in again.items():
                 if latest is not None and (latest.clean or position != maps[tp][0]):

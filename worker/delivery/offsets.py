@@ -7,13 +7,13 @@ import bisect
 import heapq
 import logging
 import sys
-import time
 from collections import deque
 from collections.abc import Mapping
 from typing import NamedTuple
 
 from aiokafka import TopicPartition
 
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.delivery.offset_map import OffsetMap, Run, encode_bounded_runs, encoded_length
 from worker.delivery.parked import ParkedPartitions
 
@@ -56,6 +56,7 @@ class PartitionOffsets:
     """
 
     __slots__ = (
+        "_clock",
         "_covered",
         "_finishes",
         "_planned",
@@ -74,7 +75,9 @@ class PartitionOffsets:
         "last_started",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock = SYSTEM_CLOCK) -> None:
+        #: What the ages of plans and of answers waiting for a commit are read on.
+        self._clock = clock
         # Started offsets from the first unfinished one on, in order (starts come in order),
         # and those of them still unfinished.
         self._started: deque[int] = deque()
@@ -198,7 +201,7 @@ class PartitionOffsets:
             self._running_peak = len(self._running)
         self._version += 1
         if self._finishes == self._covered:
-            self._uncovered_since = time.monotonic()
+            self._uncovered_since = self._clock.monotonic()
         self._finishes += 1
         if self.deaths:
             self.deaths.pop(offset, None)
@@ -312,7 +315,8 @@ class PartitionOffsets:
         if self._planned is not None and self._planned[0] == key:
             return self._planned[1]
         if limit is not None and limit <= 0:
-            self._planned = (key, Planned((position, ""), (), 0), self._finishes, time.monotonic())
+            planned_at = self._clock.monotonic()
+            self._planned = (key, Planned((position, ""), (), 0), self._finishes, planned_at)
             return self._planned[1]
         own = [(a, b, 0) for a, b in zip(self._run_starts, self._run_stops, strict=True)]
         answered = own
@@ -333,7 +337,7 @@ class PartitionOffsets:
         planned = Planned(
             (position, bounded.metadata), bounded.dropped, encoded_length(position, own)
         )
-        self._planned = (key, planned, self._finishes, time.monotonic())
+        self._planned = (key, planned, self._finishes, self._clock.monotonic())
         return planned
 
 
@@ -361,9 +365,11 @@ def _merged(one: list[Run], other: list[Run]) -> list[Run]:
 
 class OffsetTracker:
     """`PartitionOffsets` for every partition this worker holds; its maps name `writer`, the
-    incarnation of the process (`worker.core.incarnation`; 0: none)."""
+    incarnation of the process (`worker.core.incarnation`; 0: none). Each partition's offsets
+    read the time on `clock`."""
 
-    def __init__(self, writer: int = 0) -> None:
+    def __init__(self, writer: int = 0, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self._partitions: dict[TopicPartition, PartitionOffsets] = {}
         #: Revoked partitions whose jobs still run, until the next assignment says whether
         #: they came back (`park`): not held, so nothing starts on them or commits them
@@ -413,7 +419,7 @@ class OffsetTracker:
         if partition is None:
             partition = self.parked_partitions.offsets().get(tp)
         if partition is None:
-            partition = self._partitions[tp] = PartitionOffsets()
+            partition = self._partitions[tp] = PartitionOffsets(self._clock)
         return partition
 
     def deaths(self, tp: TopicPartition) -> Mapping[int, int]:

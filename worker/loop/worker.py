@@ -157,6 +157,7 @@ class Worker:
             incarnation=incarnation,
             on_background_done=self._wake_breaker,
             uncommitted_answers_max=self.max_in_flight,
+            clock=clock,
         )
         self._jobs = InFlight(self._wake.set, self._job_crashed)
         self._breaker = CrashLoopBreaker(
