@@ -1,5 +1,7 @@
-"""Offset commits: when to commit, what a failed commit means, and the lag they leave.
+"""Offset commits: when to commit, and the committer that holds a worker's offsets.
 
+What a commit says is planned in `commit_plan`, made in `commit_call`; revoked partitions are
+handed over and adopted back in `parking`; `commit_lag` measures what commits leave behind.
 Commits on the interval run in a task of their own, so a slow coordinator (aiokafka waits for a
 lost one indefinitely) never holds up fetching; a revoke or the shutdown commits at once and
 waits, for at most `commit_timeout_s`. Each commit carries the partition's offset map (answered
