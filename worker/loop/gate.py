@@ -3,8 +3,8 @@
 The crash-loop breaker, the version holds and the committer each decide which partitions must
 not be fetched for now (`HoldReason`, `worker.loop.partition_states`); the gate asks them
 afresh before every fetch, so no hold outlives its reason, and it alone pauses, resumes and
-seeks the consumer. The loop keeps
-polling while partitions are held, so the group never evicts the worker for it.
+seeks the consumer. The loop keeps polling while partitions are held, so the group never
+evicts the worker for it.
 """
 
 from __future__ import annotations
