@@ -396,3 +396,42 @@ def test_a_partition_whose_read_failed_while_unread_maps_were_read_again_stays_u
 
     assert TP in run_on_virtual_time(assign_then_read_again())
     assert committer.unread == {later} and later in committer.held()
+
+
+def test_a_partition_whose_map_is_read_again_stays_held_until_its_position_is_settled():
+    # Seed 6470949 of the late_hand_overs flag set (3 workers): a member joined as the
+    # coordinator went away, just before the last owner's hand-over landed, and could not read
+    # the partition's map. Read again once the coordinator was back, the partition was let go
+    # as the read began, while the map was still being taken (the hand-over of the live last
+    # owner awaited, the log's end looked up): the loop fetched it from the position the
+    # consumer had looked up as it joined, behind the hand-over, and committed behind it.
+    consumer = FakeConsumer()
+    for _ in range(4):
+        consumer.add(TP, b"{}")
+    last_owner = new_incarnation()
+    reads: list[dict[TopicPartition, tuple[int, str]]] = []
+
+    async def read_committed(tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, str]]:
+        if not reads:
+            raise GroupCoordinatorNotAvailableError()
+        return reads[0]
+
+    async def live() -> set[int]:
+        return {last_owner}
+
+    settings = settings_from({"jobs_topic": "jobs", "results_topic": "r", "engine": "mock"}, {})
+    committer = Committer(consumer, settings, Metrics(), read_committed, live_incarnations=live)
+
+    async def assign_then_read_again() -> tuple[bool, dict[TopicPartition, int]]:
+        assert await committer.assigned({TP}) == {}
+        # Its last owner, alive, named record 1 running: its hand-over is waited for.
+        reads.append({TP: (1, encode_offset_map(1, [], running=[1], writer=last_owner))})
+        rereading = asyncio.create_task(committer.read_unread())
+        await asyncio.sleep(0.5)
+        held_while_taken = TP in committer.held()
+        return held_while_taken, await rereading
+
+    held_while_taken, positions = run_on_virtual_time(assign_then_read_again())
+    assert held_while_taken
+    assert positions == {TP: 1}
+    assert TP not in committer.held() and committer.unread == set()

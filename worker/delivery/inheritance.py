@@ -179,14 +179,22 @@ class Inheritance:
         # were not asked for.
         read = asked & self.unread
         maps = {tp: entry for tp, entry in maps.items() if tp in read}
+        # Held until taken, as at an assignment: let go as the read lands, a partition is
+        # fetched from the position the consumer looked up as it joined while the live last
+        # owner's hand-over is awaited here, and its records run, and commit, behind it.
         self.unread -= read
+        self.reading |= read
         for tp in read:
             self._read_at.pop(tp, None)
+        try:
+            taken = await self._take(maps)
+        finally:
+            self.reading -= read
         logger.info(
             "read the committed offset maps of %s; their records start",
             ", ".join(f"{tp.topic}-{tp.partition}" for tp in sorted(read)),
         )
-        return await self._take(maps)
+        return taken
 
     async def _take(
         self, maps: dict[TopicPartition, tuple[int, OffsetMap | None]]
