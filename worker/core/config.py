@@ -17,7 +17,14 @@ from msgspec import Meta
 
 from worker.core.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "SECRET_FIELDS", "Settings", "add_settings_arguments", "settings_from"]
+__all__ = [
+    "ENV_PREFIX",
+    "SECRET_FIELDS",
+    "Settings",
+    "add_settings_arguments",
+    "check_cross_field_rules",
+    "settings_from",
+]
 
 ENV_PREFIX: Final = "VKW_"
 # VKW_* variables that are not settings: the CPU test backend's opt-in (tests/support), which
@@ -290,46 +297,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_level: Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], _d("log level")] = "INFO"
 
     def __post_init__(self) -> None:
-        if self.heartbeat_interval_ms >= self.session_timeout_ms:
-            raise ValueError("heartbeat_interval_ms must be lower than session_timeout_ms")
-        if self.security_protocol.startswith("SASL") and (
-            self.sasl_mechanism is None or self.sasl_username is None or self.sasl_password is None
-        ):
-            raise ValueError(
-                f"{self.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
-            )
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
-            raise ValueError("ssl_certfile and ssl_keyfile go together")
-        if self.reply_topics is not None:
-            try:
-                re.compile(self.reply_topics)
-            except re.error as exc:
-                raise ValueError(
-                    f"reply_topics {self.reply_topics!r} is not a regex: {exc}"
-                ) from None
-        for root in self.weights_root:
-            if not Path(root).is_absolute():
-                raise ValueError(f"weights_root must be an absolute directory, got {root!r}")
-        if self.weights_root and self.allow_any_weights_path:
-            raise ValueError("weights_root and allow_any_weights_path exclude each other")
-        if self.payload_store is not None and not self.payload_store.startswith("file:///"):
-            raise ValueError(
-                f"payload_store must be a file:///absolute/dir URI, got {self.payload_store!r}"
-            )
-        if self.offset_map_max_bytes == 0 and self.max_crash_attempts > 0:
-            # The breaker's counts travel in the offset map: without one it counts nothing.
-            raise ValueError(
-                "--offset-map-max-bytes 0 leaves the crash-loop breaker nothing to keep its "
-                f"counts in: set --max-crash-attempts 0 too (it is {self.max_crash_attempts})"
-            )
-        revoke_ms = (self.revoke_grace_s + self.commit_timeout_s) * 1000
-        if self.rebalance_timeout_ms <= revoke_ms:
-            # A revoke drains for revoke_grace_s and then commits; a member that takes longer
-            # than the rebalance timeout to rejoin is dropped, which starts another rebalance.
-            raise ValueError(
-                f"rebalance_timeout_ms ({self.rebalance_timeout_ms}) must be above "
-                f"revoke_grace_s + commit_timeout_s ({revoke_ms:.0f} ms)"
-            )
+        check_cross_field_rules(self)
 
     def __repr__(self) -> str:
         return f"Settings({', '.join(f'{k}={v!r}' for k, v in self.redacted().items())})"
@@ -340,6 +308,54 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         return {
             k: ("***" if k in SECRET_FIELDS and v is not None else v) for k, v in values.items()
         }
+
+
+def check_cross_field_rules(settings: Settings) -> None:
+    """Refuse settings whose fields are each valid but do not fit together (ValueError, which
+    msgspec reports as the settings' validation error): one field's limits live in its
+    `Meta`, the rules between fields here."""
+    if settings.heartbeat_interval_ms >= settings.session_timeout_ms:
+        raise ValueError("heartbeat_interval_ms must be lower than session_timeout_ms")
+    if settings.security_protocol.startswith("SASL") and (
+        settings.sasl_mechanism is None
+        or settings.sasl_username is None
+        or settings.sasl_password is None
+    ):
+        raise ValueError(
+            f"{settings.security_protocol} needs sasl_mechanism, sasl_username and sasl_password"
+        )
+    if (settings.ssl_certfile is None) != (settings.ssl_keyfile is None):
+        raise ValueError("ssl_certfile and ssl_keyfile go together")
+    if settings.reply_topics is not None:
+        try:
+            re.compile(settings.reply_topics)
+        except re.error as exc:
+            raise ValueError(
+                f"reply_topics {settings.reply_topics!r} is not a regex: {exc}"
+            ) from None
+    for root in settings.weights_root:
+        if not Path(root).is_absolute():
+            raise ValueError(f"weights_root must be an absolute directory, got {root!r}")
+    if settings.weights_root and settings.allow_any_weights_path:
+        raise ValueError("weights_root and allow_any_weights_path exclude each other")
+    if settings.payload_store is not None and not settings.payload_store.startswith("file:///"):
+        raise ValueError(
+            f"payload_store must be a file:///absolute/dir URI, got {settings.payload_store!r}"
+        )
+    if settings.offset_map_max_bytes == 0 and settings.max_crash_attempts > 0:
+        # The breaker's counts travel in the offset map: without one it counts nothing.
+        raise ValueError(
+            "--offset-map-max-bytes 0 leaves the crash-loop breaker nothing to keep its "
+            f"counts in: set --max-crash-attempts 0 too (it is {settings.max_crash_attempts})"
+        )
+    revoke_ms = (settings.revoke_grace_s + settings.commit_timeout_s) * 1000
+    if settings.rebalance_timeout_ms <= revoke_ms:
+        # A revoke drains for revoke_grace_s and then commits; a member that takes longer
+        # than the rebalance timeout to rejoin is dropped, which starts another rebalance.
+        raise ValueError(
+            f"rebalance_timeout_ms ({settings.rebalance_timeout_ms}) must be above "
+            f"revoke_grace_s + commit_timeout_s ({revoke_ms:.0f} ms)"
+        )
 
 
 SECRET_FIELDS: Final = frozenset({"sasl_password", "ssl_key_password", "control_hmac_key"})
