@@ -27,7 +27,13 @@ from worker.core.errors import (
 )
 from worker.engines.protocol import EngineOutput
 
-__all__ = ["MOCK_BLOCK_SIZE", "MockEngine", "MockEngineSettings", "mock_engine_settings"]
+__all__ = [
+    "MOCK_BLOCK_SIZE",
+    "MockEngine",
+    "MockEngineSettings",
+    "MockSampler",
+    "mock_engine_settings",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +136,8 @@ def _block_names(salt: int, tokens: Sequence[int]) -> list[int]:
 
 
 class MockEngine:
-    """Deterministic tokens from the job's seed (or its id) and the weights, synthetic routing.
-
-    The routed experts follow vLLM's row rule (rows = prompt_len + len(token_ids) - 1 - start)
-    and hold `top_k` distinct ids per row, so every consumer-side check a real model would pass
-    also passes here. Latency is simulated per token, so concurrent jobs overlap as in a batch.
+    """Deterministic tokens from the job's seed (or its id) and the weights, synthetic routing
+    (`MockSampler`). Latency is simulated per token, so concurrent jobs overlap as in a batch.
 
     "Weights" are a seed: `load_weights(dir)` reads the directory's `config.json` (its layer and
     top-k counts must match: another architecture is refused) and derives the seed from it, so
@@ -149,7 +152,7 @@ class MockEngine:
     def __init__(self, settings: MockEngineSettings | None = None) -> None:
         self._settings = settings or MockEngineSettings()
         self._dead = False
-        self._pool: _Pools | None = None
+        self._sampler = MockSampler(self._settings)
         s = self._settings
         self._model_name = f"mock-{s.num_layers}L-{s.num_experts}E-top{s.top_k}"
         self._weights_seed = 0
@@ -286,7 +289,7 @@ class MockEngine:
             chunks = [_Chunk(self._weights_seed, self._version, 0, max_tokens)]
             interrupted = False
         completions = [
-            self._completion(
+            self._sampler.completion(
                 job, index, seed=seed, prompt_len=prompt_len, chunks=chunks, max_tokens=max_tokens
             )
             for index in range(sampling.n)
@@ -326,7 +329,28 @@ class MockEngine:
             del self._running[request_id]
             del self._generated[request_id]
 
-    def _completion(
+    async def check_health(self) -> None:
+        if self._dead:
+            raise EngineDeadError("mock engine was closed")
+
+    async def close(self) -> None:
+        self._dead = True
+
+
+class MockSampler:
+    """What the simulated model samples: a completion's tokens, logprobs, text and routing for
+    its chunks of weights, sliced from pools drawn once (at the first completion).
+
+    The routed experts follow vLLM's row rule (rows = prompt_len + len(token_ids) - 1 - start)
+    and hold `top_k` distinct ids per row, so every consumer-side check a real model would pass
+    also passes here.
+    """
+
+    def __init__(self, settings: MockEngineSettings) -> None:
+        self._settings = settings
+        self._pool: _Pools | None = None
+
+    def completion(
         self,
         job: Job,
         index: int,
@@ -336,6 +360,8 @@ class MockEngine:
         chunks: list[_Chunk],
         max_tokens: int,
     ) -> Completion:
+        """Completion `index` of `job`: the tokens of `chunks`, each sampled on its own weights,
+        cut at a stop token, with routing for its `prompt_len` prompt tokens."""
         # Outputs are slices of pools drawn once, at an offset derived from (seed, index, the
         # weights): as deterministic as drawing per job, and cheap enough that a load test
         # measures the worker and the broker rather than the mock.
@@ -431,13 +457,6 @@ class MockEngine:
         if self._pool is None:
             self._pool = _Pools(self._settings)
         return self._pool
-
-    async def check_health(self) -> None:
-        if self._dead:
-            raise EngineDeadError("mock engine was closed")
-
-    async def close(self) -> None:
-        self._dead = True
 
 
 _POOL_VARIETY: Final = 4096
