@@ -358,13 +358,13 @@ async def test_a_load_while_frozen_owes_the_probe_until_the_thaw(weights):
 
 async def test_the_cache_salt_changes_with_every_load_even_of_the_same_version(weights):
     loads, host, root = weights
-    salts = {loads.cache_salt}
+    salts = {loads.cache.salt}
     host.nan.add("nan")
     with pytest.raises(WeightUpdateError):
         await loads.load(str(root / "nan"), 1)
-    salts.add(loads.cache_salt)
+    salts.add(loads.cache.salt)
     await loads.load(str(root / "b"), 1)
-    salts.add(loads.cache_salt)
+    salts.add(loads.cache.salt)
     assert len(salts) == 3
 
 

@@ -218,6 +218,7 @@ class VllmEngine:
         self._frozen = False
         self._checks = 0
         self._weights = WeightLoads(self, weight_reload, in_place_blocker)
+        self._cache = self._weights.cache
         # While a new engine is built for new weights there is none to ask; the control plane
         # holds every job meanwhile, and a failed rebuild raises there.
         self._rebuilding = False
@@ -327,7 +328,7 @@ class VllmEngine:
             while True:
                 # Read at each submission: a request taken out of the queue by an update comes
                 # back with the new weights' salt.
-                salt = self._weights.cache_salt
+                salt = self._cache.salt
                 prompt: Any = (
                     TextPrompt(prompt=job.prompt, cache_salt=salt)
                     if job.prompt is not None
@@ -358,7 +359,7 @@ class VllmEngine:
             self._requeued.discard(request_id)
         if not self._running:
             with contextlib.suppress(VLLMError):  # the next finished request tries again
-                await self._weights.after_requests()
+                await self._cache.after_requests()
         if request_output is None or len(latest) != job.sampling.n:
             raise EngineError(
                 f"vLLM returned {len(latest)} of {job.sampling.n} completions", retryable=True
@@ -403,7 +404,7 @@ class VllmEngine:
     def prefix_cache_reset_pending(self) -> bool:
         """vLLM refused the last prefix-cache reset (requests held blocks): it is tried again
         when none runs. New requests never read those blocks: cache keys carry the version."""
-        return self._weights.cache_reset_pending
+        return self._cache.reset_pending
 
     async def interrupt(self, request_id: str) -> None:
         self._interrupting.add(request_id)
@@ -461,7 +462,7 @@ class VllmEngine:
         await self._weights.verify(path)
 
     async def reset_prefix_cache(self) -> None:
-        await self._weights.reset_cache()
+        await self._cache.reset()
 
     async def load_weights(self, path: str, version: int) -> None:
         await self._weights.load(path, version)

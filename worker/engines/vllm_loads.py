@@ -3,8 +3,8 @@ the KV cache honest across the change.
 
 `VllmEngine` owns the `AsyncLLM` and its lifecycle; `WeightLoads` decides how a checkpoint
 reaches it (`--weight-reload`), loads it, checks the new weights before any job runs on them,
-goes back to the old weights when a load or that check fails, and resets the prefix cache
-after each change.
+goes back to the old weights when a load or that check fails, and has the prefix cache reset
+after each change (`PrefixCacheKeeper`, which also salts every request by the weights).
 
 The check after each update: every floating-point parameter finite (read in vLLM's worker),
 then one short greedy probe generation whose logprobs must be finite and whose routing must be
@@ -44,7 +44,7 @@ from worker.engines.vllm_weights import (
     transfer_weights,
 )
 
-__all__ = ["EngineHost", "ReloadChoice", "WeightLoads", "local_checkpoint"]
+__all__ = ["EngineHost", "PrefixCacheKeeper", "ReloadChoice", "WeightLoads", "local_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,13 +139,8 @@ class WeightLoads:
         self._built_on: ServedCheckpoint | None = None
         # Tensor shapes of the checkpoint the engine was built on: what every update must match.
         self._shapes: dict[str, tuple[int, ...]] | None = None
-        # A prefix-cache reset refused while requests held blocks (frozen across an update):
-        # tried again when none runs. Until then the version salt keeps new requests off them.
-        self._cache_stale = False
+        self._cache = PrefixCacheKeeper(host)
         self._transfer_ready = False
-        # Weight loads so far: part of the cache salt, so that KV computed under weights that
-        # were rolled back is never read under the same version loaded again.
-        self._loads = 0
         # A load while requests were frozen: the probe it owes runs after the thaw, and what
         # to roll back to when it fails (the checkpoint, its version, the update's name).
         self._unproven: tuple[_Previous, int, str] | None = None
@@ -155,13 +150,9 @@ class WeightLoads:
         return self._reload
 
     @property
-    def cache_reset_pending(self) -> bool:
-        return self._cache_stale
-
-    @property
-    def cache_salt(self) -> str:
-        """Every request's prefix-cache salt: KV cached under other weights is never read."""
-        return f"weights-{self._host.weight_version}-{self._loads}"
+    def cache(self) -> PrefixCacheKeeper:
+        """The prefix cache of the engine these loads change the weights of."""
+        return self._cache
 
     async def choose(self, before: Probe | None) -> None:
         """`auto`: in place if reloading the served checkpoint in place leaves the probe
@@ -252,9 +243,9 @@ class WeightLoads:
             await self._roll_back(previous, previous_version, f"{what} failed the check: {problem}")
 
     async def _serve(self, version: int) -> None:
-        self._loads += 1
+        self._cache.new_weights()
         await self._host.stamp_version(version)
-        await self.reset_cache()
+        await self._cache.reset()
 
     async def _nonfinite(self) -> str | None:
         if self._in_place_blocker is not None:
@@ -339,7 +330,7 @@ class WeightLoads:
         previous = self._previous()
         try:
             await host.rebuild(config, args, version)
-            self._loads += 1
+            self._cache.new_weights()
             problem = await host.weights_problem()
         except Exception as exc:
             logger.exception("the engine on %s did not start; back to the old weights", checkpoint)
@@ -354,7 +345,7 @@ class WeightLoads:
                 problem,
             )
             await host.rebuild(old_config, [], old_version)
-            self._loads += 1
+            self._cache.new_weights()
             reason = f"the update to {checkpoint} (version {version}) failed the check: {problem}"
             await self._lost_if_changed(previous, old_version, reason)
             raise WeightUpdateError(f"{reason}; the engine was built on the previous weights again")
@@ -393,9 +384,9 @@ class WeightLoads:
         self._transfer_ready = True
         previous, previous_version = self._previous(), self._host.weight_version
         self._checkpoint = self._fingerprint = None
-        self._loads += 1
+        self._cache.new_weights()
         await self._host.stamp_version(version, in_vllm=False)
-        await self.reset_cache()
+        await self._cache.reset()
         what = f"the {backend} transfer (version {version})"
         problem = await self._nonfinite()
         if problem is None and self._host.frozen:
@@ -408,18 +399,47 @@ class WeightLoads:
                 previous = None  # an engine that cannot reload in place cannot roll back so
             await self._roll_back(previous, previous_version, f"{what} failed the check: {problem}")
 
-    async def reset_cache(self) -> None:
+
+class PrefixCacheKeeper:
+    """The prefix cache of `host`'s engine across weight changes: the salt every request is
+    keyed by, so that KV cached under other weights is never read, and the reset after each
+    change, tried again when vLLM refuses it."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self._host = host
+        # A prefix-cache reset refused while requests held blocks (frozen across an update):
+        # tried again when none runs. Until then the version salt keeps new requests off them.
+        self._stale = False
+        # Weight loads so far: part of the cache salt, so that KV computed under weights that
+        # were rolled back is never read under the same version loaded again.
+        self._loads = 0
+
+    @property
+    def reset_pending(self) -> bool:
+        """vLLM refused the last reset: it is tried again when no request runs."""
+        return self._stale
+
+    @property
+    def salt(self) -> str:
+        """Every request's prefix-cache salt: KV cached under other weights is never read."""
+        return f"weights-{self._host.weight_version}-{self._loads}"
+
+    def new_weights(self) -> None:
+        """Weights were loaded (or loaded again): requests from now on get a new salt."""
+        self._loads += 1
+
+    async def reset(self) -> None:
         """Reset the prefix cache; vLLM refuses while running (or frozen) requests hold
         blocks, and then it is tried again when none runs (`after_requests`)."""
         cleared = bool(await self._host.running_llm().reset_prefix_cache())
-        if not cleared and not self._cache_stale:
+        if not cleared and not self._stale:
             logger.info(
                 "prefix cache: running requests still hold blocks; reset again when none runs "
                 "(new requests do not read them: cache keys carry the weight version)"
             )
-        self._cache_stale = not cleared
+        self._stale = not cleared
 
     async def after_requests(self) -> None:
         """No request runs any more: the time to retry a refused reset."""
-        if self._cache_stale:
-            await self.reset_cache()
+        if self._stale:
+            await self.reset()
