@@ -1,5 +1,6 @@
-"""`Fleet.acks`, the wait for a command's acknowledgements, on the simulation's virtual clock:
-time moves only while every task waits, so a wait that asks for no time at all never ends."""
+"""`Fleet.acks`, the wait for a command's acknowledgements, on the simulation's virtual clock
+(the fleet's own, the `time` module left alone): time moves only while every task waits, so a
+wait that asks for no time at all never ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from aiokafka.structs import TopicPartition
 
 from worker.client.fleet import Fleet
 from worker.dev.sim.clients import Process
-from worker.dev.sim.clock import VirtualClock, VirtualLoop, virtual_time
+from worker.dev.sim.clock import VirtualClock, VirtualLoop
 from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.history import History
 from worker.dev.sim.kafka_clients import SimKafkaClients
@@ -35,6 +36,7 @@ def test_a_wait_for_acknowledgements_that_never_come_ends_at_its_timeout() -> No
             control_topic="control",
             status_topic="status",
             kafka_clients=SimKafkaClients.of_process(process),
+            clock=clock,
         )
         async with fleet:
             consumer = fleet._consumer
@@ -53,8 +55,7 @@ def test_a_wait_for_acknowledgements_that_never_come_ends_at_its_timeout() -> No
             return got, loop.time() - started
 
     try:
-        with virtual_time(clock):
-            got, waited = loop.run_until_complete(body())
+        got, waited = loop.run_until_complete(body())
     finally:
         loop.close()
     assert got == {}

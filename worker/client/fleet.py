@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, TypeVar
@@ -32,6 +31,7 @@ from schemas import (
     sign_command,
 )
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError
 from worker.core.kafka import client_kwargs
@@ -96,6 +96,8 @@ class Fleet:
     `connection`: aiokafka's connection and security arguments (`bootstrap_servers`,
     `security_protocol`, `ssl_context`, `sasl_*`, ...), given to every client it opens.
     `control_hmac_key`: the fleet's `--control-hmac-key`; every command sent is signed with it.
+    `clock`: what heartbeats are judged live on, commands dated and waits bounded by (the
+    system's by default).
 
     Anyone who can write to the status topic is read here: records that are not status
     messages, or too large to be one, are skipped, and a heartbeat dated further ahead than
@@ -112,7 +114,9 @@ class Fleet:
         control_hmac_key: str | None = None,
         quiet_start: bool = False,
         kafka_clients: KafkaClients = AIOKAFKA,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        self._clock = clock
         self._control_topic = control_topic
         self._quiet_start = quiet_start
         self._status_topic = status_topic
@@ -184,7 +188,7 @@ class Fleet:
         for tp in self._partitions:
             start = max(end[tp] - STATUS_TAIL_RECORDS, begin[tp])
             self._consumer.seek(tp, start)
-        now = time.time()
+        now = self._clock.wall()
         async for message in self._read_until(end):
             if isinstance(message, WorkerStatus) and _live(message, now):
                 latest[message.worker] = message
@@ -198,7 +202,7 @@ class Fleet:
         """Produce `command` to the control topic and wait for the broker's acknowledgement.
         It is stamped `issued_at` now when it has none: workers refuse stale commands."""
         if command.issued_at is None:
-            command = msgspec.structs.replace(command, issued_at=time.time())
+            command = msgspec.structs.replace(command, issued_at=self._clock.wall())
         if self._key is not None:
             command = sign_command(command, self._key)
         await self._within(
@@ -232,12 +236,12 @@ class Fleet:
         got: dict[str, CommandAck] = {}
         for tp, offset in since.items():
             self._consumer.seek(tp, offset)
-        deadline = time.monotonic() + timeout_s
-        while wanted - set(got) and time.monotonic() < deadline:
+        deadline = self._clock.monotonic() + timeout_s
+        while wanted - set(got) and self._clock.monotonic() < deadline:
             # Rounded up: the last fraction of a millisecond, rounded down, asked for no wait
             # at all, and the loop spun without time passing for it (for ever on a clock that
             # moves only while everything waits, as the simulation's does).
-            left_ms = math.ceil((deadline - time.monotonic()) * 1000)
+            left_ms = math.ceil((deadline - self._clock.monotonic()) * 1000)
             try:
                 async with asyncio.timeout(left_ms / 1000 + 1.0):
                     batch = await self._consumer.getmany(timeout_ms=min(200, left_ms))

@@ -75,8 +75,8 @@ class RolloutClient:
     client it opens, those of `update_weights` and `status` too. `control_hmac_key`: the
     fleet's `--control-hmac-key`, which `update_weights` signs its commands with.
     `kafka_clients`: where its Kafka clients come from (aiokafka's by default; a simulation or
-    a test passes its own). `clock`: what jobs' deadlines are dated and checked on (the
-    system's by default).
+    a test passes its own). `clock`: what jobs' deadlines are dated and checked on, and weight
+    updates dated and waited for (the system's by default).
     """
 
     def __init__(
@@ -118,6 +118,7 @@ class RolloutClient:
             group_id=group_id,
             control_hmac_key=control_hmac_key,
             kafka_clients=kafka_clients,
+            clock=clock,
         )
         self._kafka_clients = kafka_clients
         self._inflight = InFlight(

@@ -5,7 +5,6 @@ with `RolloutError` only."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
@@ -15,6 +14,7 @@ from schemas import CommandAck, InflightMode, Target, UpdateWeights, WorkerStatu
 from worker.client.fleet import Fleet, new_command_id
 from worker.client.inflight import RolloutError
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import Clock
 from worker.core.errors import BrokerError
 
 __all__ = ["Steering"]
@@ -22,7 +22,8 @@ __all__ = ["Steering"]
 
 class Steering:
     """The fleet of `group_id`, as `RolloutClient.update_weights` and `status` steer it: every
-    call opens its own `Fleet` on `connection` and closes it."""
+    call opens its own `Fleet` on `connection` and closes it. `clock`: what commands are dated
+    and calls bounded by."""
 
     def __init__(
         self,
@@ -33,8 +34,10 @@ class Steering:
         group_id: str,
         control_hmac_key: str | None,
         kafka_clients: KafkaClients = AIOKAFKA,
+        clock: Clock,
     ) -> None:
         self._connection = connection
+        self._clock = clock
         self._kafka_clients = kafka_clients
         self._control_topic = control_topic
         self._status_topic = status_topic
@@ -58,13 +61,13 @@ class Steering:
             version=version,
             path=path,
             on_inflight=mode,
-            issued_at=time.time(),
+            issued_at=self._clock.wall(),
             force=force,
         )
-        deadline = time.monotonic() + timeout_s
+        deadline = self._clock.monotonic() + timeout_s
 
         def left() -> float:
-            return max(deadline - time.monotonic(), 0.0)
+            return max(deadline - self._clock.monotonic(), 0.0)
 
         sent = False
         try:
@@ -100,6 +103,7 @@ class Steering:
             status_topic=self._status_topic,
             control_hmac_key=self._control_hmac_key,
             kafka_clients=self._kafka_clients,
+            clock=self._clock,
         )
         async with fleet:
             yield fleet
