@@ -30,7 +30,7 @@ from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.steerable import SteerableEngine
 from worker.engines.vllm_engine import MoeLayout, probe_problem, routing_problem
 from worker.engines.vllm_loads import WeightLoads
-from worker.engines.vllm_reload import Probe
+from worker.engines.vllm_reload import Probe, same_model_after_reload
 
 # ---- what the probe after an update must look like -------------------------------------------
 
@@ -180,7 +180,7 @@ def weights(tmp_path: Path) -> tuple[WeightLoads, FakeHost, Path]:
     for name in ("a", "b", "nan", "huge", "unknown"):
         checkpoint(tmp_path / name)
     host = FakeHost(tmp_path / "a")
-    return WeightLoads(host, "in-place", None), host, tmp_path
+    return WeightLoads(host, "in-place", None, clock=SYSTEM_CLOCK), host, tmp_path
 
 
 async def test_an_update_that_passes_is_served(weights):
@@ -309,7 +309,7 @@ async def test_a_rebuild_back_on_a_checkpoint_rewritten_since_it_was_loaded_lose
         checkpoint(tmp_path / name)
     host = RebuildingHost(tmp_path / "a")
     host.bad_probe.add("huge")
-    loads = WeightLoads(host, "rebuild", None)
+    loads = WeightLoads(host, "rebuild", None, clock=SYSTEM_CLOCK)
     await loads.load(str(tmp_path / "b"), 1)
     rewrite(tmp_path / "b")
     with pytest.raises(WeightsLostError, match=r"built on .*/b again, but its files changed"):
@@ -323,7 +323,7 @@ async def test_a_rebuild_back_on_an_untouched_checkpoint_serves_it_again(tmp_pat
         checkpoint(tmp_path / name)
     host = RebuildingHost(tmp_path / "a")
     host.bad_probe.add("huge")
-    loads = WeightLoads(host, "rebuild", None)
+    loads = WeightLoads(host, "rebuild", None, clock=SYSTEM_CLOCK)
     await loads.load(str(tmp_path / "b"), 1)
     with pytest.raises(WeightUpdateError, match="built on the previous weights again") as raised:
         await loads.load(str(tmp_path / "huge"), 2)
@@ -354,6 +354,46 @@ async def test_a_load_while_frozen_owes_the_probe_until_the_thaw(weights):
     with pytest.raises(WeightUpdateError, match=r"rolled back in place to .*/a "):
         await loads.load(str(root / "unknown"), 2)
     assert host.serving == "a"
+
+
+class SteppingClock:
+    """A clock that moves `step_s` at each reading."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now = 0.0
+        self.step_s = step_s
+
+    def monotonic(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+    def wall(self) -> float:
+        return 1_800_000_000.0 + self.monotonic()
+
+
+class ReloadingLlm:
+    """An engine whose in-place reload of the served checkpoint succeeds."""
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        assert method == "vkw_reload_checkpoint"
+        return [{"path": "direct", "moe_layers": 2, "why": ""}]
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+
+async def test_the_start_up_reload_check_is_timed_on_the_engines_clock(monkeypatch, tmp_path):
+    before = probe()
+
+    async def same_probe(llm: Any, vllm_config: Any, request_id: str) -> Probe:
+        return before
+
+    monkeypatch.setattr("worker.engines.vllm_reload.probe", same_probe)
+    verdict = await same_model_after_reload(
+        ReloadingLlm(), None, tmp_path, before, clock=SteppingClock(2.5)
+    )
+    assert verdict.mode == "in-place"
+    assert "(2.50 s with the probe)" in verdict.reason
 
 
 async def test_the_cache_salt_changes_with_every_load_even_of_the_same_version(weights):

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import Completion, Job, RoutedExperts, SamplingSpec, VersionSpan, WeightReload
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.errors import (
     ConfigError,
     EngineDeadError,
@@ -352,6 +353,7 @@ class VllmEngine:
         weight_version: int = 0,
         weight_reload: ReloadChoice = "auto",
         in_place_blocker: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._vllm_config = vllm_config
         self._routing = RoutedExpertsCapture(enabled=capture, layout=layout)
@@ -363,7 +365,7 @@ class VllmEngine:
         self._llm: Any = None
         self._frozen = False
         self._checks = 0
-        self._weights = WeightLoads(self, weight_reload, in_place_blocker)
+        self._weights = WeightLoads(self, weight_reload, in_place_blocker, clock=clock)
         self._cache = self._weights.cache
         self._requests = VllmRequests(self._cache, abort=self.abort)
         # While a new engine is built for new weights there is none to ask; the control plane
@@ -827,6 +829,7 @@ def build_vllm_engine(
     *,
     weight_version: int = 0,
     weight_reload: ReloadChoice = "auto",
+    clock: Clock = SYSTEM_CLOCK,
 ) -> VllmEngine:
     """Parse vLLM engine arguments with vLLM's own definitions and validate the configuration.
 
@@ -835,7 +838,8 @@ def build_vllm_engine(
     is then turned on unless the arguments turn it off. vLLM's worker is extended with the
     in-place reload (`worker.engines.vllm_extension`) unless the arguments name another
     `--worker-extension-cls`. Raise `ConfigError` with vLLM's message when an argument or the
-    resulting configuration is invalid.
+    resulting configuration is invalid. `clock`: what the engine reads the time from (the
+    system's by default).
     """
     from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
@@ -904,6 +908,7 @@ def build_vllm_engine(
         weight_version=weight_version,
         weight_reload=weight_reload,
         in_place_blocker=in_place_blocker,
+        clock=clock,
     )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, NoReturn, Protocol
 
 from schemas import WeightReload
+from worker.core.clock import Clock
 from worker.core.errors import ConfigError, WeightsLostError, WeightUpdateError
 from worker.engines.vllm_reload import (
     Probe,
@@ -116,9 +117,15 @@ class WeightLoads:
     """Checkpoint loads and weight transfers into `host`, and the prefix cache around them."""
 
     def __init__(
-        self, host: EngineHost, choice: ReloadChoice, in_place_blocker: str | None
+        self,
+        host: EngineHost,
+        choice: ReloadChoice,
+        in_place_blocker: str | None,
+        *,
+        clock: Clock,
     ) -> None:
         self._host = host
+        self._clock = clock
         self._in_place_blocker = in_place_blocker
         #: `auto` before the start-up proof.
         self.choosing = choice == "auto"
@@ -167,7 +174,7 @@ class WeightLoads:
         else:
             host = self._host
             self._reload = await same_model_after_reload(
-                host.running_llm(), host.vllm_config, self._checkpoint, before
+                host.running_llm(), host.vllm_config, self._checkpoint, before, clock=self._clock
             )
             if self._reload.mode == "rebuild":
                 logger.warning(

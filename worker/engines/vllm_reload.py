@@ -9,7 +9,6 @@ reloading the checkpoint it already serves must equal the one before.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -17,6 +16,7 @@ from typing import Any, Final
 import numpy as np
 
 from schemas import WeightReload
+from worker.core.clock import Clock
 from worker.core.errors import EngineError, WeightUpdateError
 from worker.engines.vllm_extension import EXTENSION_QUALNAME, InPlaceReload
 
@@ -141,19 +141,20 @@ async def nonfinite_parameters(llm: Any) -> list[str]:
 
 
 async def same_model_after_reload(
-    llm: Any, vllm_config: Any, checkpoint: Path, before: Probe
+    llm: Any, vllm_config: Any, checkpoint: Path, before: Probe, *, clock: Clock
 ) -> WeightReload:
     """Reload `checkpoint` (the one `llm` serves) in place and probe again: `in-place` when the
-    probe is unchanged, else `rebuild` with what changed. After a `rebuild` verdict the engine
-    may hold a wrong model: the caller builds it again."""
-    started = time.monotonic()
+    probe is unchanged, else `rebuild` with what changed (the time it took, on `clock`, goes
+    in the reason). After a `rebuild` verdict the engine may hold a wrong model: the caller
+    builds it again."""
+    started = clock.monotonic()
     try:
         await reload_in_place(llm, checkpoint)
         await llm.reset_prefix_cache()
         after = await probe(llm, vllm_config, "vkw-reload-self-check")
     except Exception as exc:  # noqa: BLE001 - whatever vLLM raised, in place is not proven here
         return WeightReload(mode="rebuild", reason=f"reloading in place failed: {exc!r}")
-    spent = time.monotonic() - started
+    spent = clock.monotonic() - started
     changed = after.differs_from(before)
     if changed is not None:
         return WeightReload(
