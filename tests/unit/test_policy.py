@@ -112,6 +112,46 @@ async def test_restart_runs_the_job_again_from_the_start_on_the_new_weights(tmp_
     assert out.completions == (await fresh(new, job(), 1)).completions
 
 
+async def test_restart_runs_a_job_continued_by_an_earlier_keep_again_from_its_start(tmp_path):
+    """Hostile seed 700004 at five workers (restart_kept_old_weights): a long job continued
+    across `keep` updates to 1 was restarted by an update to 2, and its answer still carried
+    the tokens of weights 0 and 1: the restart ran only the continuation again."""
+    policy, inner = engine()
+    j = job(n=2)
+    running = await started(policy, j, inner)
+    await policy.load_checkpoint(checkpoint(tmp_path, "b"), 1, "keep")
+    await wait_for(
+        lambda: any("/" in r for r in inner.generated_tokens), what="a continuation to run"
+    )
+    newest = checkpoint(tmp_path, "c")
+    await policy.load_checkpoint(newest, 2, "restart")
+    out = await running
+    assert out.weight_version == 2
+    for c in out.completions:
+        assert c.weight_versions == [VersionSpan(version=2, start=0, end=100)]
+    assert out.completions == (await fresh(newest, j, 2)).completions
+    assert_rows_follow_the_rule(out, j)
+
+
+async def test_restart_runs_a_job_continued_by_two_keeps_again_from_its_start(tmp_path):
+    """A continuation continued again (two `keep` updates) is restarted with its whole job."""
+    policy, inner = engine()
+    j = job(tokens=200)
+    running = await started(policy, j, inner)
+    for version, name in ((1, "b"), (2, "c")):
+        depth = version
+        await policy.load_checkpoint(checkpoint(tmp_path, name), version, "keep")
+        await wait_for(
+            lambda d=depth: any(r.count("/") == d for r in inner.generated_tokens),  # type: ignore[misc]
+            what=f"a continuation {depth} deep to run",
+        )
+    newest = checkpoint(tmp_path, "d")
+    await policy.load_checkpoint(newest, 3, "restart")
+    out = await running
+    assert out.completions[0].weight_versions == [VersionSpan(version=3, start=0, end=200)]
+    assert out.completions == (await fresh(newest, j, 3)).completions
+
+
 async def test_abort_answers_with_the_partial_completions_by_the_row_rule(tmp_path):
     policy, inner = engine()
     running = await started(policy, job(n=2), inner)

@@ -33,6 +33,10 @@ InterruptReason = Literal["abort", "restart", "keep"]
 _ABORTED: Final = "abort"
 
 
+class _RestartFromTheStart(Exception):
+    """A `restart` update interrupted a continuation: its job runs again from its start."""
+
+
 class _Request:
     """A job inside `generate`: waiting at the gate or running in the engine."""
 
@@ -93,17 +97,28 @@ class SteeredRequests:
         await self._idle.wait()
 
     async def generate(
-        self, job: Job, request_id: str, *, trace_headers: Mapping[str, str] | None = None
+        self,
+        job: Job,
+        request_id: str,
+        *,
+        trace_headers: Mapping[str, str] | None = None,
+        continuation: bool = False,
     ) -> EngineOutput:
+        """`job`'s output; `continuation`: a part of a job that a `keep` update continues, which
+        a `restart` runs again from its job's start, not from its own."""
         request = _Request(job)
         self._requests[request_id] = request
         try:
-            return await self._generate(request, request_id, trace_headers)
+            return await self._generate(request, request_id, trace_headers, continuation)
         finally:
             del self._requests[request_id]
 
     async def _generate(
-        self, request: _Request, request_id: str, trace_headers: Mapping[str, str] | None
+        self,
+        request: _Request,
+        request_id: str,
+        trace_headers: Mapping[str, str] | None,
+        continuation: bool,
     ) -> EngineOutput:
         job = request.job
         while True:
@@ -141,10 +156,20 @@ class SteeredRequests:
                     output,
                 )
             if reason == "restart":
-                logger.info("job %s: running again on the new weights", job.job_id)
                 self.tokens_discarded += sum(len(c.token_ids) for c in output.completions)
+                if continuation:
+                    raise _RestartFromTheStart
+                logger.info("job %s: running again on the new weights", job.job_id)
                 continue
-            return await self._continue(job, request_id, output, trace_headers)
+            try:
+                return await self._continue(job, request_id, output, trace_headers)
+            except _RestartFromTheStart:
+                # A continuation was restarted: the tokens before it are older weights' too,
+                # and `restart` promises none of them (seed 700004 of the hostile flag set).
+                self.tokens_discarded += sum(len(c.token_ids) for c in output.completions)
+                if continuation:
+                    raise  # itself a part: its job starts again, not it
+                logger.info("job %s: running again from its start on the new weights", job.job_id)
 
     async def _pass_gate(self, request: _Request) -> None:
         if not self._open.is_set() and request.reason != "abort":
@@ -206,12 +231,21 @@ class SteeredRequests:
                 min_weight_version=job.min_weight_version,
             )
             continued = await self.generate(
-                rest, f"{request_id}/{c.index}", trace_headers=trace_headers
+                rest, f"{request_id}/{c.index}", trace_headers=trace_headers, continuation=True
             )
             versions.append(continued.weight_version)
             return _join(c, continued.completions[0], whole=done == 0)
 
-        completions = await asyncio.gather(*(finish(c) for c in first.completions))
+        finished = await asyncio.gather(
+            *(finish(c) for c in first.completions), return_exceptions=True
+        )
+        # Every part ends before the job does (a part left running would generate for nothing):
+        # a restart of one restarts the whole job; any other error is the first raised.
+        errors = [e for e in finished if isinstance(e, BaseException)]
+        if errors:
+            restart = next((e for e in errors if isinstance(e, _RestartFromTheStart)), None)
+            raise restart or errors[0]
+        completions = [c for c in finished if isinstance(c, Completion)]
         return EngineOutput(
             prompt_token_ids=prompt,
             completions=list(completions),
