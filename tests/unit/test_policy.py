@@ -142,7 +142,7 @@ async def test_restart_runs_a_job_continued_by_two_keeps_again_from_its_start(tm
         depth = version
         await policy.load_checkpoint(checkpoint(tmp_path, name), version, "keep")
         await wait_for(
-            lambda d=depth: any(r.count("/") == d for r in inner.generated_tokens),  # type: ignore[misc]
+            lambda d=depth: any(r.count("/") == d for r in inner.generated_tokens),
             what=f"a continuation {depth} deep to run",
         )
     newest = checkpoint(tmp_path, "d")
