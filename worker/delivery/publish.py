@@ -14,20 +14,12 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import (
-    KafkaError,
-    KafkaTimeoutError,
-    MessageSizeTooLargeError,
-    OutOfOrderSequenceNumber,
-    TopicAuthorizationFailedError,
-    UnknownTopicOrPartitionError,
-)
 
-from worker.answering.records import Answer, OutRecord
+from worker.answering.records import Answer
 from worker.core.clock import Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, FatalError
@@ -36,46 +28,21 @@ from worker.core.limits import RecordLimits, producer_batch_bytes
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import REPLY_METADATA_WAIT_S, Outbox
-from worker.delivery.renewal import RenewableProducer
+from worker.delivery.parked_answers import ParkedAnswers
+from worker.delivery.refusals import RefusedAnswers
+from worker.delivery.sending import RecordSender
+from worker.delivery.tickets import Member, Ticket, Unacknowledged
 
 __all__ = ["Delivery", "Ticket"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S: Final = 5.0
-
-
-class Ticket:
-    """One answer being delivered, and the offset it answers once every record is acknowledged."""
-
-    __slots__ = ("answer", "handed_over", "left", "offset", "partition", "started", "tp")
-
-    def __init__(
-        self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: Answer
-    ) -> None:
-        self.tp = tp
-        self.partition = partition
-        self.offset = offset
-        self.answer = answer
-        self.started = time.perf_counter()
-        self.left = len(answer.records)
-        #: Its partition was handed over with this answer unacknowledged: the next owner runs
-        #: the job again, so a failed delivery is not sent again.
-        self.handed_over = False
-
-
-# One record of one answer: what a delivery acknowledges.
-_Member = tuple[Ticket, int]
-
 
 class Delivery:
-    """Owns the outbox, the unacknowledged deliveries, re-sends and the send lock.
+    """Owns the outbox, the unacknowledged deliveries and the re-sends.
 
-    `smaller(answer, index, refused_by)` gives the answer with that record shrunk, or None when
-    it cannot shrink; `unwritable(answer, index, refused_by)` the answer with that record sent
-    elsewhere, its topic refusing this worker's writes, or None when there is nowhere else.
-    A producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
-    sequence (`worker.delivery.renewal`); any other stops the worker then.
+    `smaller` and `unwritable` replace a refused answer (`RefusedAnswers`); records too large
+    for a batch, and those of a failed delivery, go alone (`RecordSender`).
     `answer_stays(tp, partition)` says, once a rebalance has decided, whether an answer of a
     partition handed over as running (parked) may still go out (see `park`).
     `topic_limit(topic)` is an answer topic's `max.message.bytes` where known (a reply topic's
@@ -101,36 +68,34 @@ class Delivery:
         topic_limit: Callable[[str], int | None] | None = None,
         clock: Clock,
     ) -> None:
-        self._producer = producer
         self._clock = clock
-        self._publish_timeout_s = settings.publish_timeout_s
         self._limits = limits
         self._metrics = metrics
-        self._smaller = smaller
-        self._unwritable = unwritable
-        self._renewable = producer if isinstance(producer, RenewableProducer) else None
-        # A refused batch broke the idempotent sequence of its partition: renew at once,
-        # before the next batch there fails the producer and everything it holds.
-        self._renew_on_refusal = settings.enable_idempotence
         self._on_free = on_free
         self._on_acknowledged = on_acknowledged
         self._on_fatal = on_fatal
         self._answer_stays = answer_stays
-        self._send_lock = asyncio.Lock()
-        # Unacknowledged deliveries: when each was sent (oldest first) and whose records it has.
-        self._deliveries: dict[asyncio.Future[Any], tuple[float, list[_Member]]] = {}
+        self._unacknowledged = Unacknowledged(clock)
         self._resends: dict[asyncio.Task[None], Ticket] = {}
         self._topic_limit = topic_limit
-        self._outbox: Outbox[_Member] = Outbox(
+        self._outbox: Outbox[Member] = Outbox(
             producer,
             self._watch,
             self._outbox_crashed,
             self._batch_bytes,
             metadata_wait_s=self._metadata_wait_s,
         )
-        # Records taken back from the outbox when their partition was parked, until the verdict
-        # (`park`); one the producer took after all is struck off as it is submitted.
-        self._taken_back: set[_Member] = set()
+        self._sender = RecordSender(
+            producer,
+            self._outbox,
+            settings,
+            limits,
+            refusals=RefusedAnswers(smaller, unwritable),
+            unacknowledged=self._unacknowledged,
+            may_send=self._stays,
+            clock=clock,
+        )
+        self._parked = ParkedAnswers(self._outbox, may_send=self._stays, follow=self._follow)
         self._resending = True
 
     def start(self) -> None:
@@ -155,9 +120,7 @@ class Delivery:
 
     def oldest_wait_s(self) -> float:
         """How long the oldest unacknowledged delivery has waited (0 when none)."""
-        if not self._deliveries:
-            return 0.0
-        return self._clock.monotonic() - next(iter(self._deliveries.values()))[0]
+        return self._unacknowledged.oldest_wait_s()
 
     def queue(self, ticket: Ticket) -> bool:
         """Queue the answer's records in the outbox, which batches them; False when some are too
@@ -179,7 +142,7 @@ class Delivery:
         max_batched = self._limits.batched_record_max_bytes
         for index in range(len(ticket.answer.records)):
             if ticket.answer.records[index].size > max_batched:
-                delivery, _ = await self._enqueue_fitting(ticket, index)
+                delivery, _ = await self._sender.send(ticket, index)
                 self._watch([(ticket, index)], delivery)
 
     async def settle(self, partitions: set[TopicPartition] | None, deadline: float) -> None:
@@ -207,9 +170,7 @@ class Delivery:
                 len(dropped),
             )
             self._on_free()
-        waiting: list[asyncio.Future[Any]] = [
-            d for d, (_, members) in self._deliveries.items() if any(ours(t.tp) for t, _ in members)
-        ]
+        waiting: list[asyncio.Future[Any]] = self._unacknowledged.carrying(ours)
         waiting += [task for task, ticket in self._resends.items() if ours(ticket.tp)]
         remaining = deadline - self._clock.monotonic()
         if waiting and remaining > 0:
@@ -224,10 +185,9 @@ class Delivery:
         # next owner runs them again. Such a delivery may yet land (a duplicate nobody can
         # prevent), but when it fails, sending it again would only answer the job twice.
         if partitions is not None:
-            for _, members in self._deliveries.values():
-                for ticket, _ in members:
-                    if ours(ticket.tp):
-                        ticket.handed_over = True
+            for ticket, _ in self._unacknowledged.members():
+                if ours(ticket.tp):
+                    ticket.handed_over = True
         pending = [t for t, ticket in self._resends.items() if ours(ticket.tp) and not t.done()]
         for task in pending:
             task.cancel()
@@ -242,34 +202,7 @@ class Delivery:
         then, and a failed delivery of theirs is sent again only then: sent after the hand-over
         and before the verdict, an answer whose partition moved is given twice, here and by the
         next owner, who runs its job again."""
-        taken = self._outbox.drop(lambda member: member[0].tp in partitions)
-        by_ticket: dict[Ticket, list[int]] = {}
-        for *_, (ticket, index) in taken:
-            self._taken_back.add((ticket, index))
-            by_ticket.setdefault(ticket, []).append(index)
-        for ticket, indexes in by_ticket.items():
-            task = asyncio.create_task(self._queue_after_verdict(ticket, indexes))
-            self._resends[task] = ticket
-            task.add_done_callback(self._resend_done)
-        if taken:
-            logger.info(
-                "%d answers of %s wait for the next assignment to be sent or dropped",
-                len(taken),
-                sorted(map(str, partitions)),
-            )
-
-    async def _queue_after_verdict(self, ticket: Ticket, indexes: list[int]) -> None:
-        stays = await self._stays(ticket)
-        records = ticket.answer.records
-        for index in indexes:
-            # Not struck off: the producer has not taken it after all.
-            if (ticket, index) in self._taken_back:
-                self._taken_back.discard((ticket, index))
-                if stays:
-                    record = records[index]
-                    self._outbox.add(
-                        record.topic, record.key, record.value, record.headers, (ticket, index)
-                    )
+        self._parked.park(partitions)
 
     async def _stays(self, ticket: Ticket) -> bool:
         if self._answer_stays is None:
@@ -282,23 +215,22 @@ class Delivery:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(deadline - self._clock.monotonic(), 0)):
                 await self._outbox.flush()
-        waiting: list[asyncio.Future[Any]] = [*self._deliveries, *self._resends]
+        waiting: list[asyncio.Future[Any]] = [*self._unacknowledged, *self._resends]
         remaining = deadline - self._clock.monotonic()
         if waiting and remaining > 0:
             await asyncio.wait(waiting, timeout=remaining)
         await asyncio.sleep(0)  # let the acknowledgements' callbacks run
-        return self._outbox.pending == 0 and not self._deliveries and not self._resends
+        return self._outbox.pending == 0 and not self._unacknowledged and not self._resends
 
-    def _watch(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
+    def _watch(self, members: list[Member], delivery: asyncio.Future[Any]) -> None:
         """Follow the delivery of a batch (or of one large record) holding `members`."""
-        if self._taken_back:
-            self._taken_back.difference_update(members)
-        self._deliveries[delivery] = (self._clock.monotonic(), members)
+        self._parked.submitted(members)
+        self._unacknowledged.add(delivery, members)
         delivery.add_done_callback(functools.partial(self._on_delivery, members))
         self._on_free()
 
-    def _on_delivery(self, members: list[_Member], delivery: asyncio.Future[Any]) -> None:
-        self._deliveries.pop(delivery, None)
+    def _on_delivery(self, members: list[Member], delivery: asyncio.Future[Any]) -> None:
+        self._unacknowledged.discard(delivery)
         if delivery.cancelled():
             return  # the producer closed with it unsent: the offsets stay unfinished
         error = delivery.exception()
@@ -324,9 +256,7 @@ class Delivery:
         )
         # Rare: each record is sent again alone, so one refused for its size fails alone.
         for ticket, index in members:
-            task = asyncio.create_task(self._resend(ticket, index))
-            self._resends[task] = ticket
-            task.add_done_callback(self._resend_done)
+            self._follow(self._resend(ticket, index), ticket)
 
     def _acknowledged(self, ticket: Ticket) -> None:
         ticket.left -= 1
@@ -356,52 +286,15 @@ class Delivery:
         self._on_fatal(BrokerError(f"answers could not be handed to the producer: {exc!r}"))
 
     async def _resend(self, ticket: Ticket, index: int) -> None:
-        where = f"{ticket.tp.topic}-{ticket.tp.partition}@{ticket.offset}"
-        backoff = _Backoff(self._publish_timeout_s, self._clock)
-        try:
-            while True:
-                # Its partition was handed over parked meanwhile: sent now, the answer would
-                # go out a second time should the partition move (its next owner runs the
-                # job again), so it waits for the verdict.
-                if not await self._stays(ticket):
-                    logger.info("re-send for %s dropped: its partition moved", where)
-                    return
-                delivery, generation = await self._enqueue_fitting(ticket, index, backoff)
-                # aiokafka retries an unreachable broker forever; the loop's watchdog bounds
-                # our patience (`oldest_wait_s`).
-                self._deliveries[delivery] = (self._clock.monotonic(), [(ticket, index)])
-                try:
-                    await delivery
-                except MessageSizeTooLargeError as exc:
-                    self._shrink(ticket, index, f"the broker ({exc})")
-                    await self._after_refusal(generation)
-                    continue
-                except TopicAuthorizationFailedError as exc:
-                    self._redirect(
-                        ticket, index, f"the broker refuses this worker's writes ({exc})"
-                    )
-                    await self._after_refusal(generation)
-                    continue
-                except OutOfOrderSequenceNumber as exc:
-                    await self._renew(generation, exc, where)
-                    continue
-                except KafkaTimeoutError as exc:
-                    # The batch expired unacknowledged (a lost acknowledgement, a broker or a
-                    # leader away): aiokafka marks that not retriable, but the next attempt may
-                    # well land; publish_timeout_s bounds the patience as for other errors.
-                    await backoff.after(exc, f"delivery to {where}", transient=True)
-                    continue
-                except KafkaError as exc:
-                    await backoff.after(exc, f"delivery to {where}")
-                    continue
-                finally:
-                    self._deliveries.pop(delivery, None)
-                break
-        except asyncio.CancelledError:
-            logger.info("re-send for %s cancelled; left uncommitted for redelivery", where)
-            raise
-        self._acknowledged(ticket)
-        self._on_acknowledged()
+        if await self._sender.resend(ticket, index):
+            self._acknowledged(ticket)
+            self._on_acknowledged()
+
+    def _follow(self, resend: Coroutine[Any, Any, None], ticket: Ticket) -> None:
+        """Run `resend` as a task, counted among the re-sends (`pending`, `settle`) until done."""
+        task = asyncio.create_task(resend)
+        self._resends[task] = ticket
+        task.add_done_callback(self._resend_done)
 
     def _resend_done(self, task: asyncio.Task[None]) -> None:
         self._resends.pop(task, None)
@@ -414,119 +307,3 @@ class Delivery:
         elif exc is not None:
             logger.error("re-send failed unexpectedly", exc_info=exc)
             self._on_fatal(BrokerError(f"a re-send failed unexpectedly: {exc!r}"))
-
-    async def _enqueue_fitting(
-        self, ticket: Ticket, index: int, backoff: _Backoff | None = None
-    ) -> tuple[asyncio.Future[Any], int]:
-        """Hand record `index` to the producer in a batch of its own (a refusal for its size is
-        then the record's alone), shrinking it while it is over the producer's limit; return
-        the future of its acknowledgement, and the generation of the producer it went to."""
-        backoff = backoff or _Backoff(self._publish_timeout_s, self._clock)
-        while True:
-            record = ticket.answer.records[index]
-            generation = self._generation()
-            try:
-                if record.size > self._limits.request_bytes:
-                    # What `send()` checks on the record; a batch of one is not checked.
-                    raise MessageSizeTooLargeError(record.size)  # noqa: TRY301
-                # One task at a time hands records to the producer: with hundreds of jobs
-                # finishing together, unserialised sends thrash waiting for their partition.
-                async with self._send_lock:
-                    delivery: asyncio.Future[Any] = await self._outbox.send_alone(
-                        record.topic, record.key, record.value, record.headers
-                    )
-            except MessageSizeTooLargeError:
-                self._shrink(
-                    ticket,
-                    index,
-                    f"the producer's max_request_size ({self._limits.request_bytes})",
-                )
-            except OutOfOrderSequenceNumber as exc:
-                await self._renew(generation, exc, f"sending to {record.topic}")
-            except TopicAuthorizationFailedError as exc:
-                # Refused before anything was sent (the topic's metadata): no sequence broke.
-                self._redirect(ticket, index, f"the broker refuses this worker's writes ({exc})")
-            except UnknownTopicOrPartitionError as exc:
-                if record.topic in self._limits.topic_bytes:
-                    await backoff.after(exc, f"sending to {record.topic}")
-                else:
-                    # A reply topic found when its first job named it, deleted since: the
-                    # producer waited out its metadata (request_timeout_ms). Waiting longer
-                    # would only stop the worker at publish_timeout_s.
-                    self._redirect(ticket, index, "the broker no longer has this topic")
-            except KafkaTimeoutError as exc:
-                # Its partition's previous batch did not drain in request_timeout_ms (a broker
-                # or a leader away): publish_timeout_s bounds the patience, as for a delivery.
-                await backoff.after(exc, f"sending to {record.topic}", transient=True)
-            except KafkaError as exc:
-                await backoff.after(exc, f"sending to {record.topic}")
-            else:
-                return delivery, generation
-
-    def _generation(self) -> int:
-        return self._renewable.generation if self._renewable is not None else 0
-
-    async def _renew(self, generation: int, exc: KafkaError, what: str) -> None:
-        """The producer of `generation` lost its sequence: renew it, or stop the worker when
-        it cannot be renewed."""
-        if self._renewable is None:
-            raise BrokerError(f"{what} failed: {exc!r}") from exc
-        await self._renewable.renew(generation)
-
-    async def _after_refusal(self, generation: int) -> None:
-        """The broker refused a record: its partition's idempotent sequence is broken."""
-        if self._renew_on_refusal and self._renewable is not None:
-            await self._renewable.renew(generation)
-
-    def _redirect(self, ticket: Ticket, index: int, refused_by: str) -> None:
-        record: OutRecord = ticket.answer.records[index]
-        elsewhere = self._unwritable(ticket.answer, index, refused_by)
-        if elsewhere is None:
-            raise BrokerError(f"{refused_by} on {record.topic}")
-        logger.warning(
-            "%s on %s; answering job %s on %s instead",
-            refused_by,
-            record.topic,
-            ticket.answer.job_id,
-            elsewhere.records[index].topic,
-        )
-        ticket.answer = elsewhere
-
-    def _shrink(self, ticket: Ticket, index: int, refused_by: str) -> None:
-        record: OutRecord = ticket.answer.records[index]
-        smaller = self._smaller(ticket.answer, index, refused_by)
-        if smaller is None:
-            # A job's reply topic too small for any answer is the job's fault, not the
-            # worker's: its answer goes to the results topic (and the topic's later jobs too).
-            # Only the results or dead-letter topic being that small stops the worker.
-            self._redirect(
-                ticket,
-                index,
-                f"{refused_by} refused even the smallest answer ({record.size} bytes); its "
-                "max.message.bytes is too small to answer jobs",
-            )
-            return
-        logger.warning(
-            "%s refused a %d-byte record for %s; sending a smaller answer",
-            refused_by,
-            record.size,
-            record.topic,
-        )
-        ticket.answer = smaller
-
-
-class _Backoff:
-    """Retries of one delivery: transient broker errors wait and retry, doubling the wait, until
-    `timeout_s` has passed; anything else, or later, is a BrokerError."""
-
-    def __init__(self, timeout_s: float, clock: Clock) -> None:
-        self._clock = clock
-        self._deadline = clock.monotonic() + timeout_s
-        self._delay = 0.1
-
-    async def after(self, exc: KafkaError, what: str, *, transient: bool = False) -> None:
-        if not (exc.retriable or transient) or self._clock.monotonic() > self._deadline:
-            raise BrokerError(f"{what} failed: {exc!r}") from exc
-        logger.warning("%s failed (%r); retrying in %.1fs", what, exc, self._delay)
-        await asyncio.sleep(self._delay)
-        self._delay = min(self._delay * 2, _MAX_BACKOFF_S)

@@ -35,6 +35,7 @@ from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import Outbox
 from worker.delivery.parking import Parking
 from worker.delivery.publish import Delivery
+from worker.delivery.refusals import RefusedAnswers
 from worker.engines.steerable import SteerableEngine
 from worker.loop.breaker import CrashLoopBreaker
 from worker.loop.rebalance import Rebalances
@@ -356,10 +357,10 @@ def refused_answer_not_shrunk() -> Iterator[None]:
     """Sends an answer a topic refused for its size again unchanged, instead of a smaller one:
     the broker refuses it until the worker's patience runs out and it exits 1."""
 
-    def shrink(self: Delivery, ticket: Any, index: int, refused_by: str) -> None:
+    def shrink(self: RefusedAnswers, ticket: Any, index: int, refused_by: str) -> None:
         return None
 
-    with mock.patch.object(Delivery, "_shrink", shrink):
+    with mock.patch.object(RefusedAnswers, "shrink", shrink):
         yield
 
 

@@ -24,6 +24,7 @@ from worker.delivery.inheritance import Inheritance
 from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 from worker.delivery.outbox import Outbox
 from worker.delivery.publish import Delivery
+from worker.delivery.refusals import RefusedAnswers
 from worker.dev.sim.fleet import SimEngine
 from worker.dev.sim.history import History
 from worker.loop.breaker import CrashLoopBreaker, Suspect
@@ -222,8 +223,8 @@ def _wrappers(  # noqa: PLR0915 - one wrapper per path
         (Outbox, "drop", after("answers_taken_back", lambda _s, _a, r: len(r))),
         (Delivery, "_on_delivery", delivered),
         (Delivery, "_resend", before_async("resends")),
-        (Delivery, "_shrink", after("shrunk", lambda *_: 1)),
-        (Delivery, "_redirect", after("redirected", lambda *_: 1)),
+        (RefusedAnswers, "shrink", after("shrunk", lambda *_: 1)),
+        (RefusedAnswers, "redirect", after("redirected", lambda *_: 1)),
         (CrashLoopBreaker, "_choose", chosen),
         (CrashLoopBreaker, "take", taken),
         (SimEngine, "generate", generate),

@@ -1,0 +1,82 @@
+"""Answers on their way to the broker (`Ticket`) and the deliveries that carry them, until the
+broker acknowledges them (`Unacknowledged`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from worker.answering.records import Answer
+from worker.core.clock import Clock
+from worker.delivery.offsets import PartitionOffsets
+
+__all__ = ["Member", "Ticket", "Unacknowledged"]
+
+
+class Ticket:
+    """One answer being delivered, and the offset it answers once every record is acknowledged."""
+
+    __slots__ = ("answer", "handed_over", "left", "offset", "partition", "started", "tp")
+
+    def __init__(
+        self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: Answer
+    ) -> None:
+        self.tp = tp
+        self.partition = partition
+        self.offset = offset
+        self.answer = answer
+        self.started = time.perf_counter()
+        self.left = len(answer.records)
+        #: Its partition was handed over with this answer unacknowledged: the next owner runs
+        #: the job again, so a failed delivery is not sent again.
+        self.handed_over = False
+
+
+#: One record of one answer: what a delivery acknowledges.
+Member = tuple[Ticket, int]
+
+
+class Unacknowledged:
+    """The deliveries (of a batch, or of one record alone) the producer holds and has not
+    settled yet: when each was handed over, oldest first, and whose records it carries."""
+
+    __slots__ = ("_clock", "_sent")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._sent: dict[asyncio.Future[Any], tuple[float, list[Member]]] = {}
+
+    def add(self, delivery: asyncio.Future[Any], members: list[Member]) -> None:
+        self._sent[delivery] = (self._clock.monotonic(), members)
+
+    def discard(self, delivery: asyncio.Future[Any]) -> None:
+        self._sent.pop(delivery, None)
+
+    def __iter__(self) -> Iterator[asyncio.Future[Any]]:
+        return iter(self._sent)
+
+    def __bool__(self) -> bool:
+        return bool(self._sent)
+
+    def oldest_wait_s(self) -> float:
+        """How long the oldest of them has waited (0 when none)."""
+        if not self._sent:
+            return 0.0
+        return self._clock.monotonic() - next(iter(self._sent.values()))[0]
+
+    def carrying(self, ours: Callable[[TopicPartition], bool]) -> list[asyncio.Future[Any]]:
+        """Those carrying a record of a partition that is `ours`."""
+        return [
+            delivery
+            for delivery, (_, members) in self._sent.items()
+            if any(ours(ticket.tp) for ticket, _ in members)
+        ]
+
+    def members(self) -> Iterator[Member]:
+        """The records they carry."""
+        for _, members in self._sent.values():
+            yield from members
