@@ -10,6 +10,7 @@ from aiokafka.errors import KafkaTimeoutError
 from schemas import ErrorCode, Failed, Job, SamplingSpec, decode_result, encode
 from tests.fakes import MemoryProducer, ScriptedEngine
 from worker.answering.answers import AnswerBuilder
+from worker.answering.records import Answer
 from worker.core.clock import SYSTEM_CLOCK
 from worker.core.config import settings_from
 from worker.core.errors import FatalError
@@ -18,9 +19,18 @@ from worker.core.metrics import Metrics
 from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery, Ticket
 from worker.dev.harness.waiting import wait_for
+from worker.loop.starts import PartitionAnswerOwner
 
 TP = TopicPartition("jobs", 0)
 RESULTS, DLQ = "results", "dlq"
+
+
+async def stays(tp: TopicPartition, partition: PartitionOffsets) -> bool:
+    return True  # no rebalance here
+
+
+def ticket(tp: TopicPartition, offsets: PartitionOffsets, offset: int, answer: Answer) -> Ticket:
+    return Ticket(tp, PartitionAnswerOwner(tp, offsets, stays), offset, answer)
 
 
 class Harness:
@@ -36,6 +46,7 @@ class Harness:
         )
         self.producer = MemoryProducer({RESULTS: 1, DLQ: 1}, broker_limit=broker_limit)
         self.fatal: list[FatalError] = []
+        self.events: list[tuple[str, int]] = []
         self.delivery = Delivery(
             self.producer,
             self.settings,
@@ -44,6 +55,7 @@ class Harness:
             smaller=self.answers.smaller,
             on_free=lambda: None,
             on_fatal=self.fatal.append,
+            on_acknowledged=lambda: self.events.append(("woken", -1)),
             clock=SYSTEM_CLOCK,
         )
         self.offsets = PartitionOffsets()
@@ -62,9 +74,30 @@ class Harness:
         )
         offsets.start(offset)
         answer = await self.answers.answer(tp, record)
-        ticket = Ticket(tp, offsets, offset, answer)
-        if not self.delivery.queue(ticket):
-            await self.delivery.send_alone(ticket)
+        posted = ticket(tp, offsets, offset, answer)
+        if not self.delivery.queue(posted):
+            await self.delivery.send_alone(posted)
+
+
+class RecordingOwner:
+    """An answer's owner that records what the producer side tells it and asks it."""
+
+    def __init__(self, events: list[tuple[str, int]], *, stays: bool = True) -> None:
+        self.events = events
+        self.stays = stays
+
+    def acknowledged(self, offset: int) -> None:
+        self.events.append(("acknowledged", offset))
+
+    async def may_send(self) -> bool:
+        self.events.append(("asked", -1))
+        return self.stays
+
+
+async def answer_of(h: Harness, offset: int, job_id: str) -> Answer:
+    value = encode(job(job_id))
+    record = ConsumerRecord("jobs", 0, offset, 0, 0, b"k", value, None, 1, len(value), ())
+    return await h.answers.answer(TP, record)
 
 
 def job(job_id: str, metadata_chars: int = 0) -> Job:
@@ -144,7 +177,7 @@ async def test_an_answer_handed_over_unacknowledged_is_not_sent_again_when_its_d
     kept_offsets.start(0)
     value = encode(job("kept"))
     record = ConsumerRecord("jobs", 1, 0, 0, 0, b"k", value, None, 1, len(value), ())
-    h.delivery.queue(Ticket(kept, kept_offsets, 0, await h.answers.answer(kept, record)))
+    h.delivery.queue(ticket(kept, kept_offsets, 0, await h.answers.answer(kept, record)))
     h.delivery.start()  # both answers in one batch
     await wait_for(lambda: len(h.producer.held) == 1, 5, "the batch sent")
     await h.delivery.settle({TP}, asyncio.get_running_loop().time() + 0.05)
@@ -196,4 +229,32 @@ async def test_a_waiting_batch_is_sent_without_the_answers_a_revoke_took_back():
     await wait_for(lambda: kept_offsets.commit_position() == 1, 5, "the kept answer acknowledged")
     assert [key for _, key, _, _ in h.producer.sent] == [b"kept"]
     assert h.offsets.commit_position() == 0
+    await h.delivery.close()
+
+
+async def test_an_acknowledged_batch_tells_each_answers_owner_before_the_worker_is_woken():
+    # The worker wakes to plan commits; each offset must be finished by then, or the commit
+    # made on waking leaves the acknowledged answer uncommitted.
+    h = Harness(broker_limit=None)
+    owner = RecordingOwner(h.events)
+    for offset in range(2):
+        h.delivery.queue(Ticket(TP, owner, offset, await answer_of(h, offset, f"j{offset}")))
+    h.delivery.start()  # both answers in one batch
+    await wait_for(lambda: ("woken", -1) in h.events, 5, "the batch acknowledged")
+    assert h.events == [("acknowledged", 0), ("acknowledged", 1), ("woken", -1)]
+    await h.delivery.close()
+
+
+async def test_a_failed_delivery_is_not_sent_again_once_the_owner_says_its_partition_moved():
+    h = Harness(broker_limit=None)
+    owner = RecordingOwner(h.events, stays=False)
+    h.producer.hold_next = 1
+    h.delivery.queue(Ticket(TP, owner, 0, await answer_of(h, 0, "moved")))
+    h.delivery.start()
+    await wait_for(lambda: len(h.producer.held) == 1, 5, "the batch sent")
+    h.producer.held[0].set_exception(KafkaTimeoutError())
+    await wait_for(lambda: bool(h.events), 5, "the owner asked")
+    await wait_for(lambda: h.delivery.pending == 0, 5, "the re-send over")
+    assert h.events == [("asked", -1)]  # asked once, never acknowledged
+    assert h.producer.sent == [] and h.fatal == []
     await h.delivery.close()

@@ -97,7 +97,7 @@ class Outbox(Generic[M]):
         self._task.add_done_callback(self._task_done)
 
     async def close(self) -> None:
-        """Stop submitting. Records still queued are dropped: their offsets stay unanswered."""
+        """Stop submitting. Records still queued are dropped: their jobs stay unanswered."""
         tasks = [t for t in (self._task, *self._lookups.values()) if t is not None]
         for task in tasks:
             task.cancel()

@@ -4,7 +4,7 @@ assignment says whether their partitions come back."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiokafka import TopicPartition
@@ -18,19 +18,17 @@ logger = logging.getLogger(__name__)
 
 
 class ParkedAnswers:
-    """Takes a parked partition's answers back from `outbox` and queues each again once
-    `may_send(ticket)` gives the verdict, dropping those whose partition moved. `follow(wait,
-    ticket)` runs each ticket's wait for the verdict as a task of its own."""
+    """Takes a parked partition's answers back from `outbox` and queues each again once its
+    owner gives the verdict (`AnswerOwner.may_send`), dropping those whose partition moved.
+    `follow(wait, ticket)` runs each ticket's wait for the verdict as a task of its own."""
 
     def __init__(
         self,
         outbox: Outbox[Member],
         *,
-        may_send: Callable[[Ticket], Awaitable[bool]],
         follow: Callable[[Coroutine[Any, Any, None], Ticket], None],
     ) -> None:
         self._outbox = outbox
-        self._may_send = may_send
         self._follow = follow
         # Records taken back until the verdict; one the producer took after all is struck off
         # as it is submitted (`submitted`).
@@ -58,7 +56,7 @@ class ParkedAnswers:
             self._taken_back.difference_update(members)
 
     async def _queue_after_verdict(self, ticket: Ticket, indexes: list[int]) -> None:
-        stays = await self._may_send(ticket)
+        stays = await ticket.owner.may_send()
         records = ticket.answer.records
         for index in indexes:
             # Not struck off: the producer has not taken it after all.

@@ -1,4 +1,4 @@
-"""Answers on their way to the broker, until it acknowledges them: then their offsets finish.
+"""Answers on their way to the broker, until it acknowledges them: then their owners are told.
 
 Small records go through the outbox (a record batch per partition and loop turn); large ones
 are produced on their own. A delivery that fails is sent again record by record; a record the
@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
@@ -26,7 +26,6 @@ from worker.core.errors import BrokerError, FatalError
 from worker.core.failpoints import crash_point
 from worker.core.limits import RecordLimits, producer_batch_bytes
 from worker.core.metrics import Metrics
-from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.outbox import REPLY_METADATA_WAIT_S, Outbox
 from worker.delivery.parked_answers import ParkedAnswers
 from worker.delivery.refusals import RefusedAnswers
@@ -43,12 +42,10 @@ class Delivery:
 
     `smaller` and `unwritable` replace a refused answer (`RefusedAnswers`); records too large
     for a batch, and those of a failed delivery, go alone (`RecordSender`).
-    `answer_stays(tp, partition)` says, once a rebalance has decided, whether an answer of a
-    partition handed over as running (parked) may still go out (see `park`).
     `topic_limit(topic)` is an answer topic's `max.message.bytes` where known (a reply topic's
     is read after start): batches for it are sized to fit. `on_free` is
     called when records leave the outbox (slots free up); `on_acknowledged` when the broker
-    acknowledged answers (their offsets are finished); `on_fatal` when an answer cannot be
+    acknowledged answers (their owners were told); `on_fatal` when an answer cannot be
     delivered at all.
     """
 
@@ -64,7 +61,6 @@ class Delivery:
         on_free: Callable[[], None],
         on_fatal: Callable[[FatalError], None],
         on_acknowledged: Callable[[], None] = lambda: None,
-        answer_stays: Callable[[TopicPartition, PartitionOffsets], Awaitable[bool]] | None = None,
         topic_limit: Callable[[str], int | None] | None = None,
         clock: Clock,
     ) -> None:
@@ -74,7 +70,6 @@ class Delivery:
         self._on_free = on_free
         self._on_acknowledged = on_acknowledged
         self._on_fatal = on_fatal
-        self._answer_stays = answer_stays
         self._unacknowledged = Unacknowledged(clock)
         self._resends: dict[asyncio.Task[None], Ticket] = {}
         self._topic_limit = topic_limit
@@ -92,10 +87,9 @@ class Delivery:
             limits,
             refusals=RefusedAnswers(smaller, unwritable),
             unacknowledged=self._unacknowledged,
-            may_send=self._stays,
             clock=clock,
         )
-        self._parked = ParkedAnswers(self._outbox, may_send=self._stays, follow=self._follow)
+        self._parked = ParkedAnswers(self._outbox, follow=self._follow)
         self._resending = True
 
     def start(self) -> None:
@@ -125,7 +119,7 @@ class Delivery:
     def queue(self, ticket: Ticket) -> bool:
         """Queue the answer's records in the outbox, which batches them; False when some are too
         large for a batch and must go through `send_alone`. The job does not wait for the
-        acknowledgement: it arrives as a callback and finishes the offset."""
+        acknowledgement: it arrives as a callback and tells the ticket's owner."""
         alone = False
         max_batched = self._limits.batched_record_max_bytes
         for index, record in enumerate(ticket.answer.records):
@@ -180,7 +174,7 @@ class Delivery:
         remaining = deadline - self._clock.monotonic()
         if resends and remaining > 0:
             await asyncio.wait(resends, timeout=remaining)
-        await asyncio.sleep(0)  # let the acknowledgements' callbacks mark their offsets
+        await asyncio.sleep(0)  # let the acknowledgements' callbacks tell the answers' owners
         # A revoke's answers still unacknowledged: the hand-over lists them as running and the
         # next owner runs them again. Such a delivery may yet land (a duplicate nobody can
         # prevent), but when it fails, sending it again would only answer the job twice.
@@ -198,16 +192,11 @@ class Delivery:
     def park(self, partitions: set[TopicPartition]) -> None:
         """`partitions` are handed over with their jobs named as running, the rest of their
         answers with them, and parked until the next assignment says whether they come back
-        (`answer_stays`). Their answers not yet handed to the producer are taken back until
+        (`AnswerOwner.may_send`). Their answers not yet handed to the producer are taken back until
         then, and a failed delivery of theirs is sent again only then: sent after the hand-over
         and before the verdict, an answer whose partition moved is given twice, here and by the
         next owner, who runs its job again."""
         self._parked.park(partitions)
-
-    async def _stays(self, ticket: Ticket) -> bool:
-        if self._answer_stays is None:
-            return True
-        return await self._answer_stays(ticket.tp, ticket.partition)
 
     async def acknowledged(self, deadline: float) -> bool:
         """Until `deadline` (monotonic), wait for every answer queued so far to be submitted
@@ -232,7 +221,7 @@ class Delivery:
     def _on_delivery(self, members: list[Member], delivery: asyncio.Future[Any]) -> None:
         self._unacknowledged.discard(delivery)
         if delivery.cancelled():
-            return  # the producer closed with it unsent: the offsets stay unfinished
+            return  # the producer closed with it unsent: the jobs stay unanswered
         error = delivery.exception()
         if error is None:
             for ticket, _ in members:
@@ -263,7 +252,7 @@ class Delivery:
         if ticket.left:
             crash_point("kill-between-parts")
             return
-        ticket.partition.finish(ticket.offset)
+        ticket.owner.acknowledged(ticket.offset)
         self._metrics.job_answered(
             ticket.answer.metric_labels(), time.perf_counter() - ticket.started
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiokafka import AIOKafkaProducer
@@ -46,8 +45,7 @@ class RecordSender:
     """Hands records to the producer one per batch (`send`) and sees them acknowledged
     (`resend`). While the producer holds one unacknowledged, it is among `unacknowledged`.
 
-    `may_send(ticket)` says whether the ticket's answer may go out now (see `resend`). A
-    producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
+    A producer that is a `RenewableProducer` is renewed when a refusal broke its idempotent
     sequence; any other stops the worker then.
     """
 
@@ -60,14 +58,12 @@ class RecordSender:
         *,
         refusals: RefusedAnswers,
         unacknowledged: Unacknowledged,
-        may_send: Callable[[Ticket], Awaitable[bool]],
         clock: Clock,
     ) -> None:
         self._outbox = outbox
         self._limits = limits
         self._refusals = refusals
         self._unacknowledged = unacknowledged
-        self._may_send = may_send
         self._clock = clock
         self._publish_timeout_s = settings.publish_timeout_s
         self._renewable = producer if isinstance(producer, RenewableProducer) else None
@@ -86,7 +82,7 @@ class RecordSender:
                 # Its partition was handed over parked meanwhile: sent now, the answer would
                 # go out a second time should the partition move (its next owner runs the
                 # job again), so it waits for the verdict.
-                if not await self._may_send(ticket):
+                if not await ticket.owner.may_send():
                     logger.info("re-send for %s dropped: its partition moved", where)
                     return False
                 delivery, generation = await self.send(ticket, index, backoff)

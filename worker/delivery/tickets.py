@@ -1,32 +1,52 @@
-"""Answers on their way to the broker (`Ticket`) and the deliveries that carry them, until the
-broker acknowledges them (`Unacknowledged`)."""
+"""Answers on their way to the broker (`Ticket`), the deliveries that carry them until the broker
+acknowledges them (`Unacknowledged`), and the one way back to the consumer side (`AnswerOwner`).
+
+The producer side keeps no offset state and changes none: it tells each answer's owner when the
+answer is acknowledged, and asks it whether the answer may still go out. Finished work goes
+back to the owner of the partition's state the same way in Confluent's parallel-consumer
+(`WorkManager.onSuccessResult` hands the work container to `PartitionStateManager`), and
+aiokafka keeps its `producer/` apart from its `consumer/` likewise.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from aiokafka import TopicPartition
 
 from worker.answering.records import Answer
 from worker.core.clock import Clock
-from worker.delivery.offsets import PartitionOffsets
 
-__all__ = ["Member", "Ticket", "Unacknowledged"]
+__all__ = ["AnswerOwner", "Member", "Ticket", "Unacknowledged"]
+
+
+class AnswerOwner(Protocol):
+    """The consumer side of the partition an answer's job came from, as the producer side sees
+    it (`worker.loop.starts.PartitionAnswerOwner` over the partition's offsets)."""
+
+    def acknowledged(self, offset: int) -> None:
+        """The broker acknowledged every record of the answer to `offset`: its job is done.
+        Called in the acknowledgement's callback, before anything else runs, so a commit made
+        after the acknowledgement covers the offset."""
+        ...
+
+    async def may_send(self) -> bool:
+        """Whether an answer may go out now: False once its partition, parked at a revoke, went
+        to another member, who runs its jobs again (waits for that verdict)."""
+        ...
 
 
 class Ticket:
     """One answer being delivered, and the offset it answers once every record is acknowledged."""
 
-    __slots__ = ("answer", "handed_over", "left", "offset", "partition", "started", "tp")
+    __slots__ = ("answer", "handed_over", "left", "offset", "owner", "started", "tp")
 
-    def __init__(
-        self, tp: TopicPartition, partition: PartitionOffsets, offset: int, answer: Answer
-    ) -> None:
+    def __init__(self, tp: TopicPartition, owner: AnswerOwner, offset: int, answer: Answer) -> None:
         self.tp = tp
-        self.partition = partition
+        self.owner = owner
         self.offset = offset
         self.answer = answer
         self.started = time.perf_counter()

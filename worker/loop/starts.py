@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiokafka import ConsumerRecord, TopicPartition
 
@@ -27,7 +27,7 @@ from worker.loop.inflight import InFlight
 from worker.loop.rebalance import Rebalances
 from worker.loop.version_holds import VersionHolds
 
-__all__ = ["JobStarts"]
+__all__ = ["JobStarts", "PartitionAnswerOwner"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,8 @@ class JobStarts:
                     record.offset,
                 )
                 return
-            ticket = Ticket(tp, partition, record.offset, answer)
+            owner = PartitionAnswerOwner(tp, partition, self._rebalances.answer_stays)
+            ticket = Ticket(tp, owner, record.offset, answer)
             if not self._delivery.queue(ticket):
                 await self._delivery.send_alone(ticket)
             # The answer is counted in the outbox now; counted here too, it would count twice.
@@ -227,3 +228,28 @@ class JobStarts:
             raise
         except FatalError as exc:
             self._fail(exc, f"{tp.topic}-{tp.partition}@{record.offset}")
+
+
+class PartitionAnswerOwner:
+    """The consumer side of an answer on its way (`worker.delivery.tickets.AnswerOwner`): the
+    offsets of the partition its job came from, the very ones it started on, whose offset
+    its acknowledgement finishes; and `stays(tp, partition)`, which says whether an answer of
+    that partition may still go out after a revoke parked it (`Rebalances.answer_stays`)."""
+
+    __slots__ = ("_partition", "_stays", "_tp")
+
+    def __init__(
+        self,
+        tp: TopicPartition,
+        partition: PartitionOffsets,
+        stays: Callable[[TopicPartition, PartitionOffsets], Awaitable[bool]],
+    ) -> None:
+        self._tp = tp
+        self._partition = partition
+        self._stays = stays
+
+    def acknowledged(self, offset: int) -> None:
+        self._partition.finish(offset)
+
+    async def may_send(self) -> bool:
+        return await self._stays(self._tp, self._partition)

@@ -29,7 +29,6 @@ from worker.core.errors import BrokerError, FatalError
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
 from worker.delivery.commits import CommittedReader, Committer, LiveIncarnations
-from worker.delivery.offsets import PartitionOffsets
 from worker.delivery.publish import Delivery
 from worker.delivery.renewal import RenewableProducer
 from worker.engines.protocol import Engine
@@ -185,7 +184,6 @@ class Worker:
             on_free=self._wake.set,
             on_fatal=lambda exc: self._fail(exc, "delivery"),
             on_acknowledged=self._wake_breaker,
-            answer_stays=self._answer_stays,
             topic_limit=self._answers.reply_topic_limit,
             clock=clock,
         )
@@ -368,10 +366,6 @@ class Worker:
         """An acknowledgement came or a commit ended: the breaker may let the next record go."""
         if self._breaker.engaged:
             self._wake.set()
-
-    async def _answer_stays(self, tp: TopicPartition, partition: PartitionOffsets) -> bool:
-        # Late bound: the rebalances' side is built after the delivery it drives.
-        return await self._rebalances.answer_stays(tp, partition)
 
     def _job_crashed(self, exc: BaseException) -> None:
         self._fail(BrokerError(f"a job's answer was lost to a bug: {exc!r}"), "job task")

@@ -51,7 +51,7 @@ def commit_before_ack() -> Iterator[None]:
     real_queue = Delivery.queue
 
     def queue(self: Delivery, ticket: Any) -> bool:
-        ticket.partition.finish(ticket.offset)
+        ticket.owner.acknowledged(ticket.offset)
         return bool(real_queue(self, ticket))
 
     with (
@@ -104,7 +104,7 @@ def failed_send_finishes() -> Iterator[None]:
     def on_delivery(self: Delivery, members: list[Any], delivery: Any) -> None:
         if not delivery.cancelled() and delivery.exception() is not None:
             for ticket, _ in members:
-                ticket.partition.finish(ticket.offset)
+                ticket.owner.acknowledged(ticket.offset)
         real(self, members, delivery)
 
     with mock.patch.object(Delivery, "_on_delivery", on_delivery):
