@@ -258,3 +258,21 @@ def test_a_leave_is_tried_again_while_the_coordinator_cannot_be_reached():
 
     assert run_on_virtual_time(stop(3)) == ["worker-3"]
     assert run_on_virtual_time(stop(100)) == []  # given up after 5 s
+
+
+def test_a_leave_measures_its_patience_on_the_workers_clock():
+    # Every wait of a worker reads the clock it was built with (`build_worker(clock=)`); a
+    # leave reading the process's clock instead would keep another time than the rest of it.
+    # Here the worker's clock stands still while the loop's moves: 30 refusals, 15 s of the
+    # loop's time, use up none of the 5 s, and the leave lands.
+    async def stop() -> list[str]:
+        coordinator = _Coordinator()
+        coordinator.unreachable = 30
+        consumer = FakeConsumer()
+        consumer._coordinator = coordinator  # type: ignore[attr-defined]
+        gate = PartitionGate(consumer, [], keepalive_s=KEEPALIVE_S, clock=ManualClock())
+        gate.joined()
+        await gate.stop(leave=True, leave_within_s=5.0)
+        return coordinator.left_as
+
+    assert run_on_virtual_time(stop()) == ["worker-3"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -33,6 +32,7 @@ from aiokafka.structs import TopicPartition
 from aiokafka.util import commit_structure_validate
 
 from worker.core.clients import AIOKAFKA, KafkaClients
+from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.config import Settings
 from worker.core.errors import BrokerError, ConfigError
 from worker.core.incarnation import incarnation_assignor
@@ -210,7 +210,11 @@ def rejoining(consumer: AIOKafkaConsumer) -> bool:
 
 
 def leave_group_on_close(
-    consumer: AIOKafkaConsumer, last_member_id: str | None = None, *, within_s: float = 0.0
+    consumer: AIOKafkaConsumer,
+    last_member_id: str | None = None,
+    *,
+    within_s: float = 0.0,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """Make the consumer's `stop()` leave the group (`leave_group`), also as a static member.
 
@@ -227,14 +231,18 @@ def leave_group_on_close(
         return
 
     async def leave_then_forget() -> None:
-        await leave_group(consumer, last_member_id, within_s=within_s)
+        await leave_group(consumer, last_member_id, within_s=within_s, clock=clock)
         coordinator.reset_generation()
 
     coordinator._maybe_leave_group = leave_then_forget
 
 
 async def leave_group(
-    consumer: AIOKafkaConsumer, last_member_id: str | None = None, *, within_s: float = 0.0
+    consumer: AIOKafkaConsumer,
+    last_member_id: str | None = None,
+    *,
+    within_s: float = 0.0,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> None:
     """Leave the group now, also as a static member, whose partitions the group otherwise
     keeps for it until its session times out (or, on a broker that never evicts, for ever).
@@ -242,8 +250,8 @@ async def leave_group(
     aiokafka sends LeaveGroup only for dynamic members: a static member is meant to come back
     under its instance id (a restart) without a rebalance. A worker scaled in does not come
     back; its LeaveGroup by member id (v0/v1, which aiokafka speaks) hands its partitions over
-    at once. Tried again while the coordinator cannot be reached, for up to `within_s`; then
-    given up with a warning, like aiokafka's own leave.
+    at once. Tried again while the coordinator cannot be reached, for up to `within_s` on
+    `clock`; then given up with a warning, like aiokafka's own leave.
 
     `last_member_id`: the id it last held. A commit refused because the generation moved on
     (another member joining) makes aiokafka forget its member id, although the group keeps the
@@ -256,16 +264,16 @@ async def leave_group(
     coordinator = getattr(consumer, "_coordinator", None)
     if coordinator is None:
         return
-    deadline = time.monotonic() + within_s
+    deadline = clock.monotonic() + within_s
     while True:
         try:
             # A request waits behind a JoinGroup on its way on the same connection, which the
             # broker answers only when the round completes: bounded by the time left.
-            async with asyncio.timeout(max(deadline - time.monotonic(), _LEAVE_RETRY_S)):
+            async with asyncio.timeout(max(deadline - clock.monotonic(), _LEAVE_RETRY_S)):
                 error = await _leave_once(coordinator, member_id(consumer) or last_member_id)
         except TimeoutError:
             error = RequestTimedOutError()
-        if error is None or not error.retriable or time.monotonic() + _LEAVE_RETRY_S > deadline:
+        if error is None or not error.retriable or clock.monotonic() + _LEAVE_RETRY_S > deadline:
             break
         await asyncio.sleep(_LEAVE_RETRY_S)
     if error is None:

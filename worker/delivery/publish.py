@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -120,6 +119,7 @@ class Delivery:
         """Queue the answer's records in the outbox, which batches them; False when some are too
         large for a batch and must go through `send_alone`. The job does not wait for the
         acknowledgement: it arrives as a callback and tells the ticket's owner."""
+        ticket.started = self._clock.monotonic()
         alone = False
         max_batched = self._limits.batched_record_max_bytes
         for index, record in enumerate(ticket.answer.records):
@@ -254,7 +254,7 @@ class Delivery:
             return
         ticket.owner.acknowledged(ticket.offset)
         self._metrics.job_answered(
-            ticket.answer.metric_labels(), time.perf_counter() - ticket.started
+            ticket.answer.metric_labels(), self._clock.monotonic() - ticket.started
         )
 
     def _batch_bytes(self, topic: str) -> int | None:

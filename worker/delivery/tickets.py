@@ -11,7 +11,6 @@ aiokafka keeps its `producer/` apart from its `consumer/` likewise.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -49,7 +48,8 @@ class Ticket:
         self.owner = owner
         self.offset = offset
         self.answer = answer
-        self.started = time.perf_counter()
+        #: When `Delivery` took it, on the worker's clock: its publish time counts from there.
+        self.started = 0.0
         self.left = len(answer.records)
         #: Its partition was handed over with this answer unacknowledged: the next owner runs
         #: the job again, so a failed delivery is not sent again.

@@ -71,7 +71,9 @@ class PartitionGate:
             # holds the instance for this process (a static member leaves by its instance id).
             # Left as the consumer closes, after its last join, not before it.
             self._left = True
-            leave_group_on_close(self._consumer, self._member_id, within_s=leave_within_s)
+            leave_group_on_close(
+                self._consumer, self._member_id, within_s=leave_within_s, clock=self._clock
+            )
         await self._consumer.stop()
 
     async def fetch(self, max_records: int, timeout_ms: int) -> Batch:
