@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiokafka import TopicPartition
 
-from worker.delivery.offsets import OffsetTracker
+from worker.delivery.offsets import OffsetTracker, PartitionOffsets
 from worker.delivery.parked import ParkedPartitions
 
 TP = TopicPartition("jobs", 0)
@@ -31,7 +31,7 @@ async def test_a_partition_adopted_back_is_told_it_stays_and_goes_on_with_the_sa
 async def test_a_parked_partition_whose_offsets_were_dropped_still_learns_that_it_moved():
     """Its jobs still run: they are cancelled when the next assignment gives it to another
     member, so the verdict outlives the offsets."""
-    parked = ParkedPartitions()
+    parked: ParkedPartitions[PartitionOffsets] = ParkedPartitions()
     tracker = OffsetTracker()
     tracker.partition(TP).start(0)
     tracker.parked_partitions = parked

@@ -374,7 +374,7 @@ class OffsetTracker:
         #: Revoked partitions whose jobs still run, until the next assignment says whether
         #: they came back (`park`): not held, so nothing starts on them or commits them
         #: meanwhile.
-        self.parked_partitions = ParkedPartitions()
+        self.parked_partitions: ParkedPartitions[PartitionOffsets] = ParkedPartitions()
         self.writer = writer
 
     def assigned(

@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Generic, TypeVar
 
 from aiokafka import TopicPartition
 
-if TYPE_CHECKING:
-    from worker.delivery.offsets import PartitionOffsets
-
 __all__ = ["ParkedPartitions"]
 
+#: What a partition's offsets are kept as (the tracker's `PartitionOffsets`): any object, so
+#: that this module needs nothing of the tracker that holds it.
+Offsets = TypeVar("Offsets")
 
-class ParkedPartitions:
+
+class ParkedPartitions(Generic[Offsets]):
     """The one record of which partitions are parked: the verdict each awaits (from the start
     of its hand-over until the next assignment), and its offsets once handed over.
 
@@ -32,7 +33,7 @@ class ParkedPartitions:
 
     def __init__(self) -> None:
         self._verdicts: dict[TopicPartition, asyncio.Future[bool]] = {}
-        self._offsets: dict[TopicPartition, PartitionOffsets] = {}
+        self._offsets: dict[TopicPartition, Offsets] = {}
 
     def await_verdicts(self, partitions: set[TopicPartition]) -> None:
         """`partitions` are being handed over with jobs running: their jobs and answers wait
@@ -61,15 +62,15 @@ class ParkedPartitions:
             verdict.set_result(tp in adopted)
         return set(verdicts) - adopted
 
-    def park(self, tp: TopicPartition, offsets: PartitionOffsets) -> None:
+    def park(self, tp: TopicPartition, offsets: Offsets) -> None:
         """Keep `tp`'s `offsets` aside: handed over, neither held nor committed."""
         self._offsets[tp] = offsets
 
-    def offsets(self) -> Mapping[TopicPartition, PartitionOffsets]:
+    def offsets(self) -> Mapping[TopicPartition, Offsets]:
         """The offsets parked now, by partition (read-only)."""
         return MappingProxyType(self._offsets)
 
-    def unpark(self, tp: TopicPartition) -> PartitionOffsets:
+    def unpark(self, tp: TopicPartition) -> Offsets:
         """Take back the parked offsets of `tp`."""
         return self._offsets.pop(tp)
 
