@@ -1232,6 +1232,14 @@ FOUND_DEFECTS = {
     "worker/delivery/inheritance.py, Inheritance.read_unread: held until the map is taken)": (
         flag_set_scenario("late_hand_overs", 6470949, 3)
     ),
+    "the same: a partition read again let go before its map was taken, then an out-of-order "
+    "start (unasked_exit: 'offset 25 started after 28'; fixed with seed 6470949's)": (
+        flag_set_scenario("late_hand_overs", 51000047, 3)
+    ),
+    "the same as seed 7600039: a conversation whose floor the fleet no longer served, its turn "
+    "asked again until the end (trainer_unfinished; fixed with 7600039's)": (
+        flag_set_scenario("trainer", 52000071, 3)
+    ),
 }
 
 
