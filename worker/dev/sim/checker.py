@@ -70,7 +70,7 @@ from worker.dev.sim.cluster import Cluster
 from worker.dev.sim.fleet import KILLS_ENGINE
 from worker.dev.sim.history import Event, History
 
-__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check", "wedged_from"]
+__all__ = ["Bounds", "Kind", "Ledger", "Violation", "check", "ok_update_acks", "wedged_from"]
 
 
 class Kind(enum.Enum):
@@ -354,12 +354,9 @@ def wedged_from(history: History, bounds: Bounds) -> float | None:
     return waits_from
 
 
-def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
-    """The weight version of the last update in the control topic that a worker acknowledged
-    applying (`ok` update_weights): not the highest, since a forced rollback that came later
-    puts the fleet below it (the trainer flag set's loop sends them)."""
+def ok_update_acks(cluster: Cluster, status_topic: str) -> Iterator[tuple[float, CommandAck]]:
+    """Each acknowledgement `ok` of an update on the status topic, with when it was appended."""
     topic = cluster.topics.get(status_topic)
-    latest: tuple[int, int] | None = None
     for log in topic.logs if topic is not None else []:
         for record in log:
             try:
@@ -371,8 +368,17 @@ def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
                 and message.kind == "update_weights"
                 and message.outcome == "ok"
             ):
-                order = -1 if message.offset is None else message.offset
-                latest = max(latest or (order, 0), (order, message.weight_version))
+                yield record.timestamp_ms / 1000, message
+
+
+def _latest_applied(cluster: Cluster, status_topic: str) -> int | None:
+    """The weight version of the last update in the control topic that a worker acknowledged
+    applying (`ok` update_weights): not the highest, since a forced rollback that came later
+    puts the fleet below it (the trainer flag set's loop sends them)."""
+    latest: tuple[int, int] | None = None
+    for _, ack in ok_update_acks(cluster, status_topic):
+        order = -1 if ack.offset is None else ack.offset
+        latest = max(latest or (order, 0), (order, ack.weight_version))
     return None if latest is None else latest[1]
 
 

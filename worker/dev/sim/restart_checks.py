@@ -19,15 +19,13 @@ import bisect
 from collections.abc import Iterable, Sequence
 
 from schemas import (
-    CommandAck,
     Completed,
     SchemaError,
     UpdateWeights,
     decode_command,
     decode_result,
-    decode_status,
 )
-from worker.dev.sim.checker import Violation
+from worker.dev.sim.checker import Violation, ok_update_acks
 from worker.dev.sim.cluster import Cluster, StoredRecord
 from worker.dev.sim.history import History
 
@@ -122,19 +120,10 @@ def _updates_acknowledged(
     """Per worker id, in time order: each `ok` acknowledgement of an update, when it was
     appended, the version it left the worker on and whether the update said `restart`."""
     updates: dict[str, list[tuple[float, int, bool]]] = {}
-    for record in _records(cluster, status_topic):
-        try:
-            message = decode_status(record.value or b"")
-        except SchemaError:
-            continue
-        if (
-            isinstance(message, CommandAck)
-            and message.kind == "update_weights"
-            and message.outcome == "ok"
-        ):
-            updates.setdefault(message.worker, []).append(
-                (record.timestamp_ms / 1000, message.weight_version, message.offset in restarting)
-            )
+    for appended, ack in ok_update_acks(cluster, status_topic):
+        updates.setdefault(ack.worker, []).append(
+            (appended, ack.weight_version, ack.offset in restarting)
+        )
     return {worker: sorted(acked) for worker, acked in updates.items()}
 
 
