@@ -1255,7 +1255,13 @@ def test_seeds_that_found_a_defect_break_no_invariant(scenario: Scenario) -> Non
 #: Seeds on which the real worker breaks an invariant the checker holds at the README's word:
 #: each a defect not fixed yet, in code outside the simulation (the key says what the trace
 #: shows). Strict: the fix makes its test pass, and the entry then moves to FOUND_DEFECTS.
-OPEN_DEFECTS: dict[str, Scenario] = {}
+OPEN_DEFECTS: dict[str, Scenario] = {
+    "j199 (a record that kills the engine) ran together with j173 at two deaths each and "
+    "killed w1#4; w1#5 took sim.jobs-22 over at 99.5 s with both named at three deaths "
+    "(to run alone, with the worker quiet) and started neither, nor anything of sim.jobs-18 "
+    "and -20, until the end at 183 s: 27 jobs unanswered (unanswered, stalled at three "
+    "workers; the same at 60d821f)": flag_set_scenario("hostile", 9500199, 3),
+}
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
 #: seed that breaks only these reports an expected failure with its replay command rather than
