@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -53,6 +53,7 @@ __all__ = [
     "ensure_topics",
     "leave_group",
     "leave_group_on_close",
+    "leave_trying_again",
     "make_consumer",
     "make_producer",
     "member_id",
@@ -264,20 +265,38 @@ async def leave_group(
     coordinator = getattr(consumer, "_coordinator", None)
     if coordinator is None:
         return
+    await leave_trying_again(
+        lambda: _leave_once(coordinator, member_id(consumer) or last_member_id),
+        group_id=coordinator.group_id,
+        within_s=within_s,
+        clock=clock,
+    )
+
+
+async def leave_trying_again(
+    leave_once: Callable[[], Awaitable[KafkaError | None]],
+    *,
+    group_id: str,
+    within_s: float,
+    clock: Clock,
+) -> None:
+    """Call `leave_once` (the error its LeaveGroup ended with, or None), again after a pause
+    while it fails retriably and `within_s` on `clock` has not run out; a leave that failed
+    is given up with a warning, like aiokafka's own. Each try is bounded by the time left."""
     deadline = clock.monotonic() + within_s
     while True:
         try:
             # A request waits behind a JoinGroup on its way on the same connection, which the
             # broker answers only when the round completes: bounded by the time left.
             async with asyncio.timeout(max(deadline - clock.monotonic(), _LEAVE_RETRY_S)):
-                error = await _leave_once(coordinator, member_id(consumer) or last_member_id)
+                error = await leave_once()
         except TimeoutError:
             error = RequestTimedOutError()
         if error is None or not error.retriable or clock.monotonic() + _LEAVE_RETRY_S > deadline:
             break
         await asyncio.sleep(_LEAVE_RETRY_S)
     if error is None:
-        logger.info("left the group %s", coordinator.group_id)
+        logger.info("left the group %s", group_id)
     else:
         logger.warning("could not leave the group (%r); it waits for the session timeout", error)
 
