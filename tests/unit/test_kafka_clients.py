@@ -70,7 +70,7 @@ class _Recorded:
     def producer(self, **options: Any) -> Any:
         raise AssertionError(f"no producer expected, got {options}")
 
-    def consumer(self, *topics: str, **options: Any) -> _NoControlTopic:
+    def consumer(self, *topics: str, **options: Any) -> Any:  # the control plane's calls only
         self.asked.append(("consumer", options))
         return _NoControlTopic()
 

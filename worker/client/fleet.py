@@ -123,7 +123,8 @@ class Fleet:
         self._key = None if control_hmac_key is None else control_hmac_key.encode()
         self._servers = str(connection.get("bootstrap_servers"))
         self._producer = kafka_clients.producer(**connection, acks="all")
-        self._consumer = kafka_clients.consumer(
+        # Beyond the worker's port: the client assigns, positions and lists topics itself.
+        self._consumer: AIOKafkaConsumer = kafka_clients.consumer(
             **connection, group_id=None, enable_auto_commit=False
         )
         self._partitions: list[TopicPartition] = []

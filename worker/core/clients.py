@@ -8,12 +8,15 @@ simulation the same way, with the network behind an interface.
 
 from __future__ import annotations
 
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from worker.core.paced_consumer import PacedConsumer
+from worker.core.consumer_port import GroupConsumer
+
+if TYPE_CHECKING:
+    from worker.core.paced_consumer import PacedConsumer
 
 __all__ = ["AIOKAFKA", "AIOKafkaClients", "KafkaClients"]
 
@@ -22,14 +25,16 @@ class KafkaClients(Protocol):
     """Builds Kafka clients from aiokafka's keyword arguments (connection, security, sizes).
 
     The objects returned answer the calls of aiokafka's `AIOKafkaProducer`,
-    `AIOKafkaConsumer` and `AIOKafkaAdminClient` that this project makes; they are typed `Any`
-    because aiokafka has no type hints to hold a double to.
+    `AIOKafkaConsumer` and `AIOKafkaAdminClient` that this project makes. A consumer is a
+    `GroupConsumer`, the worker's port, which mypy holds each factory's consumer to; the
+    control plane and the trainer's client also make calls beyond it (aiokafka's, untyped).
+    Producers and admin clients are typed `Any`: aiokafka has no type hints to hold a double to.
     """
 
     def producer(self, **options: Any) -> Any:
         """A producer, not started."""
 
-    def consumer(self, *topics: str, **options: Any) -> Any:
+    def consumer(self, *topics: str, **options: Any) -> GroupConsumer:
         """A consumer, not started; subscribed to `topics` when given."""
 
     def admin(self, **options: Any) -> Any:
@@ -43,6 +48,10 @@ class AIOKafkaClients:
         return AIOKafkaProducer(**options)
 
     def consumer(self, *topics: str, **options: Any) -> PacedConsumer:
+        # Imported here: `PacedConsumer` makes its group calls through `worker.core.kafka`,
+        # which builds its clients with this factory.
+        from worker.core.paced_consumer import PacedConsumer  # noqa: PLC0415
+
         return PacedConsumer(*topics, **options)
 
     def admin(self, **options: Any) -> AIOKafkaAdminClient:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from worker.core import kafka
+from worker.core.clock import Clock
 
 __all__ = ["EMPTY_FETCH_FLOOR_S", "PacedConsumer", "empty_fetch_floor_s", "pace_empty_fetches"]
 
@@ -70,7 +73,9 @@ def pace_empty_fetches(fetcher: Any, floor_s: float) -> bool:
 
 class PacedConsumer(AIOKafkaConsumer):  # type: ignore[misc]  # aiokafka has no type hints
     """`AIOKafkaConsumer` whose empty fetches take at least the wait it asks the broker for, up
-    to `EMPTY_FETCH_FLOOR_S` (why: this module's docstring)."""
+    to `EMPTY_FETCH_FLOOR_S` (why: this module's docstring); the worker's `GroupConsumer`,
+    whose calls beyond aiokafka's public ones reach its internals through `worker.core.kafka`.
+    """
 
     def __init__(self, *topics: str, **kwargs: Any) -> None:
         super().__init__(*topics, **kwargs)
@@ -81,3 +86,17 @@ class PacedConsumer(AIOKafkaConsumer):  # type: ignore[misc]  # aiokafka has no 
         await super().start()
         if not pace_empty_fetches(self._fetcher, self._empty_fetch_floor_s):
             log.debug("aiokafka's fetcher is not the one paced here; empty fetches are not held")
+
+    async def commit_hand_over(self, offsets: Mapping[TopicPartition, tuple[int, str]]) -> None:
+        await kafka.commit_handed_over(self, offsets)
+
+    def group_member_id(self) -> str | None:
+        return kafka.member_id(self)
+
+    def rejoining(self) -> bool:
+        return kafka.rejoining(self)
+
+    def leave_on_stop(
+        self, last_member_id: str | None, /, *, within_s: float, clock: Clock
+    ) -> None:
+        kafka.leave_group_on_close(self, last_member_id, within_s=within_s, clock=clock)

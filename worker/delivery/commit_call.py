@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import (
     CommitFailedError,
     IllegalStateError,
@@ -14,6 +14,7 @@ from aiokafka.errors import (
     OffsetMetadataTooLargeError,
 )
 
+from worker.core.consumer_port import GroupConsumer
 from worker.core.metrics import Metrics
 from worker.delivery.commit_lag import CommitLag
 from worker.delivery.commit_plan import CommitPlanner
@@ -32,7 +33,7 @@ class CommitMaker:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         metrics: Metrics,
         *,
         tracker: OffsetTracker,

@@ -7,9 +7,10 @@ import contextlib
 import logging
 from typing import Final
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
 from worker.core.clock import Clock
+from worker.core.consumer_port import GroupConsumer
 from worker.core.metrics import Metrics
 from worker.delivery.offsets import OffsetTracker
 
@@ -26,9 +27,7 @@ _COMMITS_STALLED_MIN_S: Final = 2.0
 class CommitLag:
     """The records of the `tracker`'s partitions behind their committed positions."""
 
-    def __init__(
-        self, consumer: AIOKafkaConsumer, tracker: OffsetTracker, metrics: Metrics
-    ) -> None:
+    def __init__(self, consumer: GroupConsumer, tracker: OffsetTracker, metrics: Metrics) -> None:
         self._consumer = consumer
         self._tracker = tracker
         self._metrics = metrics

@@ -16,12 +16,13 @@ import logging
 from collections.abc import Callable
 from typing import Final
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.clock import SYSTEM_CLOCK, Clock
 from worker.core.config import Settings
+from worker.core.consumer_port import GroupConsumer
 from worker.core.incarnation import incarnations_of_members, new_incarnation
 from worker.core.kafka import client_kwargs
 from worker.core.metrics import Metrics
@@ -91,7 +92,7 @@ class Committer:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         settings: Settings,
         metrics: Metrics,
         read_committed: CommittedReader | None = None,

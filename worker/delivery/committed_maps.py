@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 
+from worker.core.consumer_port import GroupConsumer
 from worker.delivery.hand_overs import CommittedReader
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 
@@ -24,7 +25,7 @@ class CommittedMaps:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         read_committed: CommittedReader | None,
         timeout_s: float,
     ) -> None:

@@ -13,10 +13,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
-from worker.core.kafka import commit_handed_over, rejoining
+from worker.core.consumer_port import GroupConsumer
 from worker.core.metrics import Metrics
 from worker.delivery.offset_map import OffsetMap, decode_offset_map
 from worker.delivery.offsets import Commit, describe_commits
@@ -40,7 +40,7 @@ class RefusedHandOvers:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         metrics: Metrics,
         *,
         timeout_s: float,
@@ -122,10 +122,10 @@ class RefusedHandOvers:
             if not offsets:
                 return
             async with asyncio.timeout(self._timeout_s):
-                await commit_handed_over(self._consumer, offsets)
+                await self._consumer.commit_hand_over(offsets)
         except (KafkaError, TimeoutError) as exc:
             self._metrics.commits.labels("failed").inc()
-            if isinstance(exc, _REFUSED) and not rejoining(self._consumer):
+            if isinstance(exc, _REFUSED) and not self._consumer.rejoining():
                 logger.warning(
                     "the hand-over of %s was refused again (%r); the records answered and not "
                     "committed will run again",

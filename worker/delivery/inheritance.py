@@ -13,9 +13,10 @@ import logging
 from collections.abc import Iterable
 from typing import Final
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 
 from worker.core.clock import Clock
+from worker.core.consumer_port import GroupConsumer
 from worker.delivery.alive import AliveWriters, LiveIncarnations
 from worker.delivery.committed_maps import CommittedMaps
 from worker.delivery.hand_overs import CommittedReader, RefusedHandOvers, awaits_hand_over
@@ -38,7 +39,7 @@ class Inheritance:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         tracker: OffsetTracker,
         hand_overs: RefusedHandOvers,
         *,

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, TypeAlias
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 
 from worker.core.clock import Clock
-from worker.core.kafka import leave_group_on_close, member_id
+from worker.core.consumer_port import GroupConsumer
 
 __all__ = ["Batch", "HoldReason", "PartitionGate"]
 
@@ -37,7 +37,7 @@ class PartitionGate:
 
     def __init__(
         self,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         reasons: Sequence[HoldReason],
         *,
         keepalive_s: float,
@@ -60,7 +60,7 @@ class PartitionGate:
 
     def joined(self) -> None:
         """The group assigned partitions: note the member id it gave, to leave under it."""
-        self._member_id = member_id(self._consumer) or self._member_id
+        self._member_id = self._consumer.group_member_id() or self._member_id
 
     async def stop(self, *, leave: bool = False, leave_within_s: float = 0.0) -> None:
         """Close the consumer: a dynamic member leaves the group; a static member only when
@@ -71,8 +71,8 @@ class PartitionGate:
             # holds the instance for this process (a static member leaves by its instance id).
             # Left as the consumer closes, after its last join, not before it.
             self._left = True
-            leave_group_on_close(
-                self._consumer, self._member_id, within_s=leave_within_s, clock=self._clock
+            self._consumer.leave_on_stop(
+                self._member_id, within_s=leave_within_s, clock=self._clock
             )
         await self._consumer.stop()
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
@@ -25,6 +25,7 @@ from worker.answering.topics import TopicLimitLookup, TopicLookup, broker_lookup
 from worker.core.clients import AIOKAFKA, KafkaClients
 from worker.core.clock import Clock
 from worker.core.config import Settings
+from worker.core.consumer_port import GroupConsumer
 from worker.core.errors import BrokerError, FatalError
 from worker.core.limits import RecordLimits
 from worker.core.metrics import Metrics
@@ -106,7 +107,7 @@ class Worker:
         self,
         settings: Settings,
         *,
-        consumer: AIOKafkaConsumer,
+        consumer: GroupConsumer,
         producer: AIOKafkaProducer,
         engine: Engine,
         limits: RecordLimits,

@@ -15,7 +15,7 @@ import copy
 import functools
 import random
 import zlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -34,10 +34,10 @@ from aiokafka.errors import (
     UnknownMemberIdError,
     UnknownTopicOrPartitionError,
 )
-from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import OffsetAndMetadata, RecordMetadata, TopicPartition
 
-from worker.core.kafka import LeaveGroupByInstanceId
+from worker.core.clock import Clock
+from worker.core.kafka import leave_trying_again
 from worker.dev.sim.cluster import (
     BATCH_OVERHEAD_BYTES,
     COORDINATOR_NODE,
@@ -94,108 +94,11 @@ class Process:
         return answer
 
 
-class _CoordinatorView:
-    """What `worker.core.kafka` reaches for on aiokafka's consumer: `_coordinator`."""
-
-    def __init__(self, consumer: SimConsumer) -> None:
-        self._consumer = consumer
-        self.group_id = consumer.group_id or ""
-
-    @property
-    def generation(self) -> int:
-        return self._consumer.generation
-
-    @property
-    def member_id(self) -> str:
-        return self._consumer.member_id
-
-    async def commit_offsets(self, assignment: Any, offsets: dict[TopicPartition, Any]) -> None:
-        await self._consumer.commit_offsets(offsets)
-
-    @property
-    def _group_instance_id(self) -> str | None:
-        return self._consumer.instance_id
-
-    @property
-    def coordinator_id(self) -> int | None:
-        return self._consumer.coordinator_id
-
-    @property
-    def _client(self) -> _CoordinatorClient:
-        return _CoordinatorClient(self)
-
-    async def _maybe_leave_group(self) -> None:
-        """aiokafka's: a dynamic member of a generation leaves (once, errors ignored); every
-        member forgets its generation. The worker puts its own in its place
-        (`worker.core.kafka.leave_group_on_close`)."""
-        consumer = self._consumer
-        if consumer.generation > 0 and consumer.instance_id is None:
-            with contextlib.suppress(KafkaError):
-                await self._send_req(LeaveGroupRequest(self.group_id, consumer.member_id))
-        self.reset_generation()
-
-    def reset_generation(self) -> None:
-        self._consumer.left_group()
-
-    async def _send_req(self, request: Any) -> Any:
-        """aiokafka's: refused at once while the coordinator is held for dead, and an error
-        reaching it marks it dead (`GroupCoordinator._send_req`)."""
-        if self._consumer.coordinator_id is None:
-            raise GroupCoordinatorNotAvailableError()
-        try:
-            return await self.send(request)
-        except GroupCoordinatorNotAvailableError:
-            self._consumer.coordinator_id = None
-            raise
-
-    async def send(self, request: Any) -> Any:
-        """The only request the worker sends itself: LeaveGroup, by the member id it names or
-        (v3) by its instance id. A group error comes back in the answer, as from a broker."""
-        consumer = self._consumer
-        cluster = consumer.cluster
-        await consumer._join_idle.wait()
-
-        def leave() -> None:
-            now = consumer.process.now()
-            if isinstance(request, LeaveGroupByInstanceId):
-                cluster.leave_instance(self.group_id, request.instance_id, now)
-            else:
-                cluster.leave(self.group_id, request._member_id, now)
-
-        try:
-            await consumer.process.request(leave)
-        except UnknownMemberIdError:
-            return _LeaveAnswer(UnknownMemberIdError.errno)
-        consumer.left_group()
-        return _LeaveAnswer(0)
-
-
-class _CoordinatorClient:
-    """What `worker.core.kafka` reaches for on aiokafka's group coordinator: `_client`, to
-    look the coordinator up (FindCoordinator) and send to it whatever aiokafka holds."""
-
-    def __init__(self, view: _CoordinatorView) -> None:
-        self._view = view
-
-    async def coordinator_lookup(self, coordination_type: Any, coordinator_key: str) -> int:
-        consumer = self._view._consumer
-        return await consumer.process.request(consumer.cluster.find_coordinator)
-
-    async def send(self, node_id: int, request: Any, *, group: Any = None) -> Any:
-        return await self._view.send(request)
-
-
-@dataclass(frozen=True)
-class _LeaveAnswer:
-    """A LeaveGroup response as the worker reads it."""
-
-    error_code: int
-
-
 class SimConsumer:
-    """aiokafka's AIOKafkaConsumer as the worker uses it: a classic group member (subscribe,
-    eager rebalances with the listener's callbacks, heartbeats in the background,
-    `max_poll_interval_ms` enforced client side) or, without a group, assigned partitions."""
+    """aiokafka's AIOKafkaConsumer as the worker uses it (`worker.core.consumer_port`): a
+    classic group member (subscribe, eager rebalances with the listener's callbacks,
+    heartbeats in the background, `max_poll_interval_ms` enforced client side) or, without a
+    group, assigned partitions."""
 
     def __init__(
         self,
@@ -244,7 +147,9 @@ class SimConsumer:
         self._in_join = False
         self._closing = False
         self._unsubscribe: Callable[[], None] | None = None
-        self._coordinator = _CoordinatorView(self) if group_id is not None else None
+        #: What the close does once its join is done: aiokafka's `_maybe_leave_group`, or the
+        #: leave the worker asked for (`leave_on_stop`).
+        self._leave_at_close: Callable[[], Awaitable[None]] = self._leave_as_aiokafka_does
         #: Clear while a JoinGroup is on its way or waits for the round: the member's next
         #: request to the coordinator goes on the same connection, and the broker reads it only
         #: once the JoinGroup is answered (Kafka's SocketServer mutes a channel until then).
@@ -273,9 +178,10 @@ class SimConsumer:
 
     async def stop(self) -> None:
         """aiokafka's close (`GroupCoordinator.close`): no join is begun once closing, and one
-        on its way is let finish, callbacks and all; then `_maybe_leave_group`, where a dynamic
-        member leaves the group and a static one does not (KIP-345: it is expected back under
-        its instance id)."""
+        on its way is let finish, callbacks and all; then `_leave_at_close`: aiokafka's
+        `_maybe_leave_group`, where a dynamic member leaves the group and a static one does not
+        (KIP-345: it is expected back under its instance id), unless the worker asked for its
+        own leave (`leave_on_stop`)."""
         if self._closing:
             return  # aiokafka's stop, called again, does nothing
         self._closing = True
@@ -289,8 +195,8 @@ class SimConsumer:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._coordinator is not None:
-            await self._coordinator._maybe_leave_group()
+        if self.group_id is not None:
+            await self._leave_at_close()
         self.left_group()
 
     def _appended(self, tp: TopicPartition) -> None:
@@ -299,6 +205,102 @@ class SimConsumer:
 
     def left_group(self) -> None:
         self.generation, self.member_id = -1, ""
+
+    def group_member_id(self) -> str | None:
+        """aiokafka's coordinator's member id, while it holds one of a generation."""
+        if self.group_id is None or self.generation < 0 or not self.member_id:
+            return None
+        return self.member_id
+
+    def rejoining(self) -> bool:
+        return self.group_id is not None and self.generation < 0
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    def leave_on_stop(
+        self, last_member_id: str | None, /, *, within_s: float, clock: Clock
+    ) -> None:
+        """As `worker.core.kafka.leave_group_on_close` on aiokafka's consumer: the close leaves
+        (`_leave_for_good`) where aiokafka's would call `_maybe_leave_group`."""
+        if self.group_id is None:
+            return
+        self._leave_at_close = functools.partial(
+            self._leave_for_good, last_member_id, within_s, clock
+        )
+
+    async def _leave_as_aiokafka_does(self) -> None:
+        """aiokafka's `_maybe_leave_group`: a dynamic member of a generation leaves (once,
+        errors ignored); every member forgets its generation."""
+        if self.generation > 0 and self.instance_id is None:
+            with contextlib.suppress(KafkaError):
+                await self._send_req(functools.partial(self._send_leave, self.member_id, None))
+        self.left_group()
+
+    async def _leave_for_good(
+        self, last_member_id: str | None, within_s: float, clock: Clock
+    ) -> None:
+        """`worker.core.kafka.leave_group`, then the generation forgotten."""
+        await leave_trying_again(
+            lambda: self._leave_once(self.group_member_id() or last_member_id),
+            group_id=self.group_id or "",
+            within_s=within_s,
+            clock=clock,
+        )
+        self.left_group()
+
+    async def _leave_once(self, leaving_as: str | None) -> KafkaError | None:
+        """`worker.core.kafka._leave_once`: by member id, else (a static member the group
+        knows under no such id) by instance id."""
+        error: KafkaError | None = UnknownMemberIdError()
+        if leaving_as:
+            error = await self._leave(leaving_as, None)
+        if self.instance_id is not None and isinstance(error, UnknownMemberIdError):
+            error = await self._leave(None, self.instance_id)
+        return error
+
+    async def _leave(self, member_id: str | None, instance_id: str | None) -> KafkaError | None:
+        """One LeaveGroup sent as `worker.core.kafka._send_to_coordinator` sends it: through
+        aiokafka's `_send_req` while aiokafka holds a coordinator, else to the coordinator it
+        looks up itself; the error it ended with, or None."""
+        send = functools.partial(self._send_leave, member_id, instance_id)
+        try:
+            if self.coordinator_id is not None:
+                await self._send_req(send)
+            else:
+                await self.process.request(self.cluster.find_coordinator)
+                await send()
+        except UnknownMemberIdError:
+            return UnknownMemberIdError()  # as read from the answer's error code
+        except KafkaError as exc:
+            return exc
+        return None
+
+    async def _send_req(self, send: Callable[[], Awaitable[None]]) -> None:
+        """aiokafka's `GroupCoordinator._send_req`: refused at once while the coordinator is
+        held for dead, and an error reaching it marks it dead."""
+        if self.coordinator_id is None:
+            raise GroupCoordinatorNotAvailableError()
+        try:
+            await send()
+        except GroupCoordinatorNotAvailableError:
+            self.coordinator_id = None
+            raise
+
+    async def _send_leave(self, member_id: str | None, instance_id: str | None) -> None:
+        """LeaveGroup by `member_id`, or (v3) by `instance_id`; UnknownMemberIdError when the
+        group knows no such member. It waits behind a JoinGroup on its way."""
+        group_id = self.group_id or ""
+        await self._join_idle.wait()
+
+        def leave() -> None:
+            now = self.process.now()
+            if instance_id is not None:
+                self.cluster.leave_instance(group_id, instance_id, now)
+            else:
+                self.cluster.leave(group_id, member_id or "", now)
+
+        await self.process.request(leave)
+        self.left_group()
 
     # -- group membership ---------------------------------------------------------------------
 
@@ -589,6 +591,14 @@ class SimConsumer:
         return out
 
     # -- commits ----------------------------------------------------------------------------
+
+    async def commit_hand_over(self, offsets: Mapping[TopicPartition, tuple[int, str]]) -> None:
+        """As `worker.core.kafka.commit_handed_over`: aiokafka's coordinator's commit, which
+        checks no assignment; the plain commit without a group."""
+        if self.group_id is None:
+            await self.commit(dict(offsets))
+            return
+        await self.commit_offsets(dict(offsets))
 
     async def commit(self, offsets: dict[TopicPartition, Any]) -> None:
         """aiokafka's AIOKafkaConsumer.commit: assigned partitions only."""
