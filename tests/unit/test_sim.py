@@ -1261,6 +1261,18 @@ OPEN_DEFECTS: dict[str, Scenario] = {
     "(to run alone, with the worker quiet) and started neither, nor anything of sim.jobs-18 "
     "and -20, until the end at 183 s: 27 jobs unanswered (unanswered, stalled at three "
     "workers; the same at 60d821f)": flag_set_scenario("hostile", 9500199, 3),
+    "w2 handed j29's answer to its producer at 2.4 s, appended only at 11.7 s; meanwhile "
+    "sim.jobs-5 moved to w1, which ran j29 again and answered it at 11.5 s: two answers with "
+    "no death, refused hand-over or outage between (duplicates on noida-db, static members, "
+    "three workers: `bench/sim.py --seed 9200183 --workers 3 --flavour noida --static`; the "
+    "same at 0a0abde)": Scenario(
+        seed=9200183,
+        workers=3,
+        partitions=24,
+        jobs_per_s=12.0,
+        flavour=Flavour.NOIDA,
+        static_members=True,
+    ),
 }
 
 #: Invariants an open defect above breaks at about the rate fresh seeds would find it: a fresh
