@@ -20,9 +20,8 @@ from aiokafka.errors import (
 from aiokafka.producer.message_accumulator import BatchBuilder
 
 from schemas import Job
-from worker.core import kafka
-from worker.core.clock import Clock
 from worker.core.errors import EngineDeadError, EngineError, InvalidJobError
+from worker.core.paced_consumer import GroupCallsThroughKafka
 from worker.engines.mock import MockEngine, MockEngineSettings
 from worker.engines.protocol import EngineOutput
 
@@ -251,8 +250,10 @@ class RecordingBatch:
         self.inner.close()
 
 
-class FakeConsumer:
-    """A consumer-group member in memory, for tests of the consume loop.
+class FakeConsumer(GroupCallsThroughKafka):
+    """A consumer-group member in memory, for tests of the consume loop. Its group calls
+    beyond aiokafka's public ones are `PacedConsumer`'s, so a test giving it a `_coordinator`
+    runs `worker.core.kafka`'s helpers.
 
     `assign(tps)` schedules a rebalance that the next `getmany` carries out, calling the
     listener; like aiokafka, every partition of the new assignment starts unpaused.
@@ -322,23 +323,6 @@ class FakeConsumer:
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._assigned)
-
-    # The group calls beyond aiokafka's public ones go through `worker.core.kafka`, as
-    # `PacedConsumer`'s do, so a test giving this consumer a `_coordinator` runs them.
-
-    def group_member_id(self) -> str | None:
-        return kafka.member_id(self)
-
-    def rejoining(self) -> bool:
-        return kafka.rejoining(self)
-
-    def leave_on_stop(
-        self, last_member_id: str | None, /, *, within_s: float, clock: Clock
-    ) -> None:
-        kafka.leave_group_on_close(self, last_member_id, within_s=within_s, clock=clock)
-
-    async def commit_hand_over(self, offsets: Mapping[TopicPartition, tuple[int, str]]) -> None:
-        await kafka.commit_handed_over(self, offsets)
 
     def pause(self, *tps: TopicPartition) -> None:
         self.pause_calls += 1

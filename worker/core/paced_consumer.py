@@ -21,7 +21,13 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from worker.core import kafka
 from worker.core.clock import Clock
 
-__all__ = ["EMPTY_FETCH_FLOOR_S", "PacedConsumer", "empty_fetch_floor_s", "pace_empty_fetches"]
+__all__ = [
+    "EMPTY_FETCH_FLOOR_S",
+    "GroupCallsThroughKafka",
+    "PacedConsumer",
+    "empty_fetch_floor_s",
+    "pace_empty_fetches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +77,10 @@ def pace_empty_fetches(fetcher: Any, floor_s: float) -> bool:
     return True
 
 
-class PacedConsumer(AIOKafkaConsumer):  # type: ignore[misc]  # aiokafka has no type hints
-    """`AIOKafkaConsumer` whose empty fetches take at least the wait it asks the broker for, up
-    to `EMPTY_FETCH_FLOOR_S` (why: this module's docstring); the worker's `GroupConsumer`,
-    whose calls beyond aiokafka's public ones reach its internals through `worker.core.kafka`.
-    """
-
-    def __init__(self, *topics: str, **kwargs: Any) -> None:
-        super().__init__(*topics, **kwargs)
-        # 500: aiokafka's default, as Kafka's.
-        self._empty_fetch_floor_s = empty_fetch_floor_s(kwargs.get("fetch_max_wait_ms", 500))
-
-    async def start(self) -> None:
-        await super().start()
-        if not pace_empty_fetches(self._fetcher, self._empty_fetch_floor_s):
-            log.debug("aiokafka's fetcher is not the one paced here; empty fetches are not held")
+class GroupCallsThroughKafka:
+    """The `GroupConsumer` calls beyond aiokafka's public ones, made on aiokafka's internals
+    through `worker.core.kafka` (the one module that touches them): for an aiokafka consumer,
+    or a double that gives itself the internals they reach (a `_coordinator`)."""
 
     async def commit_hand_over(self, offsets: Mapping[TopicPartition, tuple[int, str]]) -> None:
         await kafka.commit_handed_over(self, offsets)
@@ -100,3 +95,19 @@ class PacedConsumer(AIOKafkaConsumer):  # type: ignore[misc]  # aiokafka has no 
         self, last_member_id: str | None, /, *, within_s: float, clock: Clock
     ) -> None:
         kafka.leave_group_on_close(self, last_member_id, within_s=within_s, clock=clock)
+
+
+class PacedConsumer(GroupCallsThroughKafka, AIOKafkaConsumer):  # type: ignore[misc]
+    """`AIOKafkaConsumer` whose empty fetches take at least the wait it asks the broker for, up
+    to `EMPTY_FETCH_FLOOR_S` (why: this module's docstring); the worker's `GroupConsumer`.
+    (The ignore: aiokafka has no type hints.)"""
+
+    def __init__(self, *topics: str, **kwargs: Any) -> None:
+        super().__init__(*topics, **kwargs)
+        # 500: aiokafka's default, as Kafka's.
+        self._empty_fetch_floor_s = empty_fetch_floor_s(kwargs.get("fetch_max_wait_ms", 500))
+
+    async def start(self) -> None:
+        await super().start()
+        if not pace_empty_fetches(self._fetcher, self._empty_fetch_floor_s):
+            log.debug("aiokafka's fetcher is not the one paced here; empty fetches are not held")
